@@ -1,0 +1,37 @@
+from pathlib import Path
+
+import folder_paths
+
+from ..trainer.dataset import scan_folder
+from .common import CATEGORY
+
+
+class LeanLoRADataset:
+    """A folder of images + captions, checked now (cheaply) and decoded only when training caches it."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "folder": ("STRING", {"default": "my_dataset", "tooltip":
+                    "Folder with the training images: an absolute path, or a folder name inside ComfyUI's input folder."}),
+                "resolution": ("INT", {"default": 512, "min": 64, "max": 4096, "step": 64, "tooltip":
+                    "Images are resized (shorter side) and center-cropped to this square size. 512 for SD1.5, 1024 for SDXL."}),
+                "repeats": ("INT", {"default": 1, "min": 1, "max": 1000, "tooltip":
+                    "How many times each image appears per epoch (kohya's folder repeats)."}),
+                "trigger_word": ("STRING", {"default": "", "tooltip":
+                    "Optional word put in front of every caption, to call the LoRA up in prompts later."}),
+            }
+        }
+
+    RETURN_TYPES = ("DATASET",)
+    FUNCTION = "execute"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Captions come from <image>.txt files next to the images, or from a metadata.csv with columns "
+                   "file_name,text. Unusable files are skipped and listed in the training report.")
+
+    def execute(self, folder, resolution, repeats, trigger_word):
+        path = Path(folder.strip()).expanduser()
+        if not path.is_absolute():
+            path = Path(folder_paths.get_input_directory()) / path
+        return (scan_folder(path, resolution, repeats, trigger_word),)

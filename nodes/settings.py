@@ -1,0 +1,52 @@
+from ..trainer.settings import LORA_TARGETS, MIXED_PRECISION, LoraSettings, MemorySettings
+from .common import CATEGORY
+
+
+class LeanLoRAMemorySettings:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "mixed_precision": (list(MIXED_PRECISION), {"default": "bf16", "tooltip":
+                    "bf16: half the activation memory, no loss scaling needed (RTX 30xx and newer). fp16: for older "
+                    "GPUs, with dynamic loss scaling (overflowed steps are skipped and counted). no: full fp32."}),
+                "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip":
+                    "Recompute activations during backward instead of storing them: much less VRAM, ~30% slower."}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip":
+                    "Images per forward pass. More is faster per image but needs more VRAM."}),
+                "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256, "tooltip":
+                    "Add up gradients of this many batches before each optimizer step: effective batch = "
+                    "batch_size x gradient_accumulation at the VRAM cost of batch_size."}),
+            }
+        }
+
+    RETURN_TYPES = ("MEMORY",)
+    FUNCTION = "execute"
+    CATEGORY = CATEGORY
+
+    def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation):
+        return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation),)
+
+
+class LeanLoRALoraConfig:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "rank": ("INT", {"default": 16, "min": 1, "max": 256, "tooltip":
+                    "LoRA dimension (network_dim). Higher learns more detail and makes bigger files; 8-32 is typical."}),
+                "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5, "tooltip":
+                    "LoRA alpha (network_alpha): the update is scaled by alpha / rank. Equal to rank = scale 1."}),
+                "dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, "tooltip":
+                    "Dropout on the LoRA input during training; a little (0.05-0.1) can reduce overfitting."}),
+                "targets": (list(LORA_TARGETS), {"default": "attention", "tooltip":
+                    "Which UNet layers get LoRA: attention (q/k/v/out projections) or attention plus feed-forward."}),
+            }
+        }
+
+    RETURN_TYPES = ("LORA_CONFIG",)
+    FUNCTION = "execute"
+    CATEGORY = CATEGORY
+
+    def execute(self, rank, alpha, dropout, targets):
+        return (LoraSettings(rank, alpha, dropout, targets),)

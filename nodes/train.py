@@ -1,0 +1,103 @@
+import logging
+import time
+from pathlib import Path
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+
+from ..trainer.comfy_adapter import ComfyAdapter, apply_lora
+from ..trainer.jobs import JOBS, Job
+from ..trainer.plot import loss_chart
+from ..trainer.settings import TrainSettings
+from ..trainer.train_lora import train_lora
+from .common import CATEGORY, pil_to_image
+
+PREVIEW_EVERY_S = 2.0
+
+
+def _send(event: str, data: dict) -> None:
+    try:
+        from server import PromptServer
+        PromptServer.instance.send_sync(event, data, PromptServer.instance.client_id)
+    except Exception:  # no server (CLI/tests): progress events are optional
+        pass
+
+
+def wait_for(job: Job, total: int):
+    """Runs in ComfyUI's worker thread: forwards progress and loss previews, turns Cancel into job.cancel()."""
+    progress = comfy.utils.ProgressBar(total)
+    losses, last_preview = [], 0.0
+    try:
+        while True:
+            finished = job.done.wait(0.1)
+            for event in job.drain():
+                _send("leanlora.progress", event)
+                if event["kind"] == "step":
+                    losses.append(event["loss"])
+                    preview = None
+                    if time.monotonic() - last_preview > PREVIEW_EVERY_S or event["step"] == total:
+                        preview, last_preview = ("PNG", loss_chart(losses), 512), time.monotonic()
+                    progress.update_absolute(event["step"], total, preview)  # raises if Cancel was pressed
+            if finished:
+                break
+            if comfy.model_management.processing_interrupted():
+                job.cancel()
+    except BaseException:
+        job.cancel()  # the job saves what it learned before it ends
+        job.done.wait()
+        raise
+    if job.error is not None:
+        raise job.error
+    return job.result
+
+
+class LeanLoRATrain:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The checkpoint's MODEL (SD1.5 or SDXL). It is not modified."}),
+                "clip": ("CLIP", {"tooltip": "Encodes the captions once, before training."}),
+                "vae": ("VAE", {"tooltip": "Encodes the images into latents once, before training."}),
+                "dataset": ("DATASET", {"tooltip": "From LeanLoRA Dataset."}),
+                "memory": ("MEMORY", {"tooltip": "From LeanLoRA Memory Settings."}),
+                "lora_config": ("LORA_CONFIG", {"tooltip": "From LeanLoRA LoRA Config."}),
+                "steps": ("INT", {"default": 500, "min": 1, "max": 1000000, "tooltip":
+                    "Optimizer steps. Each step sees batch_size x gradient_accumulation images."}),
+                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 0.1, "step": 1e-5, "round": False,
+                    "tooltip": "AdamW learning rate for the LoRA weights; 1e-4 is a safe start."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFF, "tooltip":
+                    "Seeds LoRA init, shuffling, noise and timesteps: the same seed gives the same run."}),
+                "output_name": ("STRING", {"default": "my_lora", "tooltip":
+                    "File name in ComfyUI's loras folder. An existing file is never overwritten (_2, _3 ... is "
+                    "added); a cancelled run is saved as <name>_partial_step<N>."}),
+            }
+        }
+
+    RETURN_TYPES = ("MODEL", "CLIP", "LORA_MODEL", "STRING", "IMAGE", "STRING")
+    RETURN_NAMES = ("model", "clip", "lora", "lora_name", "loss_plot", "report")
+    OUTPUT_TOOLTIPS = ("The input MODEL with the trained LoRA applied (strength 1).",
+                       "The input CLIP, passed through (the LoRA trains the diffusion model only).",
+                       "The LoRA weights, usable by ComfyUI's Load LoRA Model node and LeanLoRA Apply LoRA.",
+                       "The saved file's name in the loras folder (pick it in Load LoRA in later runs).",
+                       "Loss per step (raw and smoothed).",
+                       "What was trained, how long it took, peak VRAM and where the file is.")
+    FUNCTION = "execute"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Trains a LoRA on the connected checkpoint and saves it into ComfyUI's loras folder."
+
+    def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, seed, output_name):
+        settings = TrainSettings(steps, learning_rate, seed, output_name)
+        adapter = ComfyAdapter(model, clip, vae)
+        loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
+        job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
+                                                job.emit, lambda: job.cancelled))
+        outcome = wait_for(job, steps)
+        logging.info("LeanLoRA:\n%s", outcome.report)
+        # Cancel pressed: the partial LoRA is saved; stop the rest of the graph like any interrupted node.
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        lora_name = outcome.lora_path.relative_to(loras_dir).as_posix()
+        model_out, clip_out = apply_lora(model, clip, outcome.lora_state_dict, 1.0, 1.0)
+        return (model_out, clip_out, outcome.lora_state_dict, lora_name, pil_to_image(loss_chart(outcome.losses)),
+                outcome.report)

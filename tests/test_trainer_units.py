@@ -1,0 +1,206 @@
+"""Library units on small torch modules (no ComfyUI server)."""
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.cache import batches, collate, CachedSample
+from trainer.checkpointing import checkpoint_blocks
+from trainer.errors import LeanLoRAError
+from trainer.files import sanitize_name, save_safetensors_atomic, unused_path
+from trainer.jobs import JobManager
+from trainer.lora import inject_lora, kohya_state_dict
+from trainer.loop import train_loop
+from trainer.precision import Precision
+from trainer.settings import LoraSettings, MemorySettings
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Dropout(0.0))
+
+    def forward(self, x):
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        return self.to_out(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+
+
+class TinyNet(torch.nn.Module):
+    """Named like ComfyUI's UNet (input_blocks.N.attn1.to_q ...) so LoRA targets and kohya keys are realistic."""
+    def __init__(self, dim=16, depth=3):
+        super().__init__()
+        self.input_blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"attn1": Attention(dim)}) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.input_blocks:
+            x = x + block["attn1"](x)
+        return x
+
+
+def test_sanitize_name_blocks_traversal_and_junk():
+    assert sanitize_name("../../etc/passwd") == "passwd"
+    assert sanitize_name("..\\..\\win.safetensors") == "win"
+    assert sanitize_name("my lora:v1*?") == "my lora_v1_"
+    assert sanitize_name("...") == "leanlora"
+    assert sanitize_name("") == "leanlora"
+    assert len(sanitize_name("x" * 500)) == 100
+
+
+def test_atomic_save_never_overwrites(tmp_path):
+    first = save_safetensors_atomic({"a": torch.ones(2)}, unused_path(tmp_path, "lora"), {"k": "v"})
+    second = save_safetensors_atomic({"a": torch.zeros(2)}, unused_path(tmp_path, "lora"), {})
+    assert (first.name, second.name) == ("lora.safetensors", "lora_2.safetensors")
+    assert load_file(first)["a"].sum() == 2
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+def test_lora_injection_trains_only_lora_and_exports_kohya_keys():
+    torch.manual_seed(0)
+    net = TinyNet()
+    frozen = {k: v.clone() for k, v in net.state_dict().items()}
+    params = inject_lora(net, LoraSettings(rank=4, alpha=2.0, targets="attention"), seed=1)
+    assert params and all(p.dtype == torch.float32 and p.requires_grad for p in params)
+    assert all(not p.requires_grad for n, p in net.named_parameters() if "lora_" not in n)
+    sd = kohya_state_dict(net, LoraSettings(rank=4, alpha=2.0))
+    assert "lora_unet_input_blocks_0_attn1_to_q.lora_down.weight" in sd
+    assert "lora_unet_input_blocks_2_attn1_to_out_0.lora_up.weight" in sd
+    assert sd["lora_unet_input_blocks_0_attn1_to_q.lora_down.weight"].shape == (4, 16)
+    assert sd["lora_unet_input_blocks_0_attn1_to_q.alpha"].item() == 2.0  # lora_alpha, not the rank
+    assert len(sd) == 3 * 4 * 3  # 3 blocks x 4 projections x (down, up, alpha)
+    base = {k.replace("base_layer.", ""): v for k, v in net.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base[k], v) for k, v in frozen.items())
+
+
+def test_same_seed_same_lora_init():
+    a, b = TinyNet(), TinyNet()
+    b.load_state_dict(a.state_dict())
+    inject_lora(a, LoraSettings(rank=4), seed=7)
+    inject_lora(b, LoraSettings(rank=4), seed=7)
+    sa, sb = kohya_state_dict(a, LoraSettings(rank=4)), kohya_state_dict(b, LoraSettings(rank=4))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_fp32():
+    torch.manual_seed(0)
+    plain = TinyNet()
+    checkpointed = TinyNet()
+    checkpointed.load_state_dict(plain.state_dict())
+    grads = []
+    for net, use_checkpointing in ((plain, False), (checkpointed, True)):
+        params = inject_lora(net, LoraSettings(rank=4), seed=3)
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.1)  # lora_B starts at zero: make every LoRA weight carry gradient
+        if use_checkpointing:
+            assert checkpoint_blocks(net.input_blocks) == 3
+        net(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in params])
+    for g_plain, g_ckpt in zip(*grads):
+        torch.testing.assert_close(g_ckpt, g_plain, rtol=0, atol=1e-6)
+
+
+def _regression_problem():
+    torch.manual_seed(0)
+    net = TinyNet()
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4.0), seed=0)
+    target = TinyNet()
+    x = torch.randn(64, 5, 16)
+    with torch.no_grad():
+        y = target(x)
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            idx = torch.randint(0, 64, (8,), generator=g)
+            yield x[idx], y[idx]
+    return net, params, data()
+
+
+@pytest.mark.parametrize("mode", ["no", "bf16", "fp16"])
+def test_loop_reduces_loss_in_every_precision(mode):
+    net, params, data = _regression_problem()
+    precision = Precision(mode, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
+                        optimizer, precision, steps=60, accumulation=2, should_stop=lambda: False)
+    assert result.steps_done == 60 and len(result.losses) == 60
+    assert sum(result.losses[-10:]) < 0.8 * sum(result.losses[:10])
+
+
+def test_fp16_loss_scaling_skips_and_counts_overflowed_steps():
+    net, params, data = _regression_problem()
+    precision = Precision("fp16", torch.device("cpu"), initial_scale=2.0 ** 40)  # overflows fp16 at first
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    before = [p.clone() for p in params]
+    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
+                        optimizer, precision, steps=40, accumulation=1, should_stop=lambda: False)
+    assert precision.skipped_steps >= 1
+    assert precision.scaler.get_scale() < 2.0 ** 40
+    assert result.steps_done == 40
+    assert any(not torch.equal(a, b) for a, b in zip(before, params))  # later steps did apply
+
+
+def test_loop_stops_when_asked():
+    net, params, data = _regression_problem()
+    calls = []
+    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data,
+                        torch.optim.AdamW(params), Precision("no", torch.device("cpu")), steps=100,
+                        accumulation=1, should_stop=lambda: len(calls) >= 5, on_step=calls.append)
+    assert result.cancelled and result.steps_done == 5
+
+
+def test_batches_cover_every_sample_each_epoch_and_pad_long_captions():
+    cache = [CachedSample(torch.full((1, 4, 2, 2), float(i)), {"c_crossattn": torch.zeros(1, 77 * (1 + i % 2), 8)})
+             for i in range(4)]
+    stream = batches(cache, batch_size=2, repeats=2, generator=torch.Generator().manual_seed(0))
+    seen = []
+    for _ in range(4):  # one epoch = 4 samples x 2 repeats = 8 items = 4 batches
+        latents, cond = next(stream)
+        assert latents.shape == (2, 4, 2, 2) and cond["c_crossattn"].shape[0] == 2
+        assert cond["c_crossattn"].shape[1] in (77, 154)
+        seen += latents[:, 0, 0, 0].tolist()
+    assert sorted(seen) == [0, 0, 1, 1, 2, 2, 3, 3]
+    latents, cond = collate([cache[0], cache[1]])
+    assert cond["c_crossattn"].shape == (2, 154, 8)
+
+
+def test_settings_reject_bad_values_with_field_names():
+    with pytest.raises(LeanLoRAError, match="batch_size"):
+        MemorySettings(batch_size=0)
+    with pytest.raises(LeanLoRAError, match="mixed_precision"):
+        MemorySettings(mixed_precision="fp8")
+    with pytest.raises(LeanLoRAError, match="rank"):
+        LoraSettings(rank=0)
+    assert MemorySettings(batch_size=2, gradient_accumulation=3).effective_batch == 6
+
+
+def test_job_manager_runs_one_job_and_hands_errors_back():
+    manager = JobManager()
+    release = threading.Event()
+    job = manager.start(lambda j: release.wait(5) and "done")
+    with pytest.raises(LeanLoRAError, match="still running"):
+        manager.start(lambda j: None)
+    release.set()
+    assert job.done.wait(5) and job.result == "done"
+    failing = manager.start(lambda j: 1 / 0)
+    assert failing.done.wait(5) and isinstance(failing.error, ZeroDivisionError)
+
+
+def test_job_cancel_is_seen_by_the_job():
+    manager = JobManager()
+
+    def work(job):
+        steps = 0
+        while not job.cancelled and steps < 1000:
+            job.emit(kind="step", step=steps)
+            steps += 1
+            time.sleep(0.01)
+        return steps
+    job = manager.start(work)
+    time.sleep(0.1)
+    job.cancel()
+    assert job.done.wait(2) and job.result < 1000
+    assert job.drain()

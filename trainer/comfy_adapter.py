@@ -1,0 +1,94 @@
+"""The one bridge between the trainer and ComfyUI objects (MODEL = ModelPatcher, CLIP, VAE).
+
+The user's MODEL is never modified: training runs on a private copy of the diffusion model with normal
+(non-inference) tensors, and the trained LoRA comes back as ordinary ComfyUI patches on fresh clones."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import comfy.lora
+import comfy.model_management
+import comfy.sd
+
+from .errors import LeanLoRAError
+
+
+def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
+    try:
+        return module.get_parameter(dotted)
+    except AttributeError:
+        return None
+
+
+class ComfyAdapter:
+    def __init__(self, model, clip, vae):
+        for name, value in (("model", model), ("clip", clip), ("vae", vae)):
+            if value is None:
+                raise LeanLoRAError(f"LeanLoRA Train: the {name} input is empty; connect Load Checkpoint's {name.upper()}")
+        self.patcher, self.clip, self.vae = model, clip, vae
+        self.base = model.model
+        if not hasattr(self.base, "diffusion_model") or not hasattr(self.base.diffusion_model, "input_blocks"):
+            raise LeanLoRAError(f"LeanLoRA Train supports SD1.5/SDXL UNet checkpoints; this MODEL is "
+                                f"{type(self.base).__name__}")
+        if getattr(self.base, "concat_keys", ()):
+            raise LeanLoRAError("inpainting/instruct checkpoints (extra input channels) are not supported yet")
+        self.device = comfy.model_management.get_torch_device()
+        self.model_sampling = self.base.model_sampling
+
+    def describe(self) -> str:
+        unet = self.base.diffusion_model
+        return (f"{type(self.base).__name__} ({self.base.model_type.name} prediction), "
+                f"{sum(p.numel() for p in unet.parameters()) / 1e6:.1f}M UNet parameters, dtype {unet.dtype}")
+
+    # --- encoders (used once, to fill the cache) ---
+    @torch.no_grad()
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.base.process_latent_in(self.vae.encode(pixels).float())
+
+    @torch.no_grad()
+    def encode_text(self, caption: str, width: int, height: int) -> dict[str, torch.Tensor]:
+        cond, pooled = self.clip.encode_from_tokens(self.clip.tokenize(caption), return_pooled=True)
+        conds = self.base.extra_conds(cross_attn=cond, pooled_output=pooled, width=width, height=height,
+                                      device=torch.device("cpu"))
+        return {name: c.cond for name, c in conds.items()}
+
+    def release_encoders(self) -> None:
+        comfy.model_management.unload_all_models()
+        comfy.model_management.soft_empty_cache()
+
+    # --- the diffusion model ---
+    def training_unet(self) -> torch.nn.Module:
+        """A private copy of the diffusion model: cloning turns ComfyUI's inference tensors (which cannot be
+        saved for backward) into normal ones. LoRAs already patched onto the MODEL input are baked in."""
+        comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
+        unet = copy.deepcopy(self.base.diffusion_model)
+        for key, patches in self.patcher.patches.items():
+            if key.startswith("diffusion_model."):
+                weight = _get_param(unet, key[len("diffusion_model."):])
+                if weight is not None:
+                    weight.data = comfy.lora.calculate_weight(patches, weight.data.float(), key).to(weight.dtype)
+        unet.requires_grad_(False)
+        return unet.to(self.device)
+
+    def checkpoint_blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
+        return [*unet.input_blocks, unet.middle_block, *unet.output_blocks]
+
+    def predict(self, unet: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
+                cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        dtype = self.base.manual_cast_dtype or unet.dtype  # what ComfyUI's own apply_model feeds the UNet
+        extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
+        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
+                    transformer_options={}, **extra)
+
+    def free(self, unet: torch.nn.Module) -> None:
+        unet.to("cpu")
+        comfy.model_management.soft_empty_cache()
+
+
+def apply_lora(model, clip, lora_state_dict: dict[str, torch.Tensor], strength_model: float, strength_clip: float):
+    """Fresh clones with the LoRA as normal patches (what KSampler expects); the inputs stay untouched."""
+    if not lora_state_dict:
+        raise LeanLoRAError("the LORA_MODEL input is empty")
+    return comfy.sd.load_lora_for_models(model, clip, lora_state_dict, strength_model, strength_clip)

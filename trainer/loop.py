@@ -1,0 +1,58 @@
+"""The training loop: one readable loop; memory techniques (precision, checkpointing, accumulation) are
+units plugged into it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .precision import Precision
+
+
+@dataclass
+class LoopResult:
+    losses: list[float] = field(default_factory=list)  # one per optimizer step (mean over micro-batches)
+    steps_done: int = 0
+    cancelled: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class StepInfo:
+    step: int
+    total: int
+    loss: float
+    lr: float
+    seconds: float
+
+
+def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], torch.Tensor],
+               batches: Iterator, optimizer: torch.optim.Optimizer, precision: Precision,
+               steps: int, accumulation: int, should_stop: Callable[[], bool],
+               on_step: Callable[[StepInfo], None] = lambda info: None,
+               max_grad_norm: float | None = 1.0) -> LoopResult:
+    result = LoopResult()
+    start = time.perf_counter()
+    for step in range(steps):
+        if should_stop():
+            result.cancelled = True
+            break
+        step_loss = 0.0
+        for _ in range(accumulation):
+            with precision.autocast():
+                loss = loss_fn(next(batches)) / accumulation
+            precision.backward(loss)
+            step_loss += loss.item()
+        if max_grad_norm:
+            if precision.scaler is not None:
+                precision.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        result.losses.append(step_loss)
+        result.steps_done = step + 1
+        on_step(StepInfo(step + 1, steps, step_loss, optimizer.param_groups[0]["lr"], time.perf_counter() - start))
+    result.seconds = time.perf_counter() - start
+    return result

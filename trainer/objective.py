@@ -1,0 +1,43 @@
+"""The denoising objective, written against ComfyUI's `model_sampling` interface so the checkpoint decides
+eps / v-prediction: noise comes from the model's own schedule and the target is whatever raw model output
+would make the model's own `calculate_denoised` return the clean latent."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LeanLoRAError
+
+# (model input, timestep, conditioning kwargs) -> raw model output
+Predict = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def sample_sigmas(model_sampling, batch: int, generator: torch.Generator) -> torch.Tensor:
+    sigmas = getattr(model_sampling, "sigmas", None)
+    if sigmas is None:
+        raise LeanLoRAError(f"this model's noise schedule ({type(model_sampling).__name__}) is not a discrete "
+                            "DDPM schedule; LeanLoRA trains SD1.5/SDXL-style models")
+    index = torch.randint(0, len(sigmas), (batch,), generator=generator)
+    return sigmas.cpu()[index]
+
+
+def output_target(model_sampling, sigma: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    """calculate_denoised(sigma, out, noisy) is affine in `out` (denoised = a - b * out), so the output that
+    denoises to `clean` is (a - clean) / b: eps for EPS models, v for V_PREDICTION models."""
+    a = model_sampling.calculate_denoised(sigma, torch.zeros_like(noisy), noisy)
+    b = a - model_sampling.calculate_denoised(sigma, torch.ones_like(noisy), noisy)
+    return (a - clean) / b
+
+
+def diffusion_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
+                   generator: torch.Generator) -> torch.Tensor:
+    # Noise and timesteps are drawn on the CPU generator so a seed gives the same run on any device.
+    noise = torch.randn(clean.shape, generator=generator).to(clean.device)
+    sigma = sample_sigmas(model_sampling, clean.shape[0], generator).to(clean.device)
+    noisy = model_sampling.noise_scaling(sigma, noise, clean)
+    with torch.no_grad():
+        target = output_target(model_sampling, sigma, noisy, clean).float()
+    output = predict(model_sampling.calculate_input(sigma, noisy), model_sampling.timestep(sigma).float(), cond)
+    return F.mse_loss(output.float(), target)

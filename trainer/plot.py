@@ -1,0 +1,59 @@
+"""Small charts drawn with Pillow (no matplotlib dependency): the loss curve and the VRAM bars."""
+from __future__ import annotations
+
+from PIL import Image, ImageDraw
+
+BACKGROUND, AXIS, RAW, SMOOTH = (24, 24, 28), (110, 110, 120), (90, 140, 200), (255, 170, 60)
+
+
+def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
+    out, avg = [], None
+    for i, v in enumerate(values):
+        avg = v if avg is None else beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta ** (i + 1)) if i < 50 else avg)  # bias-corrected early on
+    return out
+
+
+def line_chart(series: list[tuple[list[float], tuple[int, int, int]]], title: str,
+               width: int = 512, height: int = 320) -> Image.Image:
+    image = Image.new("RGB", (width, height), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = 48, 24, width - 12, height - 24
+    draw.rectangle((left, top, right, bottom), outline=AXIS)
+    values = [v for points, _ in series for v in points]
+    draw.text((left, 4), title, fill=(230, 230, 230))
+    if not values:
+        draw.text((left + 8, top + 8), "no data yet", fill=AXIS)
+        return image
+    lo, hi = min(values), max(values)
+    hi = hi if hi > lo else lo + 1e-9
+    draw.text((4, top), f"{hi:.3g}", fill=AXIS)
+    draw.text((4, bottom - 10), f"{lo:.3g}", fill=AXIS)
+    for points, colour in series:
+        n = max(len(points) - 1, 1)
+        xy = [(left + (right - left) * i / n, bottom - (bottom - top) * (v - lo) / (hi - lo)) for i, v in enumerate(points)]
+        if len(xy) == 1:
+            xy = xy * 2
+        draw.line(xy, fill=colour, width=2 if colour == SMOOTH else 1)
+    return image
+
+
+def loss_chart(losses: list[float], title: str = "loss") -> Image.Image:
+    label = f"{title}  step {len(losses)}" + (f"  last {losses[-1]:.4f}" if losses else "")
+    return line_chart([(losses, RAW), (_smooth(losses), SMOOTH)], label)
+
+
+def bar_chart(bars: list[tuple[str, float, float]], title: str, width: int = 512) -> Image.Image:
+    """bars: (label, used, total) drawn as filled fractions."""
+    height = 36 + 34 * max(len(bars), 1)
+    image = Image.new("RGB", (width, height), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    draw.text((8, 6), title, fill=(230, 230, 230))
+    for i, (label, used, total) in enumerate(bars):
+        y = 30 + 34 * i
+        draw.text((8, y), label, fill=(220, 220, 220))
+        draw.rectangle((8, y + 14, width - 8, y + 28), outline=AXIS)
+        if total > 0:
+            fill = int((width - 16) * min(used / total, 1.0))
+            draw.rectangle((8, y + 14, 8 + fill, y + 28), fill=RAW if used / total < 0.9 else (220, 80, 60))
+    return image

@@ -1,0 +1,72 @@
+"""The three settings objects that flow between nodes (MEMORY, LORA_CONFIG) and into the trainer.
+
+Validated on construction so bad values fail at the node that produced them, before any GPU work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import LeanLoRAError
+
+MIXED_PRECISION = ("bf16", "fp16", "no")
+LORA_TARGETS = {
+    # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
+    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+    "attention+feed-forward": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+}
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise LeanLoRAError(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    mixed_precision: str = "bf16"
+    gradient_checkpointing: bool = True
+    batch_size: int = 1
+    gradient_accumulation: int = 1
+
+    def __post_init__(self):
+        _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
+                 f"got {self.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}")
+        _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
+        _require(self.gradient_accumulation >= 1, "gradient_accumulation",
+                 f"got {self.gradient_accumulation}; use 1 or more")
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch_size * self.gradient_accumulation
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "attention"
+
+    def __post_init__(self):
+        _require(1 <= self.rank <= 1024, "rank", f"got {self.rank}; use 1..1024 (4-32 is typical)")
+        _require(self.alpha > 0, "alpha", f"got {self.alpha}; use a positive number (often equal to rank)")
+        _require(0.0 <= self.dropout < 1.0, "dropout", f"got {self.dropout}; use 0 <= dropout < 1")
+        _require(self.targets in LORA_TARGETS, "targets",
+                 f"got {self.targets!r}; choose one of {', '.join(LORA_TARGETS)}")
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return LORA_TARGETS[self.targets]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 500
+    learning_rate: float = 1e-4
+    seed: int = 0
+    output_name: str = "leanlora"
+
+    def __post_init__(self):
+        _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
+        _require(0 < self.learning_rate < 1, "learning_rate",
+                 f"got {self.learning_rate}; use a small positive value such as 1e-4")

@@ -1,0 +1,111 @@
+"""Where GPU memory is: NVML (the driver's view, every process) plus the torch allocator (this process), and
+the VRAM timeline of the latest training run. Without an NVIDIA GPU it says so and reports system RAM."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 2 ** 30
+
+
+def device_memory_gib(device: torch.device) -> dict[str, float] | None:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return {"allocated": torch.cuda.memory_allocated(device) / GIB,
+            "reserved": torch.cuda.memory_reserved(device) / GIB,
+            "peak_allocated": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved": torch.cuda.max_memory_reserved(device) / GIB}
+
+
+@dataclass
+class Timeline:
+    """Allocated/reserved GiB per training step of the latest run (empty on CPU)."""
+    steps: list[int] = field(default_factory=list)
+    allocated: list[float] = field(default_factory=list)
+    reserved: list[float] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.steps, self.allocated, self.reserved = [], [], []
+
+    def record(self, step: int, device: torch.device) -> None:
+        memory = device_memory_gib(device)
+        if memory is None:
+            return
+        with self._lock:
+            self.steps.append(step)
+            self.allocated.append(memory["allocated"])
+            self.reserved.append(memory["reserved"])
+
+    def copy(self) -> tuple[list[float], list[float]]:
+        with self._lock:
+            return list(self.allocated), list(self.reserved)
+
+
+TIMELINE = Timeline()
+
+
+def nvml_devices() -> tuple[list[dict], str | None]:
+    """[{index, name, used_gib, total_gib}] from NVML, or ([], why not)."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return [], f"no NVIDIA driver/GPU found ({error})"
+    try:
+        devices = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            devices.append({"index": index, "name": name.decode() if isinstance(name, bytes) else name,
+                            "used_gib": info.used / GIB, "total_gib": info.total / GIB})
+        return devices, None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def system_ram_gib() -> tuple[float, float]:
+    """(used, total) from /proc/meminfo where available, else psutil."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, value = line.split(":", 1)
+                fields[name] = int(value.split()[0]) * 1024
+        return (fields["MemTotal"] - fields["MemAvailable"]) / GIB, fields["MemTotal"] / GIB
+    except (OSError, KeyError, ValueError):
+        import psutil
+        memory = psutil.virtual_memory()
+        return (memory.total - memory.available) / GIB, memory.total / GIB
+
+
+def snapshot() -> dict:
+    devices, why = nvml_devices()
+    torch_devices = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            torch_devices.append({"index": index, **device_memory_gib(torch.device("cuda", index))})
+    used, total = system_ram_gib()
+    return {"nvml": devices, "nvml_error": why, "torch": torch_devices, "ram_used_gib": used, "ram_total_gib": total}
+
+
+def format_snapshot(snap: dict) -> str:
+    lines = []
+    if snap["nvml"]:
+        for d in snap["nvml"]:
+            lines.append(f"GPU {d['index']} {d['name']}: {d['used_gib']:.2f} / {d['total_gib']:.2f} GiB used (all processes)")
+    else:
+        lines.append(f"No NVIDIA GPU: {snap['nvml_error']}")
+    for d in snap["torch"]:
+        lines.append(f"torch cuda:{d['index']}: allocated {d['allocated']:.2f} GiB, reserved {d['reserved']:.2f} GiB, "
+                     f"peak allocated {d['peak_allocated']:.2f} GiB, peak reserved {d['peak_reserved']:.2f} GiB")
+    lines.append(f"system RAM: {snap['ram_used_gib']:.2f} / {snap['ram_total_gib']:.2f} GiB used")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ from ..trainer.train_lora import train_lora
 from .common import CATEGORY, pil_to_image
 
 PREVIEW_EVERY_S = 2.0
+LOG_EVERY_STEPS = 10
 
 
 def _send(event: str, data: dict) -> None:
@@ -33,8 +34,12 @@ def wait_for(job: Job, total: int):
             finished = job.done.wait(0.1)
             for event in job.drain():
                 _send("leanlora.progress", event)
+                if event["kind"] == "phase":
+                    logging.info("LeanLoRA: %s", event["text"])
                 if event["kind"] == "step":
                     losses.append(event["loss"])
+                    if event["step"] == 1 or event["step"] % LOG_EVERY_STEPS == 0:
+                        logging.info("LeanLoRA step %d/%d loss %.4f", event["step"], total, event["loss"])
                     preview = None
                     if time.monotonic() - last_preview > PREVIEW_EVERY_S or event["step"] == total:
                         preview, last_preview = ("PNG", loss_chart(losses), 512), time.monotonic()
@@ -95,8 +100,10 @@ class LeanLoRATrain:
                                                 job.emit, lambda: job.cancelled))
         outcome = wait_for(job, steps)
         logging.info("LeanLoRA:\n%s", outcome.report)
-        # Cancel pressed: the partial LoRA is saved; stop the rest of the graph like any interrupted node.
-        comfy.model_management.throw_exception_if_processing_interrupted()
+        if outcome.partial:
+            # Cancel pressed (the flag may already be cleared by ComfyUI's ops in the training thread): the
+            # partial LoRA is saved; stop the rest of the graph like any interrupted node.
+            raise comfy.model_management.InterruptProcessingException()
         lora_name = outcome.lora_path.relative_to(loras_dir).as_posix()
         model_out, clip_out = apply_lora(model, clip, outcome.lora_state_dict, 1.0, 1.0)
         return (model_out, clip_out, outcome.lora_state_dict, lora_name, pil_to_image(loss_chart(outcome.losses)),

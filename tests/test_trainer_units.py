@@ -204,3 +204,18 @@ def test_job_cancel_is_seen_by_the_job():
     job.cancel()
     assert job.done.wait(2) and job.result < 1000
     assert job.drain()
+
+
+def test_cancel_raised_inside_a_step_ends_the_run_like_a_cancel():
+    from trainer.errors import TrainingCancelled
+    net, params, data = _regression_problem()
+    calls = []
+
+    def loss_fn(batch):
+        if len(calls) == 3:
+            raise TrainingCancelled()
+        return torch.nn.functional.mse_loss(net(batch[0]), batch[1])
+    result = train_loop(params, loss_fn, data, torch.optim.AdamW(params), Precision("no", torch.device("cpu")),
+                        steps=100, accumulation=1, should_stop=lambda: False, on_step=calls.append)
+    assert result.cancelled and result.steps_done == 3
+    assert all(p.grad is None for p in params)

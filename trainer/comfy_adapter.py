@@ -12,7 +12,7 @@ import comfy.lora
 import comfy.model_management
 import comfy.sd
 
-from .errors import LeanLoRAError
+from .errors import LeanLoRAError, TrainingCancelled
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -79,8 +79,12 @@ class ComfyAdapter:
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = self.base.manual_cast_dtype or unet.dtype  # what ComfyUI's own apply_model feeds the UNet
         extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
-        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
-                    transformer_options={}, **extra)
+        try:
+            return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
+                        transformer_options={}, **extra)
+        except comfy.model_management.InterruptProcessingException as cancel:
+            # ComfyUI's ops check (and clear) the Cancel flag on every layer, in whatever thread runs them.
+            raise TrainingCancelled() from cancel
 
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._ -]+")
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def sanitize_name(name: str, default: str = "leanlora") -> str:
@@ -37,6 +39,7 @@ def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metada
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; a LoRA should be readable like any saved file
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

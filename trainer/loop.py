@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .errors import TrainingCancelled
 from .precision import Precision
 
 
@@ -40,11 +41,16 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
             result.cancelled = True
             break
         step_loss = 0.0
-        for _ in range(accumulation):
-            with precision.autocast():
-                loss = loss_fn(next(batches)) / accumulation
-            precision.backward(loss)
-            step_loss += loss.item()
+        try:
+            for _ in range(accumulation):
+                with precision.autocast():
+                    loss = loss_fn(next(batches)) / accumulation
+                precision.backward(loss)
+                step_loss += loss.item()
+        except TrainingCancelled:
+            optimizer.zero_grad(set_to_none=True)  # a half-accumulated step is dropped, earlier ones are kept
+            result.cancelled = True
+            break
         if max_grad_norm:
             if precision.scaler is not None:
                 precision.scaler.unscale_(optimizer)

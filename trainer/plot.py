@@ -7,10 +7,10 @@ BACKGROUND, AXIS, RAW, SMOOTH = (24, 24, 28), (110, 110, 120), (90, 140, 200), (
 
 
 def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
-    out, avg = [], None
+    out, avg = [], 0.0
     for i, v in enumerate(values):
-        avg = v if avg is None else beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta ** (i + 1)) if i < 50 else avg)  # bias-corrected early on
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta ** (i + 1)))  # bias-corrected, as Adam does for its moments
     return out
 
 

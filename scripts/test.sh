@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Builds the environment (idempotent) and runs the test suite; extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python -m pytest -q tests "$@"

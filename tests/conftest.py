@@ -1,0 +1,55 @@
+"""Shared fixtures. Tests import the library as `import trainer` and the harness as `import comfy_headless`.
+
+Tests marked `comfy` share one real ComfyUI server per session (start ~10 s), whose base directory holds the tiny
+SD1.5 checkpoint and dataset built by scripts/tiny_assets.py.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO / "scripts", REPO):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from comfy_headless import comfyui_path  # noqa: E402
+
+# The real ComfyUI goes first on sys.path: ComfyUI's top-level `nodes` module must win over this pack's
+# `nodes/` package, and pytest imports the pack's root __init__.py (the repo root is a package), which needs
+# `comfy`. Tests run on the CPU, as in CI.
+sys.path.insert(0, str(comfyui_path()))
+import comfy.cli_args  # noqa: E402
+
+comfy.cli_args.args.cpu = True
+
+import tiny_assets as tiny_assets_lib  # noqa: E402  (importable thanks to the sys.path entries above)
+from comfy_headless import ComfyServer  # noqa: E402
+
+TINY_CHECKPOINT = "leanlora_tiny_sd15.safetensors"
+TINY_DATASET = "tiny_dataset"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "comfy: needs the real ComfyUI server (session fixture comfy_server)")
+
+
+@pytest.fixture(scope="session")
+def comfy_base(tmp_path_factory) -> Path:
+    """The session's ComfyUI base directory (ComfyServer adds models/, input/, output/, custom_nodes/LeanLoRA)."""
+    return tmp_path_factory.mktemp("comfy_base")
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(comfy_base) -> dict:
+    """Paths of the tiny checkpoint (models/checkpoints/TINY_CHECKPOINT) and dataset (input/TINY_DATASET)."""
+    return {
+        "checkpoint": tiny_assets_lib.build_tiny_sd15_checkpoint(comfy_base / "models/checkpoints" / TINY_CHECKPOINT),
+        "dataset": tiny_assets_lib.build_tiny_dataset(comfy_base / "input" / TINY_DATASET),
+    }
+
+
+@pytest.fixture(scope="session")
+def comfy_server(comfy_base, tiny_assets):
+    with ComfyServer(comfy_base) as server:
+        yield server

@@ -1,4 +1,4 @@
-from ..trainer.settings import LORA_TARGETS, MIXED_PRECISION, LoraSettings, MemorySettings
+from ..trainer.settings import BASE_WEIGHTS, LORA_TARGETS, MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
 from .common import CATEGORY
 
 
@@ -17,15 +17,28 @@ class LeanLoRAMemorySettings:
                 "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256, "tooltip":
                     "Add up gradients of this many batches before each optimizer step: effective batch = "
                     "batch_size x gradient_accumulation at the VRAM cost of batch_size."}),
+                "optimizer": (list(OPTIMIZERS), {"default": "AdamW", "tooltip":
+                    "AdamW: the reference. AdamW8bit / Lion8bit (bitsandbytes): optimizer state in 8 bits, ~4x "
+                    "smaller. PagedAdamW8bit: state can spill to CPU RAM. Lion: one moment instead of two (use a "
+                    "3-10x lower learning rate). Adafactor: factored state, smallest. Without bitsandbytes the "
+                    "8-bit choices fall back to AdamW/Lion and the report says so."}),
+                "base_weights": (list(BASE_WEIGHTS), {"default": "as loaded", "tooltip":
+                    "fp8: store the frozen checkpoint weights of the training copy in fp8 (half of fp16), upcast "
+                    "layer by layer while computing. Pays off with gradient checkpointing on."}),
             }
         }
 
     RETURN_TYPES = ("MEMORY",)
     FUNCTION = "execute"
     CATEGORY = CATEGORY
+    DESCRIPTION = ("If a step runs out of memory anyway, training frees memory, takes the next memory saver "
+                   "(batch -> accumulation, mixed precision, checkpointing, 8-bit optimizer, fp8 weights) and "
+                   "repeats that step; the report lists each recovery.")
 
-    def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation):
-        return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation),)
+    def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
+                base_weights):
+        return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
+                               optimizer, base_weights),)
 
 
 class LeanLoRALoraConfig:

@@ -219,3 +219,34 @@ def test_cancel_raised_inside_a_step_ends_the_run_like_a_cancel():
                         steps=100, accumulation=1, should_stop=lambda: False, on_step=calls.append)
     assert result.cancelled and result.steps_done == 3
     assert all(p.grad is None for p in params)
+
+
+def test_memory_ladder_order_keeps_effective_batch():
+    from trainer.memory_plan import next_rung
+    memory = MemorySettings("no", False, batch_size=4, gradient_accumulation=2, optimizer="AdamW")
+    steps = []
+    while (rung := next_rung(memory, torch.device("cpu"))) is not None:
+        memory, description = rung
+        steps.append(description.split(" ")[0:2])
+        assert memory.effective_batch == 8
+    assert [s[0] for s in steps] == ["batch", "mixed", "gradient", "optimizer", "frozen"]
+    assert (memory.batch_size, memory.mixed_precision, memory.gradient_checkpointing, memory.optimizer,
+            memory.base_weights) == (1, "bf16", True, "AdamW8bit", "fp8")
+
+
+def test_estimate_static_terms_are_exact_counts():
+    from trainer.estimate import fit_line, static_terms
+    from trainer.optimizers import build_optimizer
+    net = TinyNet()
+    params = inject_lora(net, LoraSettings(rank=4), seed=0)
+    estimate = static_terms(net, params, "AdamW")
+    frozen = [p for p in net.parameters() if not p.requires_grad]
+    assert estimate.frozen_weights == sum(p.numel() * 4 for p in frozen)
+    assert estimate.lora_parameters == estimate.gradients == sum(p.numel() * 4 for p in params)
+    optimizer, _ = build_optimizer("AdamW", params, 1e-3, device=torch.device("cpu"))
+    net(torch.randn(2, 5, 16)).pow(2).mean().backward()
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+    assert estimate.optimizer_state == state
+    assert estimate.total is None and "n/a (CPU)" in estimate.format()  # activations are probed on CUDA only
+    assert fit_line([(1, 3), (3, 7)]) == (1.0, 2.0)

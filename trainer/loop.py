@@ -33,10 +33,11 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                batches: Iterator, optimizer: torch.optim.Optimizer, precision: Precision,
                steps: int, accumulation: int, should_stop: Callable[[], bool],
                on_step: Callable[[StepInfo], None] = lambda info: None,
-               max_grad_norm: float | None = 1.0) -> LoopResult:
-    result = LoopResult()
+               max_grad_norm: float | None = 1.0, first_step: int = 0) -> LoopResult:
+    """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery)."""
+    result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
-    for step in range(steps):
+    for step in range(first_step, steps):
         if should_stop():
             result.cancelled = True
             break

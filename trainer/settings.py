@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import LeanLoRAError
+from .optimizers import OPTIMIZERS
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
+BASE_WEIGHTS = ("as loaded", "fp8")
 LORA_TARGETS = {
     # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),
@@ -27,10 +29,16 @@ class MemorySettings:
     gradient_checkpointing: bool = True
     batch_size: int = 1
     gradient_accumulation: int = 1
+    optimizer: str = "AdamW"
+    base_weights: str = "as loaded"
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
                  f"got {self.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}")
+        _require(self.optimizer in OPTIMIZERS, "optimizer",
+                 f"got {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        _require(self.base_weights in BASE_WEIGHTS, "base_weights",
+                 f"got {self.base_weights!r}; choose one of {', '.join(BASE_WEIGHTS)}")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -38,6 +46,12 @@ class MemorySettings:
     @property
     def effective_batch(self) -> int:
         return self.batch_size * self.gradient_accumulation
+
+    def describe(self) -> str:
+        return (f"precision {self.mixed_precision}, gradient checkpointing "
+                f"{'on' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
+                f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
+                f"base weights {self.base_weights}")
 
 
 @dataclass(frozen=True)

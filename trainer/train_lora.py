@@ -1,25 +1,31 @@
 """One LoRA training run, top to bottom: cache -> training copy + LoRA -> steps -> LoRA file.
 
 `adapter` is the thin bridge to the model (ComfyUI's in production, see comfy_adapter.py): encoders, a
-training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`."""
+training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`.
+An out-of-memory inside a step frees memory, moves one rung down the memory ladder and repeats that step."""
 from __future__ import annotations
 
+import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from . import __version__
-from .cache import batches, build_cache
+from .cache import CachedSample, batches, build_cache, collate
 from .checkpointing import checkpoint_blocks
 from .dataset import Dataset
 from .errors import LeanLoRAError
+from .estimate import MemoryEstimate, estimate_error, probe_activations, static_terms
 from .files import sanitize_name, save_safetensors_atomic, unused_path
+from .frozen_weights import store_weights_fp8
 from .lora import inject_lora, kohya_state_dict, lora_metadata
 from .loop import StepInfo, train_loop
+from .memory_plan import next_rung, resolve_for_device
 from .objective import diffusion_loss
+from .optimizers import build_optimizer
 from .precision import Precision
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import TIMELINE, device_memory_gib
@@ -32,19 +38,82 @@ class TrainOutcome:
     losses: list[float]
     partial: bool
     report: str
+    recoveries: list[str] = field(default_factory=list)
 
 
-def _is_oom(error: BaseException) -> bool:
+def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+class _Session:
+    """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
+
+    def __init__(self, adapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings):
+        self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
+            adapter, unet, params, cache, repeats, train
+        self.generator = torch.Generator().manual_seed(train.seed)
+        self.memory: MemorySettings | None = None
+        self.notes: list[str] = []
+        self.checkpointed = False
+
+    def configure(self, memory: MemorySettings) -> None:
+        old, device = self.memory, self.adapter.device
+        if memory.gradient_checkpointing and not self.checkpointed:
+            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet))
+            self.checkpointed = True
+        if memory.base_weights == "fp8" and (old is None or old.base_weights != "fp8"):
+            saved = store_weights_fp8(self.unet)
+            self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
+        if old is None or old.optimizer != memory.optimizer:
+            self.optimizer = None  # drop the old state before the new one is allocated
+            self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
+                                                   device=device)
+            if note:
+                self.notes.append(note)
+        if old is None or old.mixed_precision != memory.mixed_precision:
+            self.precision = Precision(memory.mixed_precision, device)
+        if old is None or old.batch_size != memory.batch_size:
+            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
+        self.memory = memory
+
+    def estimate(self) -> MemoryEstimate:
+        """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
+        estimate = static_terms(self.unet, self.params, self.memory.optimizer)
+        rng = self.generator.get_state()
+
+        def probe_step(batch):
+            with self.precision.autocast():
+                loss = self.loss(batch)
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            return probe_activations(estimate, probe_step, collate([self.cache[0]]), self.memory.batch_size,
+                                     self.adapter.device)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
+            return estimate
+        finally:
+            self.generator.set_state(rng)
+
+    def loss(self, batch) -> torch.Tensor:
+        device = self.adapter.device
+        clean, cond = batch
+        clean = clean.to(device)
+        cond = {k: v.to(device) for k, v in cond.items()}
+        predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
+        return diffusion_loss(self.adapter.model_sampling, predict, clean, cond, self.generator)
 
 
 def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool]) -> TrainOutcome:
     device = adapter.device
+    memory, device_notes = resolve_for_device(memory, device)
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
               f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
-              f"precision {memory.mixed_precision}, gradient checkpointing {'on' if memory.gradient_checkpointing else 'off'}, "
-              f"batch {memory.batch_size} x accumulation {memory.gradient_accumulation} = effective batch {memory.effective_batch}"]
+              memory.describe(), *device_notes]
 
     emit(kind="phase", text="caching latents and text embeddings")
     cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
@@ -56,22 +125,9 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
     params = inject_lora(unet, lora, train.seed)
-    if memory.gradient_checkpointing:
-        checkpoint_blocks(adapter.checkpoint_blocks(unet))
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
-
-    precision = Precision(memory.mixed_precision, device)
-    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=1e-2)
-    generator = torch.Generator().manual_seed(train.seed)
-    data = batches(cache, memory.batch_size, dataset.repeats, generator)
-    model_sampling = adapter.model_sampling
-
-    def loss_fn(batch):
-        clean, cond = batch
-        clean = clean.to(device)
-        cond = {k: v.to(device) for k, v in cond.items()}
-        return diffusion_loss(model_sampling, lambda x, t, c: adapter.predict(unet, x, t, c), clean, cond, generator)
+    session = _Session(adapter, unet, params, cache, dataset.repeats, train)
 
     losses: list[float] = []
 
@@ -81,20 +137,36 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds)
 
     TIMELINE.reset()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    recoveries: list[str] = []
     failure: BaseException | None = None
     cancelled = False
     started = time.perf_counter()
+    estimate = None
     try:
-        result = train_loop(params, loss_fn, data, optimizer, precision, train.steps,
-                            memory.gradient_accumulation, should_stop, on_step)
-        cancelled = result.cancelled
+        session.configure(memory)
+        estimate = session.estimate()
+        report.append(estimate.format())
+        emit(kind="estimate", text=estimate.format())
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # the run's peak, not the probes'
+        while True:
+            try:
+                result = train_loop(params, session.loss, session.data, session.optimizer, session.precision,
+                                    train.steps, session.memory.gradient_accumulation, should_stop, on_step,
+                                    first_step=len(losses))
+                cancelled = result.cancelled
+                break
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                rung = _recover(session, error, device)
+                recoveries.append(f"step {len(losses) + 1}: out of memory -> {rung}")
+                emit(kind="phase", text=f"recovered from out of memory: {rung}")
     except Exception as error:  # keep what was learned before the failure, then report it
         failure = error
-        optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - started
     steps_done = len(losses)
+    report += session.notes
 
     partial = cancelled or failure is not None
     if steps_done == 0:
@@ -117,8 +189,11 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     if failure is not None:
         raise _explain(failure, path) from failure
     report.append(f"trained {steps_done}/{train.steps} steps in {seconds:.1f} s ({seconds / steps_done:.3f} s/step)")
-    if precision.skipped_steps:
-        report.append(f"fp16 loss scaling skipped {precision.skipped_steps} overflowed steps")
+    if recoveries:
+        report.append(f"out-of-memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
+        report += [f"  {line}" for line in recoveries]
+    if session.precision.skipped_steps:
+        report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")
     if losses:
         head, tail = losses[:10], losses[-10:]
         report.append(f"loss: first {len(head)} steps mean {sum(head) / len(head):.4f}, "
@@ -126,15 +201,32 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     peak = device_memory_gib(device)
     if peak:
         report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved")
+        if estimate is not None and not recoveries:
+            report.append(estimate_error(estimate, torch.cuda.max_memory_allocated(device)))
     report.append(("CANCELLED: partial LoRA (what was learned so far) saved to " if cancelled else "saved ") + str(path))
-    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report))
+    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries)
+
+
+def _recover(session: _Session, error: BaseException, device: torch.device) -> str:
+    """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom)."""
+    session.optimizer.zero_grad(set_to_none=True)
+    error.__traceback__ = None  # the traceback pins the failed step's tensors
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rung = next_rung(session.memory, device)
+    if rung is None:
+        raise error
+    memory, description = rung
+    session.configure(memory)
+    return description
 
 
 def _explain(error: BaseException, saved: Path | None) -> LeanLoRAError:
     kept = f"; what was learned so far is saved as {saved}" if saved else ""
-    if _is_oom(error):
-        return LeanLoRAError(f"out of GPU memory during training{kept}. Lower batch size, resolution or rank, "
-                             "or turn on gradient checkpointing and bf16/fp16 in LeanLoRA Memory Settings")
+    if is_out_of_memory(error):
+        return LeanLoRAError(f"out of GPU memory during training, even after every memory-saving fallback{kept}. "
+                             "Lower the resolution or the LoRA rank, or free VRAM used by other programs")
     if isinstance(error, LeanLoRAError):
         return LeanLoRAError(f"{error}{kept}")
     return LeanLoRAError(f"training failed: {error.__class__.__name__}: {error}{kept}")

@@ -1,0 +1,530 @@
+"""LeanLoRA benchmark: our presets and two peers, same GPU, same process, same random models.
+
+    python -m bench.run [--tiny] [--models sd15,sdxl] [--steps N] [--warmup N] [--out DIR] [--configs ...]
+
+Models are ComfyUI's own UNet classes with random weights, built directly on the device the way ComfyUI loads a
+checkpoint (model_detection config -> supported_models -> BaseModel). Latents and text are random tensors cached
+once. Each row builds its model, resets the CUDA peak counters, runs warm-up + timed optimizer steps and frees
+everything. Writes results.json after every row (a timeout still leaves results), then a PNG chart and a table.
+--tiny: a one-level SD1.5-shaped UNet at 64 px (latent 8x8) that runs on the CPU in seconds (CI smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2 ** 30
+PEAK_TFLOPS_DEFAULT = 790.0  # H200 bf16 dense peak; override with --peak-tflops for another GPU
+
+
+def _put_comfyui_first() -> Path:
+    """ComfyUI ($COMFYUI_PATH, else .cache/comfyui) goes first on sys.path: its top-level `nodes` module must win
+    over this pack's nodes/ package. Without CUDA, ComfyUI needs --cpu before comfy.model_management loads."""
+    path = Path(os.environ.get("COMFYUI_PATH") or REPO / ".cache" / "comfyui").resolve()
+    if not (path / "comfy").is_dir():
+        raise SystemExit(f"bench: no ComfyUI at {path}; set COMFYUI_PATH or run scripts/setup_env.sh")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
+    import comfy.cli_args
+    if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
+        comfy.cli_args.args.cpu = True
+    return path
+
+
+COMFYUI_PATH = _put_comfyui_first()
+
+from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_ALPHA, LORA_RANK,  # noqa: E402
+                         PeerUnavailable, StepClock, Workload, _is_oom, random_init_, run_comfyui_peer,
+                         run_diffusers_peer)
+
+
+# --- models ---
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str          # ComfyUI family the config is detected as
+    resolution: int
+    context_dim: int
+    comfy_unet: dict     # what comfy.model_detection derives from a real checkpoint of this model
+    diffusers_unet: dict
+
+
+_COMFY_COMMON = dict(use_checkpoint=False, image_size=32, in_channels=4, out_channels=4, use_spatial_transformer=True,
+                     legacy=False, model_channels=320, use_temporal_attention=False, use_temporal_resblock=False)
+SPECS = {
+    "sd15": ModelSpec("sd15", "sd15", 512, 768, dict(
+        _COMFY_COMMON, adm_in_channels=None, num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
+        transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+        transformer_depth_middle=1, use_linear_in_transformer=False, context_dim=768, num_heads=8,
+        num_head_channels=-1), DIFFUSERS_SD15),
+    "sdxl": ModelSpec("sdxl", "sdxl", 1024, 2048, dict(
+        _COMFY_COMMON, num_classes="sequential", adm_in_channels=2816, num_res_blocks=[2, 2, 2], channel_mult=[1, 2, 4],
+        transformer_depth=[0, 0, 2, 2, 10, 10], transformer_depth_output=[0, 0, 0, 2, 2, 2, 10, 10, 10],
+        transformer_depth_middle=10, use_linear_in_transformer=True, context_dim=2048, num_head_channels=64),
+        DIFFUSERS_SDXL),
+    # ComfyUI still detects this one-level UNet as SD1.5 (detection reads only channels/context/adm/linear);
+    # SDXL has no tiny form because its supported_models config pins the transformer depths.
+    "sd15-tiny": ModelSpec("sd15-tiny", "sd15", 64, 768, dict(
+        _COMFY_COMMON, adm_in_channels=None, num_res_blocks=[1], channel_mult=[1], transformer_depth=[1],
+        transformer_depth_output=[1, 1], transformer_depth_middle=1, use_linear_in_transformer=False,
+        context_dim=768, num_heads=8, num_head_channels=-1), DIFFUSERS_TINY),
+}
+
+
+def build_comfy_model(spec: ModelSpec, weight_dtype: torch.dtype, device: torch.device):
+    """ComfyUI's loader path minus the state dict: detect the supported model from the UNet config, set the
+    weight dtype, get_model() builds BaseModel/SDXL (UNetModel with comfy.ops, model_sampling) on the device."""
+    import comfy.model_detection
+
+    model_config = comfy.model_detection.model_config_from_unet_config(dict(spec.comfy_unet, dtype=weight_dtype))
+    if model_config is None:
+        raise RuntimeError(f"ComfyUI does not detect the {spec.name} UNet config")
+    model_config.set_inference_dtype(weight_dtype, None)
+    with torch.device(device):
+        base = model_config.get_model({}, "", device=device)
+    random_init_(base.diffusion_model)
+    return base.to(device)  # model_sampling's schedule buffers follow the weights, as ModelPatcher.load does
+
+
+def make_workload(spec: ModelSpec, batch: int, device: torch.device) -> Workload:
+    g = torch.Generator().manual_seed(0)
+    side = spec.resolution // 8
+    return Workload(
+        family=spec.family, resolution=spec.resolution, batch=batch, device=device,
+        latents=torch.randn((batch, 4, side, side), generator=g),
+        context=torch.randn((batch, 77, spec.context_dim), generator=g),
+        pooled=torch.randn((batch, 1280), generator=g) if spec.family == "sdxl" else None,
+        build_comfy_model=lambda dtype: build_comfy_model(spec, dtype, device),
+        diffusers_config=spec.diffusers_unet, reset_peak=lambda: reset_peak(device))
+
+
+# --- our presets: the real trainer code path ---
+
+@dataclass(frozen=True)
+class Preset:
+    checkpointing: bool
+    optimizer: str  # "adamw" (torch, as trainer/train_lora.py) or "adamw8bit" (bitsandbytes)
+
+
+PRESETS = {"fast": Preset(False, "adamw"), "balanced": Preset(True, "adamw"), "lean": Preset(True, "adamw8bit")}
+_NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
+
+
+def _optimizer(kind: str, params, notes: list[str]):
+    if kind == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+            return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=1e-2)
+        except ImportError as error:
+            notes.append(f"bitsandbytes not importable ({error}): fp32 AdamW instead")
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-2)
+
+
+def run_ours(work: Workload, preset: Preset, warmup: int, steps: int, count_flops: bool) -> dict:
+    import comfy.model_patcher
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.checkpointing import checkpoint_blocks
+    from trainer.comfy_adapter import ComfyAdapter
+    from trainer.loop import train_loop
+    from trainer.lora import inject_lora
+    from trainer.objective import diffusion_loss
+    from trainer.precision import Precision
+    from trainer.settings import LoraSettings
+
+    device, notes = work.device, []
+    base = work.build_comfy_model(torch.bfloat16)  # frozen base weights stored in bf16
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
+    adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
+    unet = base.diffusion_model
+    unet.requires_grad_(False)
+    params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
+    if preset.checkpointing:
+        checkpoint_blocks(adapter.checkpoint_blocks(unet))
+    unet.train()
+    precision = Precision("bf16", device)
+    optimizer = _optimizer(preset.optimizer, params, notes)
+    generator = torch.Generator().manual_seed(0)
+    cond = cached_conditioning(base, work)
+    batches = itertools.repeat((work.latents, cond))
+
+    def loss_fn(batch):  # as trainer/train_lora.py: cache on the CPU, moved per step
+        clean, c = batch
+        clean = clean.to(device)
+        c = {k: v.to(device) for k, v in c.items()}
+        return diffusion_loss(adapter.model_sampling, lambda x, t, cc: adapter.predict(unet, x, t, cc), clean, c,
+                              generator)
+
+    def loop(n, on_step=lambda info: None):
+        return train_loop(params, loss_fn, batches, optimizer, precision, n, 1, lambda: False, on_step)
+
+    clock = StepClock(device)
+    work.reset_peak()
+    clock.mark()
+    result = loop(warmup + steps, lambda info: clock.mark())
+    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "notes": notes}
+    if count_flops:  # one extra, untimed step after the peak was read
+        with FlopCounterMode(display=False) as counter:
+            loop(1)
+        out["flops"] = counter.get_total_flops()
+        out["flops_include_recompute"] = preset.checkpointing
+    return out
+
+
+def cached_conditioning(base, work: Workload) -> dict[str, torch.Tensor]:
+    """What trainer's cache holds per image: ComfyAdapter.encode_text's base.extra_conds on the CPU (SDXL's `y`
+    is built from the pooled embedding and the size, as ComfyUI does)."""
+    conds = base.extra_conds(cross_attn=work.context, pooled_output=work.pooled, width=work.resolution,
+                             height=work.resolution, device=torch.device("cpu"))
+    return {name: c.cond for name, c in conds.items()}
+
+
+# --- rows ---
+
+@dataclass(frozen=True)
+class RowConfig:
+    name: str        # as given on the command line, e.g. "lean", "autofit@3", "fast:bs8"
+    kind: str        # "ours", "diffusers", "comfyui"
+    preset: str | None
+    cap_gib: float | None
+    batch: int
+
+
+DEFAULT_CONFIGS = "fast,balanced,lean,diffusers,comfyui,autofit@2,autofit@3,autofit@4,autofit@6,autofit@8"
+PEERS = ("diffusers", "comfyui")
+
+
+def parse_config(token: str) -> RowConfig:
+    name, _, suffix = token.strip().partition(":")
+    batch = 1
+    if suffix:
+        if not suffix.startswith("bs") or not suffix[2:].isdigit() or int(suffix[2:]) < 1:
+            raise SystemExit(f"bench: bad config {token!r}; batch suffix is :bsN, e.g. fast:bs8")
+        batch = int(suffix[2:])
+    if name in PRESETS:
+        return RowConfig(token, "ours", name, None, batch)
+    if name in PEERS:
+        return RowConfig(token, name, None, None, batch)
+    if name.startswith("autofit@"):
+        try:
+            cap = float(name.split("@", 1)[1])
+        except ValueError:
+            cap = -1.0
+        if cap > 0:
+            # For now auto-fit = the lean preset under the cap (the memory planner will pick settings later).
+            return RowConfig(token, "ours", "lean", cap, batch)
+    raise SystemExit(f"bench: unknown config {token!r}; use {DEFAULT_CONFIGS} (optionally with :bsN)")
+
+
+def reset_peak(device: torch.device) -> None:
+    """Called once the row's model is built: build-time temporaries (e.g. the diffusers UNet's fp32 copy) are
+    released from the allocator cache first, else they would count as this row's reserved memory."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def read_peak(device: torch.device) -> dict | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return {"alloc": torch.cuda.max_memory_allocated(device) / GIB,
+            "reserved": torch.cuda.max_memory_reserved(device) / GIB}
+
+
+def free_device_memory(device: torch.device) -> None:
+    import comfy.model_management
+    comfy.model_management.unload_all_models()
+    gc.collect()  # checkpoint wrappers and peft layers form reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _run_config(work: Workload, config: RowConfig, warmup: int, steps: int, count_flops: bool) -> dict:
+    if config.kind == "ours":
+        return run_ours(work, PRESETS[config.preset], warmup, steps, count_flops)
+    if config.kind == "diffusers":
+        return run_diffusers_peer(work, warmup, steps)
+    return run_comfyui_peer(work, warmup, steps)
+
+
+def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, count_flops: bool) -> dict:
+    row = {"model": spec.name, "resolution": spec.resolution, "config": config.name, "kind": config.kind,
+           "preset": config.preset, "cap_gib": config.cap_gib, "batch": config.batch, "status": "ok", "reason": None,
+           "notes": []}
+    if config.cap_gib is not None and device.type != "cuda":
+        return dict(row, status="skipped", reason="memory caps need CUDA")
+    started = time.perf_counter()
+    row["baseline_alloc_gib"] = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
+    if config.cap_gib is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.cap_gib * GIB / total), device)
+    result = None
+    try:
+        result = _run_config(make_workload(spec, config.batch, device), config, args.warmup, args.steps, count_flops)
+    except PeerUnavailable as error:
+        row.update(status="unavailable", reason=str(error))
+    except Exception as error:  # an OOM (or any failure) becomes a row; the run goes on
+        if _is_oom(error):
+            row.update(status="OOM", reason=str(error).splitlines()[0][:300])
+        else:
+            row.update(status="error", reason=f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
+    finally:
+        peak = read_peak(device)
+        if config.cap_gib is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    free_device_memory(device)  # after the except block, so a traceback no longer pins the row's tensors
+    if result is not None:
+        row.update(_measurements(result, args.warmup, config.batch))
+        peak = result.get("peak") or peak
+    if peak:
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = peak["alloc"], peak["reserved"]
+    row["row_wall_s"] = time.perf_counter() - started
+    return row
+
+
+def _measurements(result: dict, warmup: int, batch: int) -> dict:
+    warmup = result.get("warmup", warmup)
+    intervals, losses = result["intervals"], result["losses"]
+    timed = intervals[warmup:]
+    out = {"warmup_steps": warmup, "warmup_s": sum(intervals[:warmup]), "timed_steps": len(timed),
+           "step_s": timed, "notes": result.get("notes", [])}
+    if result.get("setup_in_first_step"):
+        out["notes"] = out["notes"] + ["warm-up time includes the peer's own setup"]
+    if timed:
+        out["s_per_step"] = statistics.median(timed)
+        out["images_per_s"] = batch / out["s_per_step"]
+    if losses:
+        out["loss_first"], out["loss_last"] = losses[0], losses[-1]
+        out["loss_finite"] = all(x == x and abs(x) != float("inf") for x in losses)
+    for key in ("flops", "flops_include_recompute"):
+        if key in result:
+            out[key] = result[key]
+    return out
+
+
+def derive(rows: list[dict], flops: dict, peak_tflops: float) -> None:
+    """MFU (from the model's counted FLOPs per image) and ratios to each peer on the same model and batch."""
+    for row in rows:
+        s = row.get("s_per_step")
+        per_image = flops.get(row["model"], {}).get("per_image")
+        if s and per_image:
+            row["tflop_per_step"] = per_image * row["batch"] / 1e12
+            row["mfu"] = per_image * row["batch"] / s / (peak_tflops * 1e12)
+        row["ratio"] = {}
+        for peer in PEERS:
+            ref = next((r for r in rows if r["kind"] == peer and r["model"] == row["model"] and
+                        r["batch"] == row["batch"] and r.get("s_per_step")), None)
+            if ref is None or not s:
+                continue
+            ratio = {"s_per_step": s / ref["s_per_step"]}
+            if row.get("peak_alloc_gib") and ref.get("peak_alloc_gib"):
+                ratio["peak_alloc"] = row["peak_alloc_gib"] / ref["peak_alloc_gib"]
+            row["ratio"][peer] = ratio
+
+
+# --- output ---
+
+def environment(argv: list[str], device: torch.device, peak_tflops: float) -> dict:
+    def version(pkg):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+    comfy_version = None
+    try:
+        from comfyui_version import __version__ as comfy_version
+    except ImportError:
+        pass
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, "-m", "bench.run", *argv]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "device_memory_gib": torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        **{pkg: version(pkg) for pkg in ("diffusers", "peft", "bitsandbytes", "accelerate", "transformers")},
+        "comfyui": comfy_version, "comfyui_path": str(COMFYUI_PATH), "peak_tflops": peak_tflops,
+    }
+
+
+def _fmt(value, spec=".2f", missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+TABLE_COLUMNS = ("model", "config", "status", "peak alloc GiB", "peak resv GiB", "s/step", "warm-up s", "img/s",
+                 "MFU %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
+
+
+def format_table(rows: list[dict], cuda: bool) -> str:
+    mem_missing = "-" if cuda else "n/a (cpu)"
+    lines = []
+    for r in rows:
+        ratio = r.get("ratio", {})
+        lines.append((
+            f"{r['model']}@{r['resolution']}", r["config"], r["status"],
+            _fmt(r.get("peak_alloc_gib"), missing=mem_missing), _fmt(r.get("peak_reserved_gib"), missing=mem_missing),
+            _fmt(r.get("s_per_step"), ".4f"), _fmt(r.get("warmup_s"), ".2f"), _fmt(r.get("images_per_s"), ".2f"),
+            _fmt(r["mfu"] * 100 if r.get("mfu") else None, ".2f"),
+            *(_fmt(ratio.get(p, {}).get(k), ".2f") for p in PEERS for k in ("s_per_step", "peak_alloc"))))
+    widths = [max(len(str(x)) for x in col) for col in zip(TABLE_COLUMNS, *lines)]
+    render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    out = [render(TABLE_COLUMNS), render("-" * w for w in widths), *map(render, lines)]
+    reasons = [f"  {r['model']} {r['config']}: {r['status']}: {r['reason']}" for r in rows if r.get("reason")]
+    return "\n".join(out + (["reasons:"] + reasons if reasons else []))
+
+
+def write_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)  # atomic: a timeout never leaves half a file
+
+
+def draw_chart(rows: list[dict], path: Path, title: str) -> None:
+    """Two horizontal bar panels per row: median s/step and peak allocated GiB (Pillow only)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    label_w, panel_w, bar_h, top = 190, 330, 16, 40
+    height = top + bar_h * (len(rows) + 1) + 20
+    img = Image.new("RGB", (label_w + 2 * panel_w + 40, height), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((10, 8), title, fill="black", font=font)
+    colors = {"ours": (52, 101, 164), "diffusers": (230, 145, 56), "comfyui": (120, 120, 120)}
+    for p, (key, header) in enumerate((("s_per_step", "median s/step"), ("peak_alloc_gib", "peak alloc GiB"))):
+        x0 = label_w + p * (panel_w + 20)
+        draw.text((x0, top - 16), header, fill="black", font=font)
+        top_value = max((r.get(key) or 0 for r in rows), default=0) or 1
+        for i, r in enumerate(rows):
+            y = top + i * bar_h
+            value = r.get(key)
+            if value:
+                draw.rectangle([x0, y + 2, x0 + int((panel_w - 60) * value / top_value), y + bar_h - 2],
+                               fill=colors[r["kind"]])
+            text = _fmt(value, ".3f" if key == "s_per_step" else ".2f", missing=r["status"] if r["status"] != "ok" else "n/a")
+            draw.text((x0 + int((panel_w - 60) * (value or 0) / top_value) + 4, y + 2), text, fill="black", font=font)
+    for i, r in enumerate(rows):
+        draw.text((10, top + i * bar_h + 2), f"{r['model']} {r['config']}", fill="black", font=font)
+    img.save(path)
+
+
+# --- main ---
+
+def parse_args(argv: list[str]):
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny SD1.5-shaped UNet at 64 px; runs on the CPU (CI)")
+    p.add_argument("--models", default="sd15,sdxl", help="comma list of sd15, sdxl")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma list: fast, balanced, lean, diffusers, comfyui, autofit@GiB; optional :bsN batch")
+    p.add_argument("--steps", type=int, default=12, help="timed optimizer steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per row (reported separately)")
+    p.add_argument("--out", default="out/bench", help="folder for results.json, table.txt, bench.png")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="wall-clock budget: rows that would start past it are reported as skipped")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: 1 with --tiny on a CPU, where tiny ops gain nothing from "
+                        "threads and shared CI cores make OpenMP fan-out 10x slower; else torch's default)")
+    p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_DEFAULT, help="GPU peak for MFU (bf16 dense)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def model_specs(args) -> tuple[list[ModelSpec], list[str]]:
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in ("sd15", "sdxl")]
+    if unknown:
+        raise SystemExit(f"bench: unknown model(s) {unknown}; use sd15, sdxl")
+    if not args.tiny:
+        return [SPECS[m] for m in names], []
+    notes = ["sdxl has no tiny form (ComfyUI's SDXL config pins its depths); --tiny runs sd15-tiny"] \
+        if "sdxl" in names else []
+    return [SPECS["sd15-tiny"]], notes
+
+
+def main(argv: list[str] | None = None) -> dict:
+    started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    import comfy.model_management
+    device = comfy.model_management.get_torch_device()
+    threads_before = torch.get_num_threads()
+    threads = args.threads or (1 if args.tiny and device.type == "cpu" else None)
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        return _run(args, argv, device, started)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args, argv: list[str], device: torch.device, started: float) -> dict:
+    specs, notes = model_specs(args)
+    configs = [parse_config(t) for t in args.configs.split(",") if t.strip()]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": dict(environment(argv, device, args.peak_tflops), torch_threads=torch.get_num_threads()),
+               "notes": notes,
+               "settings": {"steps": args.steps, "warmup": args.warmup, "budget_s": args.budget_s,
+                            "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "to_q,to_k,to_v,to_out.0"}},
+               "flops": {}, "rows": [], "complete": False}
+    rows, flops = payload["rows"], payload["flops"]
+    row_seconds: dict[str, float] = {}  # slowest finished row per model: the estimate for the next one
+    for spec, config in ((s, c) for s in specs for c in configs):
+        elapsed = time.perf_counter() - started
+        # A model's first row is estimated from the slowest row so far (SDXL rows follow the cheaper SD1.5 ones).
+        estimate = row_seconds.get(spec.name, max(row_seconds.values(), default=0.0))
+        if elapsed + estimate > args.budget_s:
+            rows.append({"model": spec.name, "resolution": spec.resolution, "config": config.name,
+                         "kind": config.kind, "batch": config.batch, "status": "skipped",
+                         "reason": f"--budget-s {args.budget_s:.0f}: {elapsed:.0f} s used, row needs ~{estimate:.0f} s",
+                         "notes": []})
+        else:
+            count = config.kind == "ours" and config.cap_gib is None and spec.name not in flops
+            row = run_row(spec, config, args, device, count)
+            if row.get("flops"):
+                flops[spec.name] = {"per_image": row["flops"] / config.batch, "counted_on": config.name,
+                                    "includes_recompute": row.get("flops_include_recompute", False)}
+            row_seconds[spec.name] = max(row_seconds.get(spec.name, 0.0), row.get("row_wall_s", 0.0))
+            rows.append(row)
+            speed = f", {row['s_per_step']:.4f} s/step" if row.get("s_per_step") else ""
+            print(f"[bench] {spec.name} {config.name}: {row['status']}{speed} "
+                  f"({time.perf_counter() - started:.0f} s elapsed)", flush=True)
+        derive(rows, flops, args.peak_tflops)
+        write_json(out_dir / "results.json", payload)
+    payload["complete"] = True
+    payload["total_s"] = time.perf_counter() - started
+    table = format_table(rows, device.type == "cuda")
+    payload["table"] = table
+    write_json(out_dir / "results.json", payload)
+    (out_dir / "table.txt").write_text(table + "\n")
+    env = payload["environment"]
+    draw_chart(rows, out_dir / "bench.png", f"LeanLoRA bench, {env['device']}, torch {env['torch']}, {env['date']}")
+    print(f"\nLeanLoRA bench on {env['device']} (torch {env['torch']}, diffusers {env['diffusers']}, peft "
+          f"{env['peft']}, bitsandbytes {env['bitsandbytes']}, ComfyUI {env['comfyui']}), {env['date']}\n"
+          f"{env['command']}\nresults: {out_dir / 'results.json'}, chart: {out_dir / 'bench.png'}\n")
+    print(table, flush=True)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""CI smoke test of the benchmark harness: the tiny SD1.5-shaped model on the CPU, every runner, 2 timed steps.
+
+Runs bench.run's main in-process (conftest already put ComfyUI first on sys.path and set CPU mode)."""
+import json
+import math
+
+EXPECTED = {"fast", "balanced", "lean", "diffusers", "comfyui"}
+
+
+def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
+    from bench.run import TABLE_COLUMNS, main
+
+    out = tmp_path / "bench"
+    main(["--tiny", "--steps", "2", "--warmup", "1", "--out", str(out),
+          "--configs", "fast,balanced,lean,diffusers,comfyui,autofit@3"])
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"]
+    rows = {row["config"]: row for row in results["rows"]}
+    assert EXPECTED <= set(rows)
+    for name in ("fast", "balanced", "lean", "diffusers"):  # the ComfyUI peer is reported, not required to pass
+        row = rows[name]
+        assert row["status"] == "ok", (name, row.get("reason"))
+        assert row["timed_steps"] == 2 and math.isfinite(row["s_per_step"]) and row["s_per_step"] > 0, row
+        assert row["loss_finite"], row
+        assert row.get("peak_alloc_gib") is None  # CPU: no CUDA memory to report
+    assert rows["comfyui"]["status"] in ("ok", "unavailable", "error")
+    assert rows["autofit@3"]["status"] == "skipped" and "CUDA" in rows["autofit@3"]["reason"]
+    assert rows["fast"]["ratio"]["diffusers"]["s_per_step"] > 0  # ratios to the peer are filled in
+    assert results["flops"]["sd15-tiny"]["per_image"] > 0 and rows["fast"]["mfu"] > 0
+    assert (out / "bench.png").stat().st_size > 0
+
+    printed = capsys.readouterr().out
+    table = results["table"]
+    assert printed.rstrip().endswith(table.rstrip())  # the table is the last thing printed
+    assert table.splitlines()[0].split()[:2] == list(TABLE_COLUMNS[:2]) and "n/a (cpu)" in table
+    for name in EXPECTED:
+        assert f" {name} " in table

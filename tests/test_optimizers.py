@@ -1,0 +1,181 @@
+"""The optimizer unit on the CPU: every choice trains a tiny LoRA, missing or broken backends fall back with a
+note, and the state-size formulas equal what the real optimizers allocate."""
+import sys
+import warnings
+
+import pytest
+import torch
+
+from trainer.errors import LeanLoRAError
+from trainer.loop import train_loop
+from trainer.lora import inject_lora
+from trainer.optimizers import (OPTIMIZERS, build_optimizer, optimizer_state_bytes,
+                                optimizer_state_bytes_per_param)
+from trainer.precision import Precision
+from trainer.settings import LoraSettings
+
+CPU = torch.device("cpu")
+# Per-optimizer learning rates: Lion's sign updates want a few times less than AdamW's.
+LEARNING_RATES = {"AdamW": 1e-2, "AdamW8bit": 1e-2, "PagedAdamW8bit": 1e-2, "Lion": 3e-3, "Lion8bit": 3e-3,
+                  "Adafactor": 1e-2}
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = torch.nn.Sequential(torch.nn.Linear(dim, dim))
+
+    def forward(self, x):
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        return self.to_out(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+
+
+class TinyNet(torch.nn.Module):
+    """dim 256 at rank 16 gives LoRA tensors of 4096 elements: just enough for bitsandbytes to quantize them."""
+    def __init__(self, dim=256, depth=2):
+        super().__init__()
+        self.input_blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"attn1": Attention(dim)}) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.input_blocks:
+            x = x + block["attn1"](x)
+        return x
+
+
+def _train(name: str, steps: int = 60):
+    torch.manual_seed(0)
+    net = TinyNet()
+    params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
+    x = torch.randn(64, 5, 256)
+    with torch.no_grad():
+        y = TinyNet()(x)
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            idx = torch.randint(0, 64, (8,), generator=g)
+            yield x[idx], y[idx]
+    optimizer, note = build_optimizer(name, params, LEARNING_RATES[name], device=CPU)
+    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data(), optimizer,
+                        Precision("no", CPU), steps=steps, accumulation=1, should_stop=lambda: False)
+    return result.losses, optimizer, note, params
+
+
+def _measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the state tensors, each storage once, 0-dim step counters and RMS scalars left out."""
+    sizes = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                sizes[value.untyped_storage().data_ptr()] = value.numel() * value.element_size()
+    return sum(sizes.values())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tensors this small gain nothing from intra-op threads, which on a busy machine mostly wait on each other.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def adamw_losses():
+    losses, optimizer, note, _ = _train("AdamW")
+    assert note is None and type(optimizer) is torch.optim.AdamW and optimizer.defaults["foreach"]
+    return losses
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "AdamW"])
+def test_each_optimizer_trains_the_tiny_lora_like_adamw(name, adamw_losses):
+    """Tolerance: after 60 steps the mean of the last 10 losses is at most 1.5x AdamW's and below 0.7x the
+    optimizer's own first-10 mean (measured: 0.76-1.00x of AdamW's, 0.35-0.49x their own)."""
+    losses, optimizer, note, params = _train(name)
+    first, last, adamw_last = (sum(chunk) / 10 for chunk in (losses[:10], losses[-10:], adamw_losses[-10:]))
+    assert last <= 1.5 * adamw_last, (name, last, adamw_last)
+    assert last < 0.7 * first, (name, last, first)
+    used = type(optimizer).__name__
+    assert used == ("AdamW8bit" if name == "PagedAdamW8bit" else name) and (note is None) == (used == name)
+    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(used, params)
+
+
+def test_without_bitsandbytes_the_8bit_choices_fall_back_with_a_note(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises ImportError
+    params = [torch.nn.Parameter(torch.zeros(4, 16))]
+    for name in ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "Lion"):
+        optimizer, note = build_optimizer(name, params, 1e-3, device=CPU)
+        assert type(optimizer) is torch.optim.AdamW
+        assert name in note and "using AdamW instead" in note and "pip install \"bitsandbytes>=0.45\"" in note
+    assert "3-10x" in note  # Lion's learning rate is too low for AdamW, and the note says so
+
+
+def test_paged_adamw8bit_on_cpu_uses_adamw8bit():
+    # Paging needs CUDA unified memory; on the CPU bitsandbytes would only warn and keep unpaged state.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer, note = build_optimizer("PagedAdamW8bit", [torch.nn.Parameter(torch.zeros(8))], 1e-3, device=CPU)
+    assert type(optimizer).__name__ == "AdamW8bit"
+    assert "PagedAdamW8bit" in note and "CUDA" in note and "using AdamW8bit instead" in note
+
+
+def test_bitsandbytes_without_kernels_for_the_device_is_caught_by_the_probe_step(monkeypatch):
+    import bitsandbytes as bnb
+
+    def no_kernel(self, closure=None):
+        raise RuntimeError("no kernel image is available for execution on the device")
+    monkeypatch.setattr(bnb.optim.Lion8bit, "step", no_kernel)  # constructs fine, fails on its first step
+    optimizer, note = build_optimizer("Lion8bit", [torch.nn.Parameter(torch.zeros(8))], 1e-3, device=CPU)
+    assert type(optimizer).__name__ == "Lion"  # the 32-bit Lion still works
+    assert "Lion8bit" in note and "using Lion instead" in note and "no kernel image" in note
+
+
+def test_without_transformers_adafactor_falls_back(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers.optimization", None)
+    optimizer, note = build_optimizer("Adafactor", [torch.nn.Parameter(torch.zeros(8))], 1e-3, device=CPU)
+    assert type(optimizer) is torch.optim.AdamW
+    assert "Adafactor" in note and "transformers" in note and "using AdamW instead" in note
+
+
+# LoRA down/up of a small and of an SD-sized layer, an odd size (5000 = 19.5 blocks of 256), a 1-D vector and a
+# 1x1-conv LoRA (Adafactor factors 4-D tensors over the last dim only: more state than the tensor itself).
+SHAPES = [(4, 16), (16, 4), (16,), (16, 320), (320, 16), (100, 50), (16, 320, 1, 1)]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_bytes_equal_the_real_optimizers_state(name):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    optimizer, note = build_optimizer(name, params, 1e-3, device=CPU)
+    if name == "PagedAdamW8bit":  # the CPU fallback; measure the real class too (it warns that it won't page)
+        import bitsandbytes as bnb
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = bnb.optim.PagedAdamW8bit(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(name, params)
+    assert optimizer_state_bytes(name, [p.shape for p in params]) == optimizer_state_bytes(name, params)
+
+
+def test_state_bytes_per_param_is_the_rate_on_large_tensors():
+    expected = {"AdamW": 8, "AdamW8bit": 2 + 2 * 4 / 256, "PagedAdamW8bit": 2 + 2 * 4 / 256, "Lion": 4,
+                "Lion8bit": 1 + 4 / 256}
+    shape = (1280, 256)
+    for name, rate in expected.items():
+        assert optimizer_state_bytes_per_param(name) == rate
+        quantile_maps = {"AdamW8bit": 2048, "PagedAdamW8bit": 2048, "Lion8bit": 1024}.get(name, 0)
+        assert optimizer_state_bytes(name, [shape]) == rate * 1280 * 256 + quantile_maps
+    with pytest.raises(ValueError, match="optimizer_state_bytes"):
+        optimizer_state_bytes_per_param("Adafactor")
+    assert optimizer_state_bytes("Adafactor", [shape, (7,)]) == 4 * (1280 + 256 + 7)
+
+
+def test_unknown_optimizer_is_rejected_with_the_field_name():
+    with pytest.raises(LeanLoRAError, match="optimizer: got 'SGD'.*AdamW8bit"):
+        build_optimizer("SGD", [torch.nn.Parameter(torch.zeros(1))], 1e-3, device=CPU)
+    with pytest.raises(LeanLoRAError, match="optimizer"):
+        optimizer_state_bytes("adamw", [(4, 16)])

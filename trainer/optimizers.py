@@ -1,0 +1,164 @@
+"""Optimizers as one unit: build the one asked for, or the nearest one that works on this device with a note
+saying why, and the exact bytes of state each keeps (the memory estimate's optimizer term).
+
+`type(optimizer).__name__` of what `build_optimizer` returns is always the OPTIMIZERS name actually in use
+(torch AdamW, bitsandbytes AdamW8bit / PagedAdamW8bit / Lion / Lion8bit, transformers Adafactor)."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from .errors import LeanLoRAError
+
+OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion", "Lion8bit", "Adafactor")
+
+# What to try, in order: each falls back to the nearest optimizer with the same behaviour, AdamW last.
+_CHAINS = {
+    "AdamW": ("AdamW",),
+    "AdamW8bit": ("AdamW8bit", "AdamW"),
+    "PagedAdamW8bit": ("PagedAdamW8bit", "AdamW8bit", "AdamW"),
+    "Lion": ("Lion", "AdamW"),
+    "Lion8bit": ("Lion8bit", "Lion", "AdamW"),
+    "Adafactor": ("Adafactor", "AdamW"),
+}
+_BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion", "Lion8bit")
+_INSTALL_BNB = "To use it, pip install \"bitsandbytes>=0.45\" into ComfyUI's Python (an NVIDIA GPU works best)"
+
+# bitsandbytes' 8-bit optimizers (its defaults, which we keep): tensors with fewer than MIN_8BIT_SIZE elements
+# keep fp32 moments; larger ones store one byte per element per moment plus one fp32 absmax per block of
+# BNB_BLOCK elements, and the optimizer holds one 256-entry fp32 quantile map per moment, shared by all tensors.
+MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+QUANTILE_MAP_BYTES = 256 * 4
+
+
+class _Unavailable(Exception):
+    def __init__(self, why: str, todo: str):
+        super().__init__(why)
+        self.why, self.todo = why, todo
+
+
+def _check_name(name: str) -> None:
+    if name not in OPTIMIZERS:
+        raise LeanLoRAError(f"optimizer: got {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _short(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:160] if text else ''}"
+
+
+def _torch_adamw(params, lr, weight_decay, device):
+    # The fused kernel is the fastest and needs every tensor on CUDA and floating point.
+    fused = device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                             **({"fused": True} if fused else {"foreach": True}))
+
+
+def _bitsandbytes(name, params, lr, weight_decay, device):
+    if name == "PagedAdamW8bit" and device.type != "cuda":
+        # bitsandbytes pages through CUDA unified memory; elsewhere it warns and silently keeps plain 8-bit state.
+        raise _Unavailable(f"paging needs a CUDA device, this is {device.type}", "")
+    try:
+        import bitsandbytes as bnb
+    except Exception as error:  # not installed, or a build whose native library fails to load
+        raise _Unavailable(f"bitsandbytes could not be imported ({_short(error)})", f"{_INSTALL_BNB}.") from error
+    cls = getattr(bnb.optim, name)
+    try:
+        _probe(cls, device)
+        return cls(params, lr=lr, weight_decay=weight_decay)
+    except Exception as error:
+        raise _Unavailable(f"bitsandbytes {bnb.__version__} cannot run {name} on {device} ({_short(error)})",
+                           f"{_INSTALL_BNB}; a build for this device may not exist yet.") from error
+
+
+def _probe(cls, device: torch.device) -> None:
+    """bitsandbytes can import yet lack kernels for a device, which only a step reveals. One tiny tensor takes
+    its fp32 path and one of MIN_8BIT_SIZE elements its 8-bit blockwise kernels."""
+    probe = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in (1, MIN_8BIT_SIZE)]
+    optimizer = cls(probe, lr=1e-3)
+    for p in probe:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    if not all(torch.isfinite(p).all() and (p != 0).all() for p in probe):
+        raise RuntimeError("a probe step left the weights unchanged or not finite")
+
+
+def _adafactor(params, lr, weight_decay):
+    try:
+        from transformers.optimization import Adafactor
+    except Exception as error:
+        raise _Unavailable(f"transformers could not be imported ({_short(error)})",
+                           "To use it, pip install transformers into ComfyUI's Python (ComfyUI itself needs it).") from error
+    # kohya's settings for a fixed, user-chosen learning rate (no relative step, no parameter-scale factor).
+    return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False,
+                     weight_decay=weight_decay)
+
+
+def _build(name, params, lr, weight_decay, device):
+    if name == "AdamW":
+        return _torch_adamw(params, lr, weight_decay, device)
+    if name == "Adafactor":
+        return _adafactor(params, lr, weight_decay)
+    return _bitsandbytes(name, params, lr, weight_decay, device)
+
+
+def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 1e-2, *,
+                    device: torch.device) -> tuple[torch.optim.Optimizer, str | None]:
+    """The optimizer, and a note for the report when another one had to be used instead (None otherwise)."""
+    _check_name(name)
+    params, device = list(params), torch.device(device)
+    whys: dict[str, list[str]] = {}  # reason -> the candidates it ruled out
+    todos = []
+    for candidate in _CHAINS[name]:  # every chain ends with torch AdamW, which always builds
+        try:
+            optimizer = _build(candidate, params, lr, weight_decay, device)
+            break
+        except _Unavailable as missing:
+            whys.setdefault(missing.why, []).append(candidate)
+            if missing.todo and missing.todo not in todos:
+                todos.append(missing.todo)
+    if candidate == name:
+        return optimizer, None
+    if name.startswith("Lion") and candidate == "AdamW":
+        todos.append("The learning rate was chosen for Lion; AdamW usually wants 3-10x more.")
+    reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in whys.items())
+    return optimizer, " ".join([f"optimizer {name} is not available ({reasons}): using {candidate} instead.", *todos])
+
+
+def _shape(tensor_or_shape) -> tuple[int, ...]:
+    return tuple(tensor_or_shape.shape if isinstance(tensor_or_shape, torch.Tensor) else tensor_or_shape)
+
+
+def optimizer_state_bytes(name: str, params_or_shapes: Iterable) -> int:
+    """Exact bytes of optimizer state once every tensor has stepped, for fp32 trainable tensors (given as
+    tensors or shapes). Shared tensors count once (bitsandbytes' quantile maps); 0-dim scalars are left out
+    (step counters and Adafactor's RMS: 4 bytes per tensor, and torch keeps AdamW's on the CPU unless fused)."""
+    _check_name(name)
+    shapes = [_shape(p) for p in params_or_shapes]
+    if name == "Adafactor":
+        # beta1=None: no first moment. Tensors of 2+ dims keep factored second moments of shape[:-1] (rows) and
+        # shape[:-2] + shape[-1:] (columns); 1-D tensors keep a full one. All fp32 (it upcasts half gradients).
+        return 4 * sum(math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else math.prod(s)
+                       for s in shapes)
+    moments = 1 if name.startswith("Lion") else 2
+    numels = [math.prod(s) for s in shapes]
+    if name in ("AdamW", "Lion"):
+        return 4 * moments * sum(numels)
+    small = sum(n for n in numels if n < MIN_8BIT_SIZE)
+    large = [n for n in numels if n >= MIN_8BIT_SIZE]
+    quantized = sum(n + 4 * math.ceil(n / BNB_BLOCK) for n in large)
+    return moments * (4 * small + quantized + (QUANTILE_MAP_BYTES if large else 0))
+
+
+def optimizer_state_bytes_per_param(name: str) -> float:
+    """State bytes per fp32 parameter in tensors of MIN_8BIT_SIZE elements or more whose size is a multiple of
+    BNB_BLOCK (the rate the 8-bit optimizers reach on large tensors). Adafactor's state depends on the shapes:
+    use optimizer_state_bytes."""
+    _check_name(name)
+    if name == "Adafactor":
+        raise ValueError("Adafactor's state depends on tensor shapes; use optimizer_state_bytes")
+    moments = 1 if name.startswith("Lion") else 2
+    return moments * (4.0 if name in ("AdamW", "Lion") else 1 + 4 / BNB_BLOCK)

@@ -49,6 +49,16 @@ _TINY_UNET_CONFIG = dict(
     num_head_channels=-1,
 )
 
+# The real SD1.5 UNet layout (860M parameters), for GPU checks of the whole ComfyUI path at full size.
+_FULL_SD15_UNET_CONFIG = dict(
+    _TINY_UNET_CONFIG,
+    num_res_blocks=[2, 2, 2, 2],
+    channel_mult=[1, 2, 4, 4],
+    transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0],
+    transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],  # ComfyUI pops these from the end
+)
+UNET_CONFIGS = {"tiny": _TINY_UNET_CONFIG, "sd15": _FULL_SD15_UNET_CONFIG}
+
 # Key prefixes of an original-format (LDM) single-file checkpoint, as load_checkpoint_guess_config reads them:
 # the UNet prefix is found by model_detection.unet_prefix_from_state_dict, SD15.process_clip_state_dict maps
 # "cond_stage_model." -> "clip_l.", and BASE.vae_key_prefix strips "first_stage_model." before comfy.sd.VAE
@@ -89,7 +99,7 @@ def _import_comfy():
     return comfy
 
 
-def _meta_modules():
+def _meta_modules(unet_size: str = "tiny"):
     """ComfyUI's own UNet, CLIP-L text model and TAESD, shapes only, keyed by checkpoint prefix.
 
     Only CLIP's text_model is kept: SD15.process_clip_state_dict moves any other key under
@@ -102,7 +112,7 @@ def _meta_modules():
         clip_config = json.load(f)  # the fixed CLIP-L config ComfyUI builds for SD1.5 checkpoints
     with torch.device("meta"):
         unet = comfy.ldm.modules.diffusionmodules.openaimodel.UNetModel(
-            **_TINY_UNET_CONFIG, dtype=torch.float32, device="meta", operations=ops
+            **UNET_CONFIGS[unet_size], dtype=torch.float32, device="meta", operations=ops
         )
         clip = comfy.clip_model.CLIPTextModel(clip_config, torch.float32, "meta", ops)
         taesd = comfy.taesd.taesd.TAESD(latent_channels=4)
@@ -133,10 +143,12 @@ def _init_tensor(module: torch.nn.Module, pname: str, shape: torch.Size, gen: to
     raise TypeError(f"no init rule for {type(module).__name__}.{pname} {tuple(shape)}")
 
 
-def build_tiny_sd15_state_dict(seed: int = 0, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: ~26M-param UNet + full-size random CLIP-L (123M) + TAESD (2.4M)."""
+def build_tiny_sd15_state_dict(seed: int = 0, dtype: torch.dtype = torch.float16,
+                               unet_size: str = "tiny") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: ~26M-param UNet (unet_size="sd15": the real 860M layout) + full-size random
+    CLIP-L (123M) + TAESD (2.4M)."""
     gen = torch.Generator().manual_seed(seed)
-    roots = _meta_modules()
+    roots = _meta_modules(unet_size)
     sd = {}
     for prefix, root in roots.items():
         # Deterministic order: named_modules/named_parameters follow module construction order.
@@ -151,7 +163,8 @@ def build_tiny_sd15_state_dict(seed: int = 0, dtype: torch.dtype = torch.float16
     return sd
 
 
-def build_tiny_sd15_checkpoint(path: str | Path, seed: int = 0, prediction: str = "eps") -> Path:
+def build_tiny_sd15_checkpoint(path: str | Path, seed: int = 0, prediction: str = "eps",
+                               unet_size: str = "tiny") -> Path:
     """Write a tiny random SD1.5 single-file checkpoint (.safetensors, fp16) and return its path.
 
     ComfyUI's CheckpointLoaderSimple / comfy.sd.load_checkpoint_guess_config detects it as SD15 (EPS)
@@ -175,7 +188,7 @@ def build_tiny_sd15_checkpoint(path: str | Path, seed: int = 0, prediction: str 
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    sd = build_tiny_sd15_state_dict(seed)
+    sd = build_tiny_sd15_state_dict(seed, unet_size=unet_size)
     # Write beside the target then rename: a half-written checkpoint is never visible under its name.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

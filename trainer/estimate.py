@@ -44,9 +44,11 @@ class MemoryEstimate:
         return f"memory estimate (GiB): {text}" + (f"; peak {total / GIB:.2f} GiB" if total is not None else "")
 
 
-def static_terms(unet: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: str) -> MemoryEstimate:
+def static_terms(unet: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: str,
+                 device: torch.device | None = None) -> MemoryEstimate:
+    """Streamed weights live in CPU memory: only what is resident on `device` counts."""
     lora = sum(p.numel() * p.element_size() for p in params)
-    return MemoryEstimate(frozen_weights=frozen_weight_bytes(unet), lora_parameters=lora, gradients=lora,
+    return MemoryEstimate(frozen_weights=frozen_weight_bytes(unet, device), lora_parameters=lora, gradients=lora,
                           optimizer_state=optimizer_state_bytes(optimizer, params))
 
 

@@ -22,10 +22,10 @@ class _Rescale:
         return weight * self.scale
 
 
-def _castable_layers(module: torch.nn.Module):
+def _castable_layers(module: torch.nn.Module, min_dim: int = 2):
     for layer in module.modules():
         weight = getattr(layer, "weight", None)
-        if hasattr(layer, "comfy_cast_weights") and isinstance(weight, torch.Tensor) and weight.dim() >= 2 \
+        if hasattr(layer, "comfy_cast_weights") and isinstance(weight, torch.Tensor) and weight.dim() >= min_dim \
                 and not weight.requires_grad:
             yield layer
 
@@ -48,7 +48,27 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
     return saved
 
 
-def frozen_weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every frozen parameter and buffer (what stays resident for the whole run)."""
+def frozen_weight_bytes(module: torch.nn.Module, device: torch.device | None = None) -> int:
+    """Bytes of frozen parameters and buffers (resident for the whole run), only those on `device` if given."""
     tensors = [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if device is None or t.device == torch.device(device))
+
+
+def stream_weights_from_cpu(module: torch.nn.Module) -> int:
+    """Moves the frozen weights and biases of castable layers to pinned CPU memory; ComfyUI's ops then copy
+    each layer's weights to the compute device just before it runs, on a side stream so the copy of the next
+    layer overlaps the current one's compute. With gradient checkpointing only the block being recomputed
+    holds device copies. Returns the bytes that left the device."""
+    moved = 0
+    for layer in _castable_layers(module, min_dim=1):
+        for name in ("weight", "bias"):
+            tensor = getattr(layer, name, None)
+            if tensor is None or tensor.requires_grad or tensor.device.type == "cpu":
+                continue
+            moved += tensor.numel() * tensor.element_size()
+            host = tensor.data.to("cpu")
+            setattr(layer, name, torch.nn.Parameter(host.pin_memory() if torch.cuda.is_available() else host,
+                                                    requires_grad=False))
+        layer.comfy_cast_weights = True
+    return moved
+

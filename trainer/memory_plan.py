@@ -40,6 +40,9 @@ def next_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySetti
         target = EIGHT_BIT[memory.optimizer]
         return (replace(memory, optimizer=target),
                 f"optimizer {memory.optimizer} -> {target} (optimizer moments restart; LoRA weights are kept)")
-    if memory.base_weights != "fp8":
+    if memory.base_weights == "as loaded":
         return replace(memory, base_weights="fp8"), "frozen base weights stored as fp8"
+    if memory.base_weights == "fp8" and device.type == "cuda":
+        return (replace(memory, base_weights="fp8 streamed from CPU"),
+                "frozen base weights streamed from CPU memory, layer by layer")
     return None

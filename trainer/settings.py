@@ -10,7 +10,7 @@ from .errors import LeanLoRAError
 from .optimizers import OPTIMIZERS
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
-BASE_WEIGHTS = ("as loaded", "fp8")
+BASE_WEIGHTS = ("as loaded", "fp8", "fp8 streamed from CPU")
 LORA_TARGETS = {
     # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),

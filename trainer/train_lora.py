@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +20,7 @@ from .dataset import Dataset
 from .errors import LeanLoRAError
 from .estimate import MemoryEstimate, estimate_error, probe_activations, static_terms
 from .files import sanitize_name, save_safetensors_atomic, unused_path
-from .frozen_weights import store_weights_fp8
+from .frozen_weights import store_weights_fp8, stream_weights_from_cpu
 from .lora import inject_lora, kohya_state_dict, lora_metadata
 from .loop import StepInfo, train_loop
 from .memory_plan import next_rung, resolve_for_device
@@ -61,9 +61,17 @@ class _Session:
         if memory.gradient_checkpointing and not self.checkpointed:
             checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet))
             self.checkpointed = True
-        if memory.base_weights == "fp8" and (old is None or old.base_weights != "fp8"):
+        if memory.base_weights == "fp8 streamed from CPU" and not memory.gradient_checkpointing:
+            memory = replace(memory, gradient_checkpointing=True)  # without it every streamed copy stays for backward
+            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet))
+            self.checkpointed = True
+            self.notes.append("streaming needs gradient checkpointing: turned it on")
+        if memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded"):
             saved = store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
+        if memory.base_weights == "fp8 streamed from CPU" and (old is None or old.base_weights != memory.base_weights):
+            moved = stream_weights_from_cpu(self.unet)
+            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB left the GPU")
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
@@ -78,7 +86,7 @@ class _Session:
 
     def estimate(self) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
-        estimate = static_terms(self.unet, self.params, self.memory.optimizer)
+        estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device)
         rng = self.generator.get_state()
 
         def probe_step(batch):
@@ -146,7 +154,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         session.configure(memory)
         estimate = session.estimate()
         report.append(estimate.format())
-        emit(kind="estimate", text=estimate.format())
+        emit(kind="estimate", text=estimate.format(), total=estimate.total)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # the run's peak, not the probes'
         while True:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import os
 import shlex
@@ -117,74 +116,70 @@ def make_workload(spec: ModelSpec, batch: int, device: torch.device) -> Workload
 
 # --- our presets: the real trainer code path ---
 
-@dataclass(frozen=True)
-class Preset:
-    checkpointing: bool
-    optimizer: str  # "adamw" (torch, as trainer/train_lora.py) or "adamw8bit" (bitsandbytes)
+def presets() -> dict:
+    """Our presets as the MemorySettings a user picks in LeanLoRA Memory Settings (batch comes from the row)."""
+    from trainer.settings import MemorySettings as M
+    return {"fast": M("bf16", False, 1, 1, "AdamW"),
+            "balanced": M("bf16", True, 1, 1, "AdamW"),
+            "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
+            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU")}
 
 
-PRESETS = {"fast": Preset(False, "adamw"), "balanced": Preset(True, "adamw"), "lean": Preset(True, "adamw8bit")}
+PRESET_NAMES = ("fast", "balanced", "lean", "leanest")
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
-def _optimizer(kind: str, params, notes: list[str]):
-    if kind == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-            return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=1e-2)
-        except ImportError as error:
-            notes.append(f"bitsandbytes not importable ({error}): fp32 AdamW instead")
-    return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-2)
+def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
+    """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
+    from dataclasses import replace
 
-
-def run_ours(work: Workload, preset: Preset, warmup: int, steps: int, count_flops: bool) -> dict:
     import comfy.model_patcher
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.checkpointing import checkpoint_blocks
+    from trainer.cache import CachedSample
     from trainer.comfy_adapter import ComfyAdapter
     from trainer.loop import train_loop
     from trainer.lora import inject_lora
-    from trainer.objective import diffusion_loss
-    from trainer.precision import Precision
-    from trainer.settings import LoraSettings
+    from trainer.session import TrainingSession, budget_bytes, fit_to_budget
+    from trainer.settings import LoraSettings, TrainSettings
 
-    device, notes = work.device, []
-    base = work.build_comfy_model(torch.bfloat16)  # frozen base weights stored in bf16
+    device = work.device
+    memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
+    if preset == "autofit":
+        memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
+    base = work.build_comfy_model(torch.bfloat16)  # frozen base weights as ComfyUI loads them on a bf16 GPU
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
     unet = base.diffusion_model
     unet.requires_grad_(False)
     params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
-    if preset.checkpointing:
-        checkpoint_blocks(adapter.checkpoint_blocks(unet))
     unet.train()
-    precision = Precision("bf16", device)
-    optimizer = _optimizer(preset.optimizer, params, notes)
-    generator = torch.Generator().manual_seed(0)
     cond = cached_conditioning(base, work)
-    batches = itertools.repeat((work.latents, cond))
-
-    def loss_fn(batch):  # as trainer/train_lora.py: cache on the CPU, moved per step
-        clean, c = batch
-        clean = clean.to(device)
-        c = {k: v.to(device) for k, v in c.items()}
-        return diffusion_loss(adapter.model_sampling, lambda x, t, cc: adapter.predict(unet, x, t, cc), clean, c,
-                              generator)
+    cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
+    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(warmup + steps, 1e-4, 0, "bench"))
+    session.configure(memory)
+    budget = budget_bytes(memory.auto_fit, device)
+    if budget is None:
+        estimate, fit_lines = session.estimate(), []
+    else:
+        estimate, fit_lines = fit_to_budget(session, budget)
+    notes = [*fit_lines, *session.notes, estimate.format()]
 
     def loop(n, on_step=lambda info: None):
-        return train_loop(params, loss_fn, batches, optimizer, precision, n, 1, lambda: False, on_step)
+        return train_loop(params, session.loss, session.data, session.optimizer, session.precision, n,
+                          session.memory.gradient_accumulation, lambda: False, on_step)
 
     clock = StepClock(device)
     work.reset_peak()
     clock.mark()
     result = loop(warmup + steps, lambda info: clock.mark())
-    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "notes": notes}
+    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "notes": notes,
+           "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
     if count_flops:  # one extra, untimed step after the peak was read
         with FlopCounterMode(display=False) as counter:
             loop(1)
         out["flops"] = counter.get_total_flops()
-        out["flops_include_recompute"] = preset.checkpointing
+        out["flops_include_recompute"] = session.memory.gradient_checkpointing
     return out
 
 
@@ -207,7 +202,7 @@ class RowConfig:
     batch: int
 
 
-DEFAULT_CONFIGS = "fast,balanced,lean,diffusers,comfyui,autofit@2,autofit@3,autofit@4,autofit@6,autofit@8"
+DEFAULT_CONFIGS = "fast,balanced,lean,leanest,diffusers,comfyui,autofit@2,autofit@3,autofit@4,autofit@6,autofit@8"
 PEERS = ("diffusers", "comfyui")
 
 
@@ -218,7 +213,7 @@ def parse_config(token: str) -> RowConfig:
         if not suffix.startswith("bs") or not suffix[2:].isdigit() or int(suffix[2:]) < 1:
             raise SystemExit(f"bench: bad config {token!r}; batch suffix is :bsN, e.g. fast:bs8")
         batch = int(suffix[2:])
-    if name in PRESETS:
+    if name in PRESET_NAMES:
         return RowConfig(token, "ours", name, None, batch)
     if name in PEERS:
         return RowConfig(token, name, None, None, batch)
@@ -227,9 +222,8 @@ def parse_config(token: str) -> RowConfig:
             cap = float(name.split("@", 1)[1])
         except ValueError:
             cap = -1.0
-        if cap > 0:
-            # For now auto-fit = the lean preset under the cap (the memory planner will pick settings later).
-            return RowConfig(token, "ours", "lean", cap, batch)
+        if cap > 0:  # the fast preset, auto-fitted by the trainer to the cap (which is also enforced)
+            return RowConfig(token, "ours", "autofit", cap, batch)
     raise SystemExit(f"bench: unknown config {token!r}; use {DEFAULT_CONFIGS} (optionally with :bsN)")
 
 
@@ -261,7 +255,7 @@ def free_device_memory(device: torch.device) -> None:
 
 def _run_config(work: Workload, config: RowConfig, warmup: int, steps: int, count_flops: bool) -> dict:
     if config.kind == "ours":
-        return run_ours(work, PRESETS[config.preset], warmup, steps, count_flops)
+        return run_ours(work, config.preset, config.cap_gib, warmup, steps, count_flops)
     if config.kind == "diffusers":
         return run_diffusers_peer(work, warmup, steps)
     return run_comfyui_peer(work, warmup, steps)
@@ -316,7 +310,7 @@ def _measurements(result: dict, warmup: int, batch: int) -> dict:
     if losses:
         out["loss_first"], out["loss_last"] = losses[0], losses[-1]
         out["loss_finite"] = all(x == x and abs(x) != float("inf") for x in losses)
-    for key in ("flops", "flops_include_recompute"):
+    for key in ("flops", "flops_include_recompute", "estimate_gib", "settings"):
         if key in result:
             out[key] = result[key]
     return out
@@ -370,8 +364,16 @@ def _fmt(value, spec=".2f", missing="-"):
     return missing if value is None else format(value, spec)
 
 
-TABLE_COLUMNS = ("model", "config", "status", "peak alloc GiB", "peak resv GiB", "s/step", "warm-up s", "img/s",
+TABLE_COLUMNS = ("model", "config", "status", "peak alloc GiB", "peak resv GiB", "est GiB", "est err %", "s/step",
+                 "warm-up s", "img/s",
                  "MFU %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
+
+
+def _estimate_error(row: dict) -> float | None:
+    """The trainer's pre-step-1 estimate against the measured peak allocated, in percent."""
+    if row.get("estimate_gib") and row.get("peak_alloc_gib"):
+        return 100 * (row["estimate_gib"] - row["peak_alloc_gib"]) / row["peak_alloc_gib"]
+    return None
 
 
 def format_table(rows: list[dict], cuda: bool) -> str:
@@ -382,6 +384,7 @@ def format_table(rows: list[dict], cuda: bool) -> str:
         lines.append((
             f"{r['model']}@{r['resolution']}", r["config"], r["status"],
             _fmt(r.get("peak_alloc_gib"), missing=mem_missing), _fmt(r.get("peak_reserved_gib"), missing=mem_missing),
+            _fmt(r.get("estimate_gib")), _fmt(_estimate_error(r), "+.1f"),
             _fmt(r.get("s_per_step"), ".4f"), _fmt(r.get("warmup_s"), ".2f"), _fmt(r.get("images_per_s"), ".2f"),
             _fmt(r["mfu"] * 100 if r.get("mfu") else None, ".2f"),
             *(_fmt(ratio.get(p, {}).get(k), ".2f") for p in PEERS for k in ("s_per_step", "peak_alloc"))))
@@ -389,7 +392,8 @@ def format_table(rows: list[dict], cuda: bool) -> str:
     render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [render(TABLE_COLUMNS), render("-" * w for w in widths), *map(render, lines)]
     reasons = [f"  {r['model']} {r['config']}: {r['status']}: {r['reason']}" for r in rows if r.get("reason")]
-    return "\n".join(out + (["reasons:"] + reasons if reasons else []))
+    chosen = [f"  {r['model']} {r['config']}: {r['settings']}" for r in rows if r.get("settings") and r["cap_gib"]]
+    return "\n".join(out + (["reasons:"] + reasons if reasons else []) + (["auto-fit chose:"] + chosen if chosen else []))
 
 
 def write_json(path: Path, payload: dict) -> None:

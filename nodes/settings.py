@@ -1,4 +1,5 @@
-from ..trainer.settings import BASE_WEIGHTS, LORA_TARGETS, MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
+from ..trainer.settings import (AUTO_FIT, BASE_WEIGHTS, LORA_TARGETS, MIXED_PRECISION, OPTIMIZERS, LoraSettings,
+                                MemorySettings)
 from .common import CATEGORY
 
 
@@ -24,7 +25,13 @@ class LeanLoRAMemorySettings:
                     "8-bit choices fall back to AdamW/Lion and the report says so."}),
                 "base_weights": (list(BASE_WEIGHTS), {"default": "as loaded", "tooltip":
                     "fp8: store the frozen checkpoint weights of the training copy in fp8 (half of fp16), upcast "
-                    "layer by layer while computing. Pays off with gradient checkpointing on."}),
+                    "layer by layer while computing. fp8 streamed from CPU: also keep those weights in CPU RAM "
+                    "and copy each layer to the GPU just before it runs (least VRAM, slower; CUDA only)."}),
+                "auto_fit": (list(AUTO_FIT), {"default": "off", "tooltip":
+                    "Before step 1, measure the memory these settings need and, if it exceeds the budget, take "
+                    "the next memory saver (batch -> accumulation, bf16, checkpointing, 8-bit optimizer, fp8, "
+                    "streaming) until it fits. 'free VRAM' = what the GPU has free now. The report says what "
+                    "was chosen and why."}),
             }
         }
 
@@ -36,9 +43,9 @@ class LeanLoRAMemorySettings:
                    "repeats that step; the report lists each recovery.")
 
     def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
-                base_weights):
+                base_weights, auto_fit):
         return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
-                               optimizer, base_weights),)
+                               optimizer, base_weights, auto_fit),)
 
 
 class LeanLoRALoraConfig:

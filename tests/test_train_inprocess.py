@@ -94,3 +94,30 @@ def test_fp8_run_trains(adapter, dataset, tmp_path):
     outcome = _run(adapter, dataset, MemorySettings("bf16", True, 2, 1, base_weights="fp8"), tmp_path, steps=20, name="fp8")
     assert "frozen weights stored as fp8" in outcome.report
     assert sum(outcome.losses[-10:]) < sum(outcome.losses[:10])
+
+
+def _saved_bytes_in_forward(adapter, unet):
+    """Bytes autograd keeps for backward outside checkpointed regions, over one forward of the real UNet."""
+    total = []
+
+    def pack(tensor):
+        total.append(tensor.numel() * tensor.element_size())
+        return tensor
+    x = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = adapter.predict(unet, x, torch.tensor([300.0]), cond)
+    out.float().pow(2).mean().backward()
+    return sum(total)
+
+
+def test_gradient_checkpointing_really_wraps_comfyui_unet_layers(adapter):
+    from trainer.checkpointing import checkpoint_blocks
+    from trainer.lora import inject_lora
+    plain, checkpointed = adapter.training_unet(), adapter.training_unet()
+    for unet in (plain, checkpointed):
+        inject_lora(unet, LoraSettings(rank=4), seed=0)
+    units = adapter.checkpoint_blocks(checkpointed)
+    assert checkpoint_blocks(units) == len(units) >= 4  # ResBlocks and transformer layers
+    saved_plain, saved_checkpointed = _saved_bytes_in_forward(adapter, plain), _saved_bytes_in_forward(adapter, checkpointed)
+    assert saved_checkpointed < 0.5 * saved_plain, (saved_checkpointed, saved_plain)

@@ -11,8 +11,10 @@ import torch
 import comfy.lora
 import comfy.model_management
 import comfy.sd
+from comfy.ldm.modules.diffusionmodules.openaimodel import TimestepBlock
 
 from .errors import LeanLoRAError, TrainingCancelled
+from .frozen_weights import cast_frozen_weights
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -73,11 +75,26 @@ class ComfyAdapter:
         return unet.to(self.device)
 
     def checkpoint_blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
-        return [*unet.input_blocks, unet.middle_block, *unet.output_blocks]
+        """The units to recompute: every ResBlock and every transformer layer. ComfyUI's UNet runs the layers
+        of its TimestepEmbedSequential blocks one by one (forward_timestep_embed), never the block's own
+        forward, so checkpointing must wrap the layers. SDXL's deep levels stack 10 transformer layers in one
+        SpatialTransformer: per-layer units keep one layer's activations alive during recompute, not ten."""
+        units = []
+        for block in [*unet.input_blocks, unet.middle_block, *unet.output_blocks]:
+            for layer in block:
+                if hasattr(layer, "transformer_blocks"):
+                    units.extend(layer.transformer_blocks)
+                elif isinstance(layer, TimestepBlock):
+                    units.append(layer)
+        return units
+
+    def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
+        cast_frozen_weights(unet, dtype)
+        unet.dtype = dtype  # ComfyUI's UNet casts its input to this; predict feeds it the same
 
     def predict(self, unet: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        dtype = self.base.manual_cast_dtype or unet.dtype  # what ComfyUI's own apply_model feeds the UNet
+        dtype = unet.dtype
         extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
         try:
             return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),

@@ -16,6 +16,7 @@ class Precision:
         self.mode = mode
         self.device = torch.device(device)
         self.dtype = DTYPES[mode]
+        self.compute_dtype = self.dtype or torch.float32  # what frozen weights are stored in
         # fp16 gradients underflow without scaling; bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=initial_scale) if mode == "fp16" else None
         self.skipped_steps = 0  # fp16 steps dropped because a gradient overflowed

@@ -11,6 +11,7 @@ from .optimizers import OPTIMIZERS
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
 BASE_WEIGHTS = ("as loaded", "fp8", "fp8 streamed from CPU")
+AUTO_FIT = ("off", "free VRAM", "2 GiB", "3 GiB", "4 GiB", "6 GiB", "8 GiB", "10 GiB", "12 GiB", "16 GiB", "24 GiB")
 LORA_TARGETS = {
     # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),
@@ -31,6 +32,7 @@ class MemorySettings:
     gradient_accumulation: int = 1
     optimizer: str = "AdamW"
     base_weights: str = "as loaded"
+    auto_fit: str = "off"
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -39,6 +41,7 @@ class MemorySettings:
                  f"got {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         _require(self.base_weights in BASE_WEIGHTS, "base_weights",
                  f"got {self.base_weights!r}; choose one of {', '.join(BASE_WEIGHTS)}")
+        _require(self.auto_fit in AUTO_FIT, "auto_fit", f"got {self.auto_fit!r}; choose one of {', '.join(AUTO_FIT)}")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -51,7 +54,7 @@ class MemorySettings:
         return (f"precision {self.mixed_precision}, gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
-                f"base weights {self.base_weights}")
+                f"base weights {self.base_weights}" + (f", auto-fit to {self.auto_fit}" if self.auto_fit != "off" else ""))
 
 
 @dataclass(frozen=True)

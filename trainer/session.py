@@ -1,0 +1,147 @@
+"""The parts of a run that memory settings control, as one object: the training copy with its LoRA, precision,
+optimizer and batches. `configure` moves between settings mid-run (OOM recovery, auto-fit); `estimate` says
+where memory goes; `fit` walks the memory ladder until the estimate fits a budget."""
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+
+import torch
+
+from .cache import CachedSample, batches, collate
+from .checkpointing import checkpoint_blocks
+from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
+from .frozen_weights import store_weights_fp8, stream_weights_from_cpu
+from .memory_plan import next_rung
+from .objective import diffusion_loss
+from .optimizers import build_optimizer
+from .precision import Precision
+from .settings import MemorySettings, TrainSettings
+
+FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+class TrainingSession:
+    """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
+
+    def __init__(self, adapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings):
+        self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
+            adapter, unet, params, cache, repeats, train
+        self.generator = torch.Generator().manual_seed(train.seed)
+        self.memory: MemorySettings | None = None
+        self.notes: list[str] = []
+        self.checkpointed = False
+
+    def configure(self, memory: MemorySettings) -> None:
+        """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
+        rung saves more), which is all that first configuration, OOM recovery and auto-fit need."""
+        old, device = self.memory, self.adapter.device
+        streamed = "streamed" in memory.base_weights
+        if streamed and not memory.gradient_checkpointing:
+            memory = replace(memory, gradient_checkpointing=True)  # otherwise every streamed copy stays for backward
+            self.notes.append("streaming needs gradient checkpointing: turned it on")
+        if memory.gradient_checkpointing and not self.checkpointed:
+            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet))
+            self.checkpointed = True
+        if old is None or old.mixed_precision != memory.mixed_precision:
+            self.precision = Precision(memory.mixed_precision, device)
+            self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
+        if memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded"):
+            saved = store_weights_fp8(self.unet)
+            self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
+        if streamed and (old is None or "streamed" not in old.base_weights):
+            moved = stream_weights_from_cpu(self.unet)
+            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB left the GPU")
+        if old is None or old.optimizer != memory.optimizer:
+            self.optimizer = None  # drop the old state before the new one is allocated
+            self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
+                                                   device=device)
+            if note:
+                self.notes.append(note)
+        if old is None or old.batch_size != memory.batch_size:
+            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
+        self.memory = memory
+
+    def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
+        """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
+        estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device)
+        rng = self.generator.get_state()
+
+        def probe_step(batch):
+            with self.precision.autocast():
+                loss = self.loss(batch)
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            return probe_activations(estimate, probe_step, collate([self.cache[0]]), self.memory.batch_size,
+                                     self.adapter.device)
+        except Exception as error:
+            if not is_out_of_memory(error) or raise_oom:
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
+            return estimate
+        finally:
+            self.generator.set_state(rng)
+
+    def loss(self, batch) -> torch.Tensor:
+        device = self.adapter.device
+        clean, cond = batch
+        clean = clean.to(device)
+        cond = {k: v.to(device) for k, v in cond.items()}
+        predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
+        return diffusion_loss(self.adapter.model_sampling, predict, clean, cond, self.generator)
+
+
+def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
+    """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom)."""
+    session.optimizer.zero_grad(set_to_none=True)
+    error.__traceback__ = None  # the traceback pins the failed step's tensors
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rung = next_rung(session.memory, device)
+    if rung is None:
+        raise error
+    memory, description = rung
+    session.configure(memory)
+    return description
+
+
+def fit_to_budget(session: TrainingSession, budget: int) -> tuple[MemoryEstimate, list[str]]:
+    """Walks the memory ladder from the session's settings until the estimated peak fits `budget` bytes."""
+    device, lines = session.adapter.device, []
+    while True:
+        try:
+            estimate = session.estimate(raise_oom=True)
+            total = estimate.total
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            session.optimizer.zero_grad(set_to_none=True)
+            estimate, total = None, None  # even the small probe did not fit
+        if total is not None and total <= budget * FIT_HEADROOM:
+            lines.append(f"auto-fit: estimated peak {total / GIB:.2f} GiB fits the {budget / GIB:.2f} GiB budget "
+                         f"with: {session.memory.describe()}")
+            return estimate, lines
+        rung = next_rung(session.memory, device)
+        if rung is None:
+            lines.append("auto-fit: nothing left to trade for memory; training starts and OOM recovery stays on")
+            return estimate or session.estimate(), lines
+        why = f"estimated {total / GIB:.2f} GiB" if total is not None else "the probe ran out of memory"
+        session.configure(rung[0])
+        lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
+
+
+def budget_bytes(auto_fit: str, device: torch.device) -> int | None:
+    """The budget an auto_fit setting names: 'N GiB', or 'free VRAM' (free now plus what this process holds)."""
+    if auto_fit == "off" or device.type != "cuda":
+        return None
+    if auto_fit == "free VRAM":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_allocated(device)
+    return int(float(auto_fit.split()[0]) * GIB)

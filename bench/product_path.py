@@ -59,6 +59,7 @@ def run_one(adapter, dataset, memory, steps, loras, name, cap_at_step=None):
             stamps.append(time.perf_counter())
             if cap_at_step and event["step"] == cap_at_step[0]:
                 torch.cuda.set_per_process_memory_fraction(cap_at_step[1] * GIB / torch.cuda.get_device_properties(0).total_memory)
+                torch.cuda.empty_cache()  # cached blocks would keep serving the old sizes; the cap binds new ones
         if event["kind"] == "estimate":
             events["estimate"] = event.get("total")
     torch.cuda.empty_cache()

@@ -140,7 +140,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     from trainer.comfy_adapter import ComfyAdapter
     from trainer.loop import train_loop
     from trainer.lora import inject_lora
-    from trainer.session import TrainingSession, budget_bytes, fit_to_budget
+    from trainer.session import TrainingSession, budget_bytes, fit_to_budget, plan_static
     from trainer.settings import LoraSettings, TrainSettings
 
     device = work.device
@@ -148,6 +148,12 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     if preset == "autofit":
         memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
     base = work.build_comfy_model(torch.bfloat16)  # frozen base weights as ComfyUI loads them on a bf16 GPU
+    if cap_gib is not None:
+        # As in ComfyUI: the checkpoint waits in CPU memory and the session places only what it decided to;
+        # the cap then counts everything training puts on the GPU.
+        base.diffusion_model.to("cpu")
+        free_device_memory(device)
+        apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
     unet = base.diffusion_model
@@ -157,12 +163,15 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
     session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(warmup + steps, 1e-4, 0, "bench"))
-    session.configure(memory)
     budget = budget_bytes(memory.auto_fit, device)
     if budget is None:
+        session.configure(memory)
         estimate, fit_lines = session.estimate(), []
     else:
-        estimate, fit_lines = fit_to_budget(session, budget)
+        memory, fit_lines = plan_static(memory, unet, params, budget, device)
+        session.configure(memory)
+        estimate, more_lines = fit_to_budget(session, budget)
+        fit_lines += more_lines
     notes = [*fit_lines, *session.notes, estimate.format()]
 
     def loop(n, on_step=lambda info: None):
@@ -237,6 +246,11 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def apply_cap(device: torch.device, cap_gib: float) -> None:
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), device)
+
+
 def read_peak(device: torch.device) -> dict | None:
     if device.type != "cuda":
         return None
@@ -269,9 +283,8 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
         return dict(row, status="skipped", reason="memory caps need CUDA")
     started = time.perf_counter()
     row["baseline_alloc_gib"] = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
-    if config.cap_gib is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, config.cap_gib * GIB / total), device)
+    if config.cap_gib is not None and config.kind != "ours":
+        apply_cap(device, config.cap_gib)  # ours sets it itself once the checkpoint sits in CPU memory
     result = None
     try:
         result = _run_config(make_workload(spec, config.batch, device), config, args.warmup, args.steps, count_flops)

@@ -62,8 +62,9 @@ class ComfyAdapter:
 
     # --- the diffusion model ---
     def training_unet(self) -> torch.nn.Module:
-        """A private copy of the diffusion model: cloning turns ComfyUI's inference tensors (which cannot be
-        saved for backward) into normal ones. LoRAs already patched onto the MODEL input are baked in."""
+        """A private copy of the diffusion model, in CPU memory until the training session places it (so fp8 and
+        streaming are decided before anything lands on the GPU): cloning turns ComfyUI's inference tensors
+        (which cannot be saved for backward) into normal ones. LoRAs already patched onto the MODEL are baked in."""
         comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
         unet = copy.deepcopy(self.base.diffusion_model)
         for key, patches in self.patcher.patches.items():
@@ -72,7 +73,7 @@ class ComfyAdapter:
                 if weight is not None:
                     weight.data = comfy.lora.calculate_weight(patches, weight.data.float(), key).to(weight.dtype)
         unet.requires_grad_(False)
-        return unet.to(self.device)
+        return unet
 
     def checkpoint_blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         """The units to recompute: every ResBlock and every transformer layer. ComfyUI's UNet runs the layers

@@ -78,5 +78,35 @@ def stream_weights_from_cpu(module: torch.nn.Module) -> int:
             setattr(layer, name, torch.nn.Parameter(host.pin_memory() if torch.cuda.is_available() else host,
                                                     requires_grad=False))
         layer.comfy_cast_weights = True
+        layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
     return moved
+
+
+def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Moves every parameter and buffer to `device` in place (optimizers keep their references), except the
+    weights and biases of streamed layers."""
+    for layer in module.modules():
+        streamed = getattr(layer, "leanlora_streamed", False)
+        for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
+            if streamed and name in ("weight", "bias") and not tensor.requires_grad:
+                continue
+            if tensor.device != torch.device(device):
+                tensor.data = tensor.data.to(device)
+
+
+def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: str) -> int:
+    """Device bytes the frozen weights will take under `base_weights`, before any conversion is made."""
+    streamed, fp8 = "streamed" in base_weights, base_weights != "as loaded"
+    total = 0
+    for layer in module.modules():
+        castable = hasattr(layer, "comfy_cast_weights")
+        for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
+            if getattr(tensor, "requires_grad", False) or not tensor.is_floating_point():
+                continue
+            if castable and streamed and name in ("weight", "bias"):
+                continue
+            size = 1 if (castable and fp8 and name == "weight" and tensor.dim() >= 2) else \
+                torch.empty((), dtype=compute_dtype).element_size()
+            total += tensor.numel() * size
+    return total
 

@@ -11,14 +11,15 @@ import torch
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
-from .frozen_weights import store_weights_fp8, stream_weights_from_cpu
+from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
 from .objective import diffusion_loss
-from .optimizers import build_optimizer
-from .precision import Precision
+from .optimizers import build_optimizer, optimizer_state_bytes
+from .precision import DTYPES, Precision
 from .settings import MemorySettings, TrainSettings
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
+STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -55,7 +56,8 @@ class TrainingSession:
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
         if streamed and (old is None or "streamed" not in old.base_weights):
             moved = stream_weights_from_cpu(self.unet)
-            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB left the GPU")
+            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
+        place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
@@ -110,6 +112,26 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
     memory, description = rung
     session.configure(memory)
     return description
+
+
+def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, budget: int,
+                device: torch.device) -> tuple[MemorySettings, list[str]]:
+    """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
+    leave room for activations. A model larger than the budget never has to be loaded to find that out."""
+    lines = []
+    while True:
+        dtype = DTYPES[memory.mixed_precision] or torch.float32
+        lora = sum(p.numel() * 4 for p in params)
+        static = projected_weight_bytes(unet, dtype, memory.base_weights) + 2 * lora + \
+            optimizer_state_bytes(memory.optimizer, params)
+        if static <= budget * STATIC_SHARE:
+            return memory, lines
+        rung = next_rung(memory, device)
+        if rung is None:
+            return memory, lines
+        memory = rung[0]
+        lines.append(f"auto-fit: weights, LoRA and optimizer alone would take {static / GIB:.2f} GiB of the "
+                     f"{budget / GIB:.2f} GiB budget -> {rung[1]}")
 
 
 def fit_to_budget(session: TrainingSession, budget: int) -> tuple[MemoryEstimate, list[str]]:

@@ -21,7 +21,7 @@ from .files import sanitize_name, save_safetensors_atomic, unused_path
 from .lora import inject_lora, kohya_state_dict, lora_metadata
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
-from .session import TrainingSession, budget_bytes, fit_to_budget, is_out_of_memory, recover
+from .session import TrainingSession, budget_bytes, fit_to_budget, is_out_of_memory, plan_static, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import TIMELINE, device_memory_gib
 
@@ -72,14 +72,16 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     started = time.perf_counter()
     estimate = None
     try:
-        session.configure(memory)
         budget = budget_bytes(memory.auto_fit, device)
         if budget is None:
+            session.configure(memory)
             estimate = session.estimate()
         else:
-            estimate, fit_lines = fit_to_budget(session, budget)
-            report += fit_lines
-            for line in fit_lines:
+            memory, fit_lines = plan_static(memory, unet, params, budget, device)
+            session.configure(memory)
+            estimate, more_lines = fit_to_budget(session, budget)
+            for line in fit_lines + more_lines:
+                report.append(line)
                 emit(kind="phase", text=line)
         report.append(estimate.format())
         emit(kind="estimate", text=estimate.format(), total=estimate.total)

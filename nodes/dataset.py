@@ -5,6 +5,8 @@ import folder_paths
 from ..trainer.dataset import scan_folder
 from .common import CATEGORY
 
+FRAMING = {"center crop (square)": False, "aspect-ratio buckets": True}
+
 
 class LeanLoRADataset:
     """A folder of images + captions, checked now (cheaply) and decoded only when training caches it."""
@@ -21,17 +23,22 @@ class LeanLoRADataset:
                     "How many times each image appears per epoch (kohya's folder repeats)."}),
                 "trigger_word": ("STRING", {"default": "", "tooltip":
                     "Optional word put in front of every caption, to call the LoRA up in prompts later."}),
+                "framing": (list(FRAMING), {"default": "center crop (square)", "tooltip":
+                    "center crop (square): every image resized and cropped to resolution x resolution. "
+                    "aspect-ratio buckets: each image keeps its shape (area up to resolution², sides multiples "
+                    "of 64, never upscaled); batches hold images of one bucket, so nothing is padded."}),
             }
         }
 
     RETURN_TYPES = ("DATASET",)
+    OUTPUT_TOOLTIPS = ("The checked list of images and captions; decoded only when training caches it.",)
     FUNCTION = "execute"
     CATEGORY = CATEGORY
     DESCRIPTION = ("Captions come from <image>.txt files next to the images, or from a metadata.csv with columns "
                    "file_name,text. Unusable files are skipped and listed in the training report.")
 
-    def execute(self, folder, resolution, repeats, trigger_word):
+    def execute(self, folder, resolution, repeats, trigger_word, framing):
         path = Path(folder.strip()).expanduser()
         if not path.is_absolute():
             path = Path(folder_paths.get_input_directory()) / path
-        return (scan_folder(path, resolution, repeats, trigger_word),)
+        return (scan_folder(path, resolution, repeats, trigger_word, buckets=FRAMING[framing]),)

@@ -1,5 +1,5 @@
-from ..trainer.settings import (AUTO_FIT, BASE_WEIGHTS, LORA_TARGETS, MIXED_PRECISION, OPTIMIZERS, LoraSettings,
-                                MemorySettings)
+from ..trainer.settings import (AUTO_FIT, BASE_WEIGHTS, LATENT_CACHE, LORA_TARGETS, MIXED_PRECISION, OPTIMIZERS,
+                                LoraSettings, MemorySettings)
 from .common import CATEGORY
 
 
@@ -32,6 +32,11 @@ class LeanLoRAMemorySettings:
                     "the next memory saver (batch -> accumulation, bf16, checkpointing, 8-bit optimizer, fp8, "
                     "streaming) until it fits. 'free VRAM' = what the GPU has free now. The report says what "
                     "was chosen and why."}),
+                "latent_cache": (list(LATENT_CACHE), {"default": "RAM", "tooltip":
+                    "Keep image latents and caption embeddings between runs, keyed by file content, crop and "
+                    "encoder: re-queuing with other settings skips the VAE/CLIP, and only changed images are "
+                    "re-encoded. RAM: up to 2 GiB in this ComfyUI process. RAM + disk: also in "
+                    "models/leanlora_cache (survives restarts). off: encode every run."}),
             }
         }
 
@@ -43,9 +48,9 @@ class LeanLoRAMemorySettings:
                    "repeats that step; the report lists each recovery.")
 
     def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
-                base_weights, auto_fit):
+                base_weights, auto_fit, latent_cache):
         return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
-                               optimizer, base_weights, auto_fit),)
+                               optimizer, base_weights, auto_fit, latent_cache),)
 
 
 class LeanLoRALoraConfig:

@@ -6,7 +6,9 @@ import comfy.model_management
 import comfy.utils
 import folder_paths
 
+from ..trainer.cache_store import LatentTextStore
 from ..trainer.comfy_adapter import ComfyAdapter, apply_lora
+from ..trainer.errors import TrainingCancelled
 from ..trainer.jobs import JOBS, Job
 from ..trainer.plot import loss_chart
 from ..trainer.settings import TrainSettings
@@ -52,9 +54,20 @@ def wait_for(job: Job, total: int):
         job.cancel()  # the job saves what it learned before it ends
         job.done.wait()
         raise
+    if isinstance(job.error, TrainingCancelled):  # cancelled before anything was learned
+        logging.info("LeanLoRA: %s", job.error)
+        raise comfy.model_management.InterruptProcessingException()
     if job.error is not None:
         raise job.error
     return job.result
+
+
+def latent_store(choice: str) -> LatentTextStore | None:
+    if choice == "off":
+        return None
+    if choice == "RAM + disk":
+        return LatentTextStore(Path(folder_paths.models_dir) / "leanlora_cache")
+    return LatentTextStore()
 
 
 class LeanLoRATrain:
@@ -96,8 +109,9 @@ class LeanLoRATrain:
         settings = TrainSettings(steps, learning_rate, seed, output_name)
         adapter = ComfyAdapter(model, clip, vae)
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
+        store = latent_store(memory.latent_cache)
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
-                                                job.emit, lambda: job.cancelled))
+                                                job.emit, lambda: job.cancelled, store))
         outcome = wait_for(job, steps)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.partial:

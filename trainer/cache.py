@@ -1,5 +1,6 @@
-"""Samples -> cache: every image is VAE-encoded and every caption text-encoded exactly once, before training,
-so the encoders can leave the device while the diffusion model trains. Held in RAM (CPU tensors)."""
+"""Samples -> cache: every image is VAE-encoded and every caption text-encoded at most once, before training,
+so the encoders can leave the device while the diffusion model trains. Held as CPU tensors; with a
+LatentTextStore, encodings from earlier runs (same process, or its folder) are reused instead of recomputed."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .cache_store import LatentTextStore, image_key, text_key
 from .dataset import Dataset, load_image
 
 
@@ -21,18 +23,63 @@ ImageEncoder = Callable[[torch.Tensor], torch.Tensor]              # [1, H, W, 3
 TextEncoder = Callable[[str, int, int], dict[str, torch.Tensor]]   # (caption, width, height) -> cond kwargs
 
 
+# What load_image does to an image's bytes besides the target size; part of every latent key, so a change to
+# load_image's resize/crop must change this string (old latents then miss instead of being reused).
+PREPROCESS = "scale-to-cover center-crop lanczos v1"
+
+
+@dataclass
+class CacheStats:
+    image_hits: int = 0
+    image_misses: int = 0
+    text_hits: int = 0
+    text_misses: int = 0
+
+    def describe(self) -> str:
+        return (f"cache: latents {self.image_hits} hits, {self.image_misses} encoded; "
+                f"text {self.text_hits} hits, {self.text_misses} encoded")
+
+
+def _fetch(store: LatentTextStore | None, make_key: Callable[[], str],
+           encode: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], bool]:
+    """(entry, hit): the store's entry, else a fresh encoding, which is put into the store."""
+    key = make_key() if store is not None else None
+    entry = store.get(key) if key is not None else None
+    if entry is not None:
+        return entry, True
+    entry = encode()
+    if key is not None:
+        store.put(key, entry)
+    return entry, False
+
+
 def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextEncoder,
-                on_item: Callable[[int, int], None] = lambda done, total: None) -> list[CachedSample]:
-    text_cache: dict[str, dict[str, torch.Tensor]] = {}
+                on_item: Callable[[int, int], None] = lambda done, total: None,
+                store: LatentTextStore | None = None, image_encoder_id: str = "", text_encoder_id: str = "",
+                stats: CacheStats | None = None, preprocess: str = PREPROCESS) -> list[CachedSample]:
+    """Encodes what the store does not hold yet (without a store: everything) and counts into `stats`. A hit
+    skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP."""
+    stats = stats if stats is not None else CacheStats()
+    run_texts: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}  # a repeated caption is encoded once
     cached = []
     total = len(dataset.samples)
     for index, sample in enumerate(dataset.samples):
-        pixels = load_image(sample.path, dataset.resolution)[None]
-        latent = encode_image(pixels).detach().to("cpu", torch.float32)
-        if sample.caption not in text_cache:
-            cond = encode_text(sample.caption, pixels.shape[2], pixels.shape[1])
-            text_cache[sample.caption] = {k: v.detach().to("cpu") for k, v in cond.items()}
-        cached.append(CachedSample(latent, text_cache[sample.caption]))
+        width, height = dataset.target_size(sample)
+        latent, hit = _fetch(
+            store, lambda: image_key(sample.path, f"{preprocess} {width}x{height}", image_encoder_id),
+            lambda: {"latent": encode_image(load_image(sample.path, (width, height))[None]).detach().to("cpu", torch.float32)})
+        stats.image_hits += hit
+        stats.image_misses += not hit
+
+        text_id = (sample.caption, width, height)
+        hit = text_id in run_texts
+        if not hit:
+            run_texts[text_id], hit = _fetch(
+                store, lambda: text_key(sample.caption, width, height, text_encoder_id),
+                lambda: {k: v.detach().to("cpu") for k, v in encode_text(sample.caption, width, height).items()})
+        stats.text_hits += hit
+        stats.text_misses += not hit
+        cached.append(CachedSample(latent["latent"], run_texts[text_id]))
         on_item(index + 1, total)
     return cached
 
@@ -60,12 +107,15 @@ def collate(samples: list[CachedSample]) -> tuple[torch.Tensor, dict[str, torch.
 
 def batches(cache: list[CachedSample], batch_size: int, repeats: int,
             generator: torch.Generator) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """Endless batches: each epoch is every sample `repeats` times, shuffled; a batch never spans epochs
-    unless the epoch is smaller than the batch (then samples repeat within it)."""
+    """Endless batches. Each epoch is every sample `repeats` times, shuffled, then grouped by latent shape
+    (aspect-ratio bucket) so no batch is ever padded; batch order is shuffled across buckets. A bucket's
+    remainder becomes a smaller batch instead of being dropped or padded."""
     epoch = [i for i in range(len(cache)) for _ in range(repeats)]
     while True:
-        order = [epoch[i] for i in torch.randperm(len(epoch), generator=generator).tolist()]
-        while len(order) < batch_size:
-            order += order
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield collate([cache[i] for i in order[start:start + batch_size]])
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for position in torch.randperm(len(epoch), generator=generator).tolist():
+            index = epoch[position]
+            buckets.setdefault(tuple(cache[index].latent.shape), []).append(index)
+        chunks = [ids[start:start + batch_size] for ids in buckets.values() for start in range(0, len(ids), batch_size)]
+        for chunk in torch.randperm(len(chunks), generator=generator).tolist():
+            yield collate([cache[i] for i in chunks[chunk]])

@@ -5,6 +5,7 @@ The user's MODEL is never modified: training runs on a private copy of the diffu
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import torch
 
@@ -13,7 +14,7 @@ import comfy.model_management
 import comfy.sd
 from comfy.ldm.modules.diffusionmodules.openaimodel import TimestepBlock
 
-from .errors import LeanLoRAError, TrainingCancelled
+from .errors import LeanLoRAError
 from .frozen_weights import cast_frozen_weights
 
 
@@ -24,7 +25,48 @@ def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
         return None
 
 
+def _hash_tensor(digest, tensor: torch.Tensor) -> None:
+    """Name-independent part of a weight's fingerprint: shape, dtype and ~64 evenly strided values. Hashing
+    every byte of a multi-GB text encoder would take seconds; a different checkpoint differs in the samples."""
+    sample = tensor.detach().flatten()[:: max(1, tensor.numel() // 64)]
+    digest.update(f"{tuple(tensor.shape)} {tensor.dtype}".encode())
+    digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+
+
+def _hash_patch_value(digest, value) -> None:
+    """A LoRA patch (comfy.weight_adapter objects keep their tensors in .weights; older forms are tuples)."""
+    if isinstance(value, torch.Tensor):
+        _hash_tensor(digest, value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _hash_patch_value(digest, item)
+    elif hasattr(value, "weights"):
+        digest.update(type(value).__name__.encode())
+        _hash_patch_value(digest, value.weights)
+    else:
+        digest.update(repr(value).encode())  # numbers, names; anything else at worst makes a needless miss
+
+
+def weights_fingerprint(patcher, *extra: str) -> str:
+    """Identity of a ComfyUI model as it encodes: its unpatched weights plus the patches (LoRAs) on top."""
+    digest = hashlib.sha256("\0".join((type(patcher.model).__name__, *extra)).encode())
+    for name, weight in patcher.model.state_dict().items():
+        original = patcher.backup.get(name)  # while loaded, patched weights are modified in place
+        digest.update(name.encode())
+        _hash_tensor(digest, original.weight if original is not None else weight)
+    for name in sorted(patcher.patches):
+        for strength, value, strength_model, offset, function in patcher.patches[name]:
+            function = getattr(function, "__qualname__", repr(function))
+            digest.update(repr((name, strength, strength_model, offset, function)).encode())
+            _hash_patch_value(digest, value)
+    return digest.hexdigest()
+
+
 class ComfyAdapter:
+    # ComfyUI's ops check (and clear) the Cancel flag on every layer call, in whatever thread runs them: in the
+    # forward pass, in checkpointed recomputation during backward, in VAE/CLIP encoding. Any of these means Cancel.
+    cancel_errors = (comfy.model_management.InterruptProcessingException,)
+
     def __init__(self, model, clip, vae):
         for name, value in (("model", model), ("clip", clip), ("vae", vae)):
             if value is None:
@@ -38,6 +80,7 @@ class ComfyAdapter:
             raise LeanLoRAError("inpainting/instruct checkpoints (extra input channels) are not supported yet")
         self.device = comfy.model_management.get_torch_device()
         self.model_sampling = self.base.model_sampling
+        self._encoder_ids: dict[str, str] = {}
 
     def describe(self) -> str:
         unet = self.base.diffusion_model
@@ -55,6 +98,24 @@ class ComfyAdapter:
         conds = self.base.extra_conds(cross_attn=cond, pooled_output=pooled, width=width, height=height,
                                       device=torch.device("cpu"))
         return {name: c.cond for name, c in conds.items()}
+
+    # --- encoder identities (cache keys): computed once per adapter ---
+    def image_encoder_id(self) -> str:
+        """The VAE and the model's latent scaling (encode_image applies process_latent_in)."""
+        if "image" not in self._encoder_ids:
+            latent_format = self.base.latent_format
+            self._encoder_ids["image"] = weights_fingerprint(
+                self.vae.patcher, str(self.vae.vae_dtype), type(latent_format).__name__,
+                f"{latent_format.scale_factor} {getattr(latent_format, 'shift_factor', 0.0)}")
+        return self._encoder_ids["image"]
+
+    def text_encoder_id(self) -> str:
+        """CLIP with its LoRA patches and options, and the model family (extra_conds differ per family)."""
+        if "text" not in self._encoder_ids:
+            self._encoder_ids["text"] = weights_fingerprint(
+                self.clip.patcher, type(self.base).__name__, str(self.clip.layer_idx),
+                repr(sorted(self.clip.tokenizer_options.items())))
+        return self._encoder_ids["text"]
 
     def release_encoders(self) -> None:
         comfy.model_management.unload_all_models()
@@ -97,12 +158,7 @@ class ComfyAdapter:
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = unet.dtype
         extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
-        try:
-            return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
-                        transformer_options={}, **extra)
-        except comfy.model_management.InterruptProcessingException as cancel:
-            # ComfyUI's ops check (and clear) the Cancel flag on every layer, in whatever thread runs them.
-            raise TrainingCancelled() from cancel
+        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype), transformer_options={}, **extra)
 
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")

@@ -33,8 +33,10 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                batches: Iterator, optimizer: torch.optim.Optimizer, precision: Precision,
                steps: int, accumulation: int, should_stop: Callable[[], bool],
                on_step: Callable[[StepInfo], None] = lambda info: None,
-               max_grad_norm: float | None = 1.0, first_step: int = 0) -> LoopResult:
-    """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery)."""
+               max_grad_norm: float | None = 1.0, first_step: int = 0,
+               cancel_errors: tuple[type[BaseException], ...] = ()) -> LoopResult:
+    """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
+    TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps."""
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
     for step in range(first_step, steps):
@@ -48,7 +50,7 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                     loss = loss_fn(next(batches)) / accumulation
                 precision.backward(loss)
                 step_loss += loss.item()
-        except TrainingCancelled:
+        except (TrainingCancelled, *cancel_errors):
             optimizer.zero_grad(set_to_none=True)  # a half-accumulated step is dropped, earlier ones are kept
             result.cancelled = True
             break

@@ -79,7 +79,8 @@ class TrainingSession:
             loss.backward()
             self.optimizer.zero_grad(set_to_none=True)
         try:
-            return probe_activations(estimate, probe_step, collate([self.cache[0]]), self.memory.batch_size,
+            largest = max(self.cache, key=lambda sample: sample.latent.numel())  # the biggest bucket sets the peak
+            return probe_activations(estimate, probe_step, collate([largest]), self.memory.batch_size,
                                      self.adapter.device)
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:

@@ -11,6 +11,7 @@ from .optimizers import OPTIMIZERS
 
 MIXED_PRECISION = ("bf16", "fp16", "no")
 BASE_WEIGHTS = ("as loaded", "fp8", "fp8 streamed from CPU")
+LATENT_CACHE = ("RAM", "RAM + disk", "off")
 AUTO_FIT = ("off", "free VRAM", "2 GiB", "3 GiB", "4 GiB", "6 GiB", "8 GiB", "10 GiB", "12 GiB", "16 GiB", "24 GiB")
 LORA_TARGETS = {
     # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
@@ -33,6 +34,7 @@ class MemorySettings:
     optimizer: str = "AdamW"
     base_weights: str = "as loaded"
     auto_fit: str = "off"
+    latent_cache: str = "RAM"
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -42,6 +44,8 @@ class MemorySettings:
         _require(self.base_weights in BASE_WEIGHTS, "base_weights",
                  f"got {self.base_weights!r}; choose one of {', '.join(BASE_WEIGHTS)}")
         _require(self.auto_fit in AUTO_FIT, "auto_fit", f"got {self.auto_fit!r}; choose one of {', '.join(AUTO_FIT)}")
+        _require(self.latent_cache in LATENT_CACHE, "latent_cache",
+                 f"got {self.latent_cache!r}; choose one of {', '.join(LATENT_CACHE)}")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")

@@ -13,9 +13,10 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .cache import build_cache
+from .cache import CacheStats, build_cache
+from .cache_store import LatentTextStore
 from .dataset import Dataset
-from .errors import LeanLoRAError
+from .errors import LeanLoRAError, TrainingCancelled
 from .estimate import estimate_error
 from .files import sanitize_name, save_safetensors_atomic, unused_path
 from .lora import inject_lora, kohya_state_dict, lora_metadata
@@ -37,19 +38,29 @@ class TrainOutcome:
 
 
 def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
-               loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool]) -> TrainOutcome:
+               loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
+               store: LatentTextStore | None = None) -> TrainOutcome:
+    """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder)."""
     device = adapter.device
     memory, device_notes = resolve_for_device(memory, device)
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
               f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
               memory.describe(), *device_notes]
 
+    cancel_errors = (TrainingCancelled, *getattr(adapter, "cancel_errors", ()))
     emit(kind="phase", text="caching latents and text embeddings")
-    cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
-                        on_item=lambda done, total: emit(kind="cache", done=done, total=total))
+    stats = CacheStats()
+    try:
+        cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
+                            on_item=lambda done, total: emit(kind="cache", done=done, total=total), store=store,
+                            image_encoder_id=adapter.image_encoder_id() if store else "",
+                            text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats)
+    except cancel_errors as cancel:
+        raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
+    report.append(stats.describe())
     adapter.release_encoders()
     if should_stop():
-        raise LeanLoRAError("cancelled while caching; nothing was trained, no LoRA was saved")
+        raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved")
 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
@@ -91,7 +102,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
             try:
                 result = train_loop(params, session.loss, session.data, session.optimizer, session.precision,
                                     train.steps, session.memory.gradient_accumulation, should_stop, on_step,
-                                    first_step=len(losses))
+                                    first_step=len(losses), cancel_errors=cancel_errors)
                 cancelled = result.cancelled
                 break
             except Exception as error:
@@ -100,6 +111,8 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                 rung = recover(session, error, device)
                 recoveries.append(f"step {len(losses) + 1}: out of memory -> {rung}")
                 emit(kind="phase", text=f"recovered from out of memory: {rung}")
+    except cancel_errors:  # Cancel while measuring memory, before the first step
+        cancelled = True
     except Exception as error:  # keep what was learned before the failure, then report it
         failure = error
     seconds = time.perf_counter() - started
@@ -111,7 +124,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         adapter.free(unet)
         if failure is not None:
             raise _explain(failure, None) from failure
-        raise LeanLoRAError("cancelled before the first step; no LoRA was saved")
+        raise TrainingCancelled("cancelled before the first step; no LoRA was saved")
 
     stem = sanitize_name(train.output_name)
     if partial:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-for path in (REPO / "scripts", REPO):
+for path in (REPO / "tests", REPO / "scripts", REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -53,3 +53,14 @@ def tiny_assets(comfy_base) -> dict:
 def comfy_server(comfy_base, tiny_assets):
     with ComfyServer(comfy_base) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def comfy_objects(tiny_assets):
+    """MODEL, CLIP and VAE of the tiny checkpoint, loaded by ComfyUI's own loader in this process."""
+    import torch
+    import comfy.sd
+    with torch.inference_mode():
+        model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(
+            str(tiny_assets["checkpoint"]), output_vae=True, output_clip=True, embedding_directory=None)
+    return model, clip, vae

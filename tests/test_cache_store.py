@@ -130,15 +130,6 @@ def test_ram_layer_is_bounded_least_recently_used():
     assert len(ram) == 2
 
 
-@pytest.fixture(scope="module")
-def comfy_objects(tiny_assets):
-    import comfy.sd
-    with torch.inference_mode():
-        model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(
-            str(tiny_assets["checkpoint"]), output_vae=True, output_clip=True, embedding_directory=None)
-    return model, clip, vae
-
-
 def _clip_lora(clip, strength):
     """A clone of clip with a rank-4 LoRA on one layer, loaded the way LoraLoader does."""
     import comfy.lora

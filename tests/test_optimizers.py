@@ -14,42 +14,26 @@ from trainer.optimizers import (OPTIMIZERS, build_optimizer, optimizer_state_byt
 from trainer.precision import Precision
 from trainer.settings import LoraSettings
 
+from helpers import TinyNet
+
 CPU = torch.device("cpu")
 # Per-optimizer learning rates: Lion's sign updates want a few times less than AdamW's.
 LEARNING_RATES = {"AdamW": 1e-2, "AdamW8bit": 1e-2, "PagedAdamW8bit": 1e-2, "Lion": 3e-3, "Lion8bit": 3e-3,
                   "Adafactor": 1e-2}
 
 
-class Attention(torch.nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
-        self.to_out = torch.nn.Sequential(torch.nn.Linear(dim, dim))
-
-    def forward(self, x):
-        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
-        return self.to_out(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
-
-
-class TinyNet(torch.nn.Module):
+def _net():
     """dim 256 at rank 16 gives LoRA tensors of 4096 elements: just enough for bitsandbytes to quantize them."""
-    def __init__(self, dim=256, depth=2):
-        super().__init__()
-        self.input_blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"attn1": Attention(dim)}) for _ in range(depth))
-
-    def forward(self, x):
-        for block in self.input_blocks:
-            x = x + block["attn1"](x)
-        return x
+    return TinyNet(dim=256, depth=2)
 
 
 def _train(name: str, steps: int = 60):
     torch.manual_seed(0)
-    net = TinyNet()
+    net = _net()
     params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
     x = torch.randn(64, 5, 256)
     with torch.no_grad():
-        y = TinyNet()(x)
+        y = _net()(x)
 
     def data():
         g = torch.Generator().manual_seed(0)

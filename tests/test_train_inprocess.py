@@ -11,15 +11,6 @@ from trainer.train_lora import train_lora
 
 
 @pytest.fixture(scope="module")
-def comfy_objects(tiny_assets):
-    import comfy.sd
-    with torch.inference_mode():
-        model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(
-            str(tiny_assets["checkpoint"]), output_vae=True, output_clip=True, embedding_directory=None)
-    return model, clip, vae
-
-
-@pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     import tiny_assets
     return scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("ds"), n=2), 64)

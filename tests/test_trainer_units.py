@@ -16,28 +16,7 @@ from trainer.loop import train_loop
 from trainer.precision import Precision
 from trainer.settings import LoraSettings, MemorySettings
 
-
-class Attention(torch.nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
-        self.to_out = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Dropout(0.0))
-
-    def forward(self, x):
-        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
-        return self.to_out(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
-
-
-class TinyNet(torch.nn.Module):
-    """Named like ComfyUI's UNet (input_blocks.N.attn1.to_q ...) so LoRA targets and kohya keys are realistic."""
-    def __init__(self, dim=16, depth=3):
-        super().__init__()
-        self.input_blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"attn1": Attention(dim)}) for _ in range(depth))
-
-    def forward(self, x):
-        for block in self.input_blocks:
-            x = x + block["attn1"](x)
-        return x
+from helpers import TinyNet
 
 
 def test_sanitize_name_blocks_traversal_and_junk():

@@ -112,3 +112,28 @@ def test_gradient_checkpointing_really_wraps_comfyui_unet_layers(adapter):
     assert checkpoint_blocks(units) == len(units) >= 4  # ResBlocks and transformer layers
     saved_plain, saved_checkpointed = _saved_bytes_in_forward(adapter, plain), _saved_bytes_in_forward(adapter, checkpointed)
     assert saved_checkpointed < 0.5 * saved_plain, (saved_checkpointed, saved_plain)
+
+
+def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
+    from trainer.frozen_weights import device_bound, projected_weight_bytes, stream_weights_from_cpu
+    from trainer.lora import inject_lora
+    unet = adapter.training_unet()
+    params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    with torch.no_grad():
+        reference = adapter.predict(unet, x, torch.tensor([500.0]), cond)
+    as_loaded = projected_weight_bytes(unet, torch.float32, "as loaded")
+    assert as_loaded == frozen_weight_bytes(unet)
+    assert projected_weight_bytes(unet, torch.float32, "fp8") < 0.3 * as_loaded
+    streamed_projection = projected_weight_bytes(unet, torch.float32, "fp8 streamed from CPU")
+    kept_off = stream_weights_from_cpu(unet)
+    assert streamed_projection < 0.01 * as_loaded and kept_off > 0.99 * as_loaded
+    with torch.no_grad():  # ComfyUI's ops copy each streamed layer to the input's device per call
+        assert torch.equal(adapter.predict(unet, x, torch.tensor([500.0]), cond), reference)
+    bound = {id(t) for t in device_bound(unet)}  # what place_on_device would move to the GPU
+    to_q = unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q.base_layer
+    assert to_q.leanlora_streamed and id(to_q.weight) not in bound
+    assert all(id(p) in bound for p in params)
+    frozen_bound = [t for t in device_bound(unet) if not t.requires_grad]
+    assert sum(t.numel() * t.element_size() for t in frozen_bound) == streamed_projection

@@ -66,32 +66,38 @@ def stream_weights_from_cpu(module: torch.nn.Module) -> int:
     """Moves the frozen weights and biases of castable layers to pinned CPU memory; ComfyUI's ops then copy
     each layer's weights to the compute device just before it runs, on a side stream so the copy of the next
     layer overlaps the current one's compute. With gradient checkpointing only the block being recomputed
-    holds device copies. Returns the bytes that left the device."""
+    holds device copies. Returns the bytes kept off the device."""
     moved = 0
+    pin = torch.cuda.is_available()  # pinned pages let the copies run asynchronously on the side stream
     for layer in _castable_layers(module, min_dim=1):
         for name in ("weight", "bias"):
             tensor = getattr(layer, name, None)
-            if tensor is None or tensor.requires_grad or tensor.device.type == "cpu":
+            if tensor is None or tensor.requires_grad:
                 continue
             moved += tensor.numel() * tensor.element_size()
+            if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin):
+                continue
             host = tensor.data.to("cpu")
-            setattr(layer, name, torch.nn.Parameter(host.pin_memory() if torch.cuda.is_available() else host,
-                                                    requires_grad=False))
+            setattr(layer, name, torch.nn.Parameter(host.pin_memory() if pin else host, requires_grad=False))
         layer.comfy_cast_weights = True
         layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
     return moved
 
 
-def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
-    """Moves every parameter and buffer to `device` in place (optimizers keep their references), except the
-    weights and biases of streamed layers."""
+def device_bound(module: torch.nn.Module):
+    """Every parameter and buffer that belongs on the compute device: all but streamed layers' frozen weights."""
     for layer in module.modules():
         streamed = getattr(layer, "leanlora_streamed", False)
         for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
-            if streamed and name in ("weight", "bias") and not tensor.requires_grad:
-                continue
-            if tensor.device != torch.device(device):
-                tensor.data = tensor.data.to(device)
+            if not (streamed and name in ("weight", "bias") and not tensor.requires_grad):
+                yield tensor
+
+
+def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Moves what belongs on `device` there in place (optimizers keep their references to the parameters)."""
+    for tensor in device_bound(module):
+        if tensor.device != torch.device(device):
+            tensor.data = tensor.data.to(device)
 
 
 def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: str) -> int:

@@ -80,7 +80,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     recoveries: list[str] = []
     failure: BaseException | None = None
     cancelled = False
-    started = time.perf_counter()
+    started = time.perf_counter()  # reset below, once the estimate's probe steps are done
     estimate = None
     try:
         budget = budget_bytes(memory.auto_fit, device)
@@ -98,6 +98,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # the run's peak, not the probes'
+        started = time.perf_counter()
         while True:
             try:
                 result = train_loop(params, session.loss, session.data, session.optimizer, session.precision,
@@ -123,7 +124,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     if steps_done == 0:
         adapter.free(unet)
         if failure is not None:
-            raise _explain(failure, None) from failure
+            raise _explain(failure, None, before_first_step=not recoveries) from failure
         raise TrainingCancelled("cancelled before the first step; no LoRA was saved")
 
     stem = sanitize_name(train.output_name)
@@ -158,8 +159,12 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries)
 
 
-def _explain(error: BaseException, saved: Path | None) -> LeanLoRAError:
+def _explain(error: BaseException, saved: Path | None, before_first_step: bool = False) -> LeanLoRAError:
     kept = f"; what was learned so far is saved as {saved}" if saved else ""
+    if is_out_of_memory(error) and before_first_step:
+        return LeanLoRAError("out of GPU memory while placing the training copy or measuring memory, before step 1. "
+                             "Set auto_fit to 'free VRAM' in LeanLoRA Memory Settings (it picks fp8 or streamed "
+                             "weights when the model itself does not fit), or choose them by hand")
     if is_out_of_memory(error):
         return LeanLoRAError(f"out of GPU memory during training, even after every memory-saving fallback{kept}. "
                              "Lower the resolution or the LoRA rank, or free VRAM used by other programs")

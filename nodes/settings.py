@@ -1,5 +1,5 @@
-from ..trainer.settings import (AUTO_FIT, BASE_WEIGHTS, LATENT_CACHE, LORA_TARGETS, MIXED_PRECISION, OPTIMIZERS,
-                                LoraSettings, MemorySettings)
+from ..trainer.settings import (ATTENTION, AUTO_FIT, BASE_WEIGHTS, LATENT_CACHE, LORA_TARGETS, MIXED_PRECISION,
+                                OPTIMIZERS, LoraSettings, MemorySettings)
 from .common import CATEGORY
 
 
@@ -37,6 +37,10 @@ class LeanLoRAMemorySettings:
                     "encoder: re-queuing with other settings skips the VAE/CLIP, and only changed images are "
                     "re-encoded. RAM: up to 2 GiB in this ComfyUI process. RAM + disk: also in "
                     "models/leanlora_cache (survives restarts). off: encode every run."}),
+                "attention": (list(ATTENTION), {"default": "auto", "tooltip":
+                    "Attention kernel used while training. auto: what ComfyUI picked at start-up. pytorch SDPA: "
+                    "flash / memory-efficient kernels where the GPU has them. xformers: only if installed for "
+                    "your torch on an NVIDIA GPU. chunked: sub-quadratic attention in slices, least memory, slowest."}),
             }
         }
 
@@ -48,9 +52,9 @@ class LeanLoRAMemorySettings:
                    "repeats that step; the report lists each recovery.")
 
     def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
-                base_weights, auto_fit, latent_cache):
+                base_weights, auto_fit, latent_cache, attention):
         return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
-                               optimizer, base_weights, auto_fit, latent_cache),)
+                               optimizer, base_weights, auto_fit, latent_cache, attention),)
 
 
 class LeanLoRALoraConfig:

@@ -137,3 +137,28 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
     assert all(id(p) in bound for p in params)
     frozen_bound = [t for t in device_bound(unet) if not t.requires_grad]
     assert sum(t.numel() * t.element_size() for t in frozen_bound) == streamed_projection
+
+
+@pytest.mark.parametrize("backend", ["pytorch SDPA", "chunked (sub-quadratic)"])
+def test_attention_backends_compute_the_same_and_are_really_used(adapter, backend, monkeypatch):
+    import comfy.ldm.modules.attention as comfy_attention
+    unet = adapter.training_unet()
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    with torch.no_grad():
+        reference = adapter.predict(unet, x, torch.tensor([400.0]), cond)
+    kernel_name = {"pytorch SDPA": "attention_pytorch", "chunked (sub-quadratic)": "attention_sub_quad"}[backend]
+    calls = []
+    kernel = getattr(comfy_attention, kernel_name)
+    monkeypatch.setattr(comfy_attention, kernel_name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    adapter.set_attention(backend)
+    with torch.no_grad():
+        out = adapter.predict(unet, x, torch.tensor([400.0]), cond)
+    assert calls, f"{backend} was not used"
+    torch.testing.assert_close(out, reference, rtol=1e-3, atol=1e-3)
+
+
+def test_unusable_xformers_fails_before_any_work_with_a_clear_message(adapter, dataset, tmp_path):
+    with pytest.raises(LeanLoRAError, match="attention: xformers is not usable here"):
+        _run(adapter, dataset, MemorySettings(attention="xformers"), tmp_path)
+    assert not list(tmp_path.iterdir())

@@ -9,6 +9,7 @@ import hashlib
 
 import torch
 
+import comfy.ldm.modules.attention as comfy_attention
 import comfy.lora
 import comfy.model_management
 import comfy.sd
@@ -80,6 +81,7 @@ class ComfyAdapter:
             raise LeanLoRAError("inpainting/instruct checkpoints (extra input channels) are not supported yet")
         self.device = comfy.model_management.get_torch_device()
         self.model_sampling = self.base.model_sampling
+        self.transformer_options: dict = {}
         self._encoder_ids: dict[str, str] = {}
 
     def describe(self) -> str:
@@ -150,6 +152,21 @@ class ComfyAdapter:
                     units.append(layer)
         return units
 
+    def set_attention(self, backend: str) -> None:
+        """Picks the attention kernel for training through ComfyUI's per-call override hook (the sampler's own
+        choice stays untouched). 'auto' keeps what ComfyUI chose at start-up."""
+        kernels = {"pytorch SDPA": comfy_attention.attention_pytorch,
+                   "xformers": comfy_attention.attention_xformers,
+                   "chunked (sub-quadratic)": comfy_attention.attention_sub_quad}
+        if backend == "auto":
+            self.transformer_options = {}
+            return
+        if backend == "xformers" and not comfy.model_management.xformers_enabled():
+            raise LeanLoRAError("attention: xformers is not usable here (it needs an NVIDIA GPU and an importable "
+                                "xformers matching your torch); choose 'pytorch SDPA' or 'auto'")
+        kernel = kernels[backend]
+        self.transformer_options = {"optimized_attention_override": lambda default, *args, **kwargs: kernel(*args, **kwargs)}
+
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)
         unet.dtype = dtype  # ComfyUI's UNet casts its input to this; predict feeds it the same
@@ -158,7 +175,8 @@ class ComfyAdapter:
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = unet.dtype
         extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
-        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype), transformer_options={}, **extra)
+        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
+                    transformer_options=dict(self.transformer_options), **extra)
 
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")

@@ -43,6 +43,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder)."""
     device = adapter.device
     memory, device_notes = resolve_for_device(memory, device)
+    adapter.set_attention(memory.attention)  # an unusable backend fails here, before any encoding
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
               f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
               memory.describe(), *device_notes]

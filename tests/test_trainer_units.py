@@ -244,3 +244,32 @@ def test_bucketed_batches_are_never_padded_and_cover_every_sample():
         seen += [int(v) for v in latents[:, 0, 0, 0]]
         assert all(shapes[i] == tuple(latents.shape[1:]) for i in latents[:, 0, 0, 0].int().tolist())
     assert sorted(seen) == [0, 1, 2, 3, 4]
+
+
+def test_reading_losses_every_n_steps_changes_nothing_but_the_syncs():
+    runs = []
+    for sync_every in (1, 4):
+        net, params, data = _regression_problem()
+        seen = []
+        result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data,
+                            torch.optim.AdamW(params, lr=1e-2), Precision("no", torch.device("cpu")), steps=10,
+                            accumulation=2, should_stop=lambda: False, on_step=seen.append, sync_every=sync_every)
+        assert [info.step for info in seen] == list(range(1, 11)) and result.steps_done == 10
+        runs.append((result.losses, [p.detach().clone() for p in params]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_an_error_mid_run_still_reports_every_applied_step():
+    net, params, data = _regression_problem()
+    seen, calls = [], []
+
+    def loss_fn(batch):
+        calls.append(1)
+        if len(calls) == 7:
+            raise torch.OutOfMemoryError("simulated")
+        return torch.nn.functional.mse_loss(net(batch[0]), batch[1])
+    with pytest.raises(torch.OutOfMemoryError):
+        train_loop(params, loss_fn, data, torch.optim.AdamW(params), Precision("no", torch.device("cpu")), steps=20,
+                   accumulation=1, should_stop=lambda: False, on_step=seen.append, sync_every=5)
+    assert [info.step for info in seen] == [1, 2, 3, 4, 5, 6]  # step 7 failed; 6 was applied and is reported

@@ -34,34 +34,52 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                steps: int, accumulation: int, should_stop: Callable[[], bool],
                on_step: Callable[[StepInfo], None] = lambda info: None,
                max_grad_norm: float | None = 1.0, first_step: int = 0,
-               cancel_errors: tuple[type[BaseException], ...] = ()) -> LoopResult:
+               cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1) -> LoopResult:
     """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
-    TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps."""
+    TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps.
+    Losses stay on the device and are read (one host sync) every `sync_every` steps; on_step then reports each
+    of those steps in order (also when an exception ends the loop, so applied steps are never repeated)."""
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
-    for step in range(first_step, steps):
-        if should_stop():
-            result.cancelled = True
-            break
-        step_loss = 0.0
-        try:
-            for _ in range(accumulation):
-                with precision.autocast():
-                    loss = loss_fn(next(batches)) / accumulation
-                precision.backward(loss)
-                step_loss += loss.item()
-        except (TrainingCancelled, *cancel_errors):
-            optimizer.zero_grad(set_to_none=True)  # a half-accumulated step is dropped, earlier ones are kept
-            result.cancelled = True
-            break
-        if max_grad_norm:
-            if precision.scaler is not None:
-                precision.scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        result.losses.append(step_loss)
-        result.steps_done = step + 1
-        on_step(StepInfo(step + 1, steps, step_loss, optimizer.param_groups[0]["lr"], time.perf_counter() - start))
+    pending: list[tuple[int, torch.Tensor]] = []
+
+    def report() -> None:
+        if not pending:
+            return
+        values = torch.stack([loss for _, loss in pending]).tolist()
+        elapsed = time.perf_counter() - start
+        for (step, _), value in zip(pending, values):
+            result.losses.append(value)
+            result.steps_done = step
+            on_step(StepInfo(step, steps, value, optimizer.param_groups[0]["lr"], elapsed))
+        pending.clear()
+
+    try:
+        for step in range(first_step, steps):
+            if should_stop():
+                result.cancelled = True
+                break
+            step_loss = None
+            try:
+                for _ in range(accumulation):
+                    with precision.autocast():
+                        loss = loss_fn(next(batches)) / accumulation
+                    precision.backward(loss)
+                    step_loss = loss.detach().float() if step_loss is None else step_loss + loss.detach().float()
+            except (TrainingCancelled, *cancel_errors):
+                optimizer.zero_grad(set_to_none=True)  # a half-accumulated step is dropped, earlier ones are kept
+                result.cancelled = True
+                break
+            if max_grad_norm:
+                if precision.scaler is not None:
+                    precision.scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            pending.append((step + 1, step_loss))
+            if len(pending) >= sync_every:
+                report()
+    finally:  # an OOM or error still reports the steps that were applied
+        report()
     result.seconds = time.perf_counter() - start
     return result

@@ -27,6 +27,9 @@ from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import TIMELINE, device_memory_gib
 
 
+LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
+
+
 @dataclass
 class TrainOutcome:
     lora_path: Path
@@ -104,7 +107,8 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
             try:
                 result = train_loop(params, session.loss, session.data, session.optimizer, session.precision,
                                     train.steps, session.memory.gradient_accumulation, should_stop, on_step,
-                                    first_step=len(losses), cancel_errors=cancel_errors)
+                                    first_step=len(losses), cancel_errors=cancel_errors,
+                                    sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1)
                 cancelled = result.cancelled
                 break
             except Exception as error:

@@ -11,7 +11,7 @@ from ..trainer.comfy_adapter import ComfyAdapter, apply_lora
 from ..trainer.errors import TrainingCancelled
 from ..trainer.jobs import JOBS, Job
 from ..trainer.plot import loss_chart
-from ..trainer.settings import TrainSettings
+from ..trainer.settings import LR_SCHEDULES, TrainSettings
 from ..trainer.train_lora import train_lora
 from .common import CATEGORY, pil_to_image
 
@@ -84,7 +84,12 @@ class LeanLoRATrain:
                 "steps": ("INT", {"default": 500, "min": 1, "max": 1000000, "tooltip":
                     "Optimizer steps. Each step sees batch_size x gradient_accumulation images."}),
                 "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 0.1, "step": 1e-5, "round": False,
-                    "tooltip": "AdamW learning rate for the LoRA weights; 1e-4 is a safe start."}),
+                    "tooltip": "Peak learning rate for the LoRA weights; 1e-4 is a safe start for AdamW (Lion: 3-10x lower)."}),
+                "lr_schedule": (list(LR_SCHEDULES), {"default": "constant", "tooltip":
+                    "How the learning rate changes over the steps (diffusers' schedules): constant, cosine decay "
+                    "to 0, linear decay to 0, cosine with restarts, polynomial."}),
+                "warmup_steps": ("INT", {"default": 0, "min": 0, "max": 100000, "tooltip":
+                    "Steps over which the learning rate ramps up from 0 before the schedule starts."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFF, "tooltip":
                     "Seeds LoRA init, shuffling, noise and timesteps: the same seed gives the same run."}),
                 "output_name": ("STRING", {"default": "my_lora", "tooltip":
@@ -105,8 +110,9 @@ class LeanLoRATrain:
     CATEGORY = CATEGORY
     DESCRIPTION = "Trains a LoRA on the connected checkpoint and saves it into ComfyUI's loras folder."
 
-    def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, seed, output_name):
-        settings = TrainSettings(steps, learning_rate, seed, output_name)
+    def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, lr_schedule, warmup_steps,
+                seed, output_name):
+        settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps)
         adapter = ComfyAdapter(model, clip, vae)
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         store = latent_store(memory.latent_cache)

@@ -14,7 +14,7 @@ from trainer.jobs import JobManager
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.loop import train_loop
 from trainer.precision import Precision
-from trainer.settings import LoraSettings, MemorySettings
+from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 
 from helpers import TinyNet
 
@@ -273,3 +273,23 @@ def test_an_error_mid_run_still_reports_every_applied_step():
         train_loop(params, loss_fn, data, torch.optim.AdamW(params), Precision("no", torch.device("cpu")), steps=20,
                    accumulation=1, should_stop=lambda: False, on_step=seen.append, sync_every=5)
     assert [info.step for info in seen] == [1, 2, 3, 4, 5, 6]  # step 7 failed; 6 was applied and is reported
+
+
+def test_lr_schedule_follows_diffusers_and_survives_an_optimizer_rebuild():
+    from trainer.optimizers import build_lr_schedule
+    net, params, data = _regression_problem()
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    schedule = build_lr_schedule(optimizer, "cosine", warmup_steps=2, total_steps=10)
+    seen = []
+    train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data, optimizer,
+               Precision("no", torch.device("cpu")), steps=10, accumulation=1, should_stop=lambda: False,
+               on_step=seen.append, lr_schedule=schedule)
+    rates = [info.lr for info in seen]
+    assert rates[0] == 0.0 and rates[1] == pytest.approx(5e-3) and rates[2] == pytest.approx(1e-2)  # warm-up
+    assert rates[3] > rates[6] > rates[9] > 0  # cosine decay
+    rebuilt = torch.optim.AdamW(params, lr=1e-2)  # e.g. OOM recovery switched optimizers after step 6
+    build_lr_schedule(rebuilt, "cosine", warmup_steps=2, total_steps=10, done_steps=6)
+    assert rebuilt.param_groups[0]["lr"] == pytest.approx(rates[6])
+    assert TrainSettings(10, 1e-3, lr_schedule="constant", warmup_steps=0).lr_schedule == "constant"
+    with pytest.raises(LeanLoRAError, match="warmup_steps"):
+        TrainSettings(10, 1e-3, warmup_steps=10)

@@ -34,24 +34,25 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                steps: int, accumulation: int, should_stop: Callable[[], bool],
                on_step: Callable[[StepInfo], None] = lambda info: None,
                max_grad_norm: float | None = 1.0, first_step: int = 0,
-               cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1) -> LoopResult:
+               cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1,
+               lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None) -> LoopResult:
     """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
     TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps.
     Losses stay on the device and are read (one host sync) every `sync_every` steps; on_step then reports each
     of those steps in order (also when an exception ends the loop, so applied steps are never repeated)."""
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
-    pending: list[tuple[int, torch.Tensor]] = []
+    pending: list[tuple[int, torch.Tensor, float]] = []
 
     def report() -> None:
         if not pending:
             return
-        values = torch.stack([loss for _, loss in pending]).tolist()
+        values = torch.stack([loss for _, loss, _ in pending]).tolist()
         elapsed = time.perf_counter() - start
-        for (step, _), value in zip(pending, values):
+        for (step, _, lr), value in zip(pending, values):
             result.losses.append(value)
             result.steps_done = step
-            on_step(StepInfo(step, steps, value, optimizer.param_groups[0]["lr"], elapsed))
+            on_step(StepInfo(step, steps, value, lr, elapsed))
         pending.clear()
 
     try:
@@ -74,9 +75,12 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                 if precision.scaler is not None:
                     precision.scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the report
             precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-            pending.append((step + 1, step_loss))
+            if lr_schedule is not None:
+                lr_schedule.step()
+            pending.append((step + 1, step_loss, lr))
             if len(pending) >= sync_every:
                 report()
     finally:  # an OOM or error still reports the steps that were applied

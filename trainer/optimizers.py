@@ -162,3 +162,15 @@ def optimizer_state_bytes_per_param(name: str) -> float:
         raise ValueError("Adafactor's state depends on tensor shapes; use optimizer_state_bytes")
     moments = 1 if name.startswith("Lion") else 2
     return moments * (4.0 if name in ("AdamW", "Lion") else 1 + 4 / BNB_BLOCK)
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int,
+                      done_steps: int = 0) -> torch.optim.lr_scheduler.LRScheduler:
+    """diffusers' schedules (warm-up, then constant / cosine / linear ...), positioned at `done_steps` so an
+    optimizer rebuilt mid-run (OOM recovery) continues the same curve."""
+    from diffusers.optimization import get_scheduler
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])  # what a scheduler resumed at last_epoch >= 0 starts from
+    name = "constant_with_warmup" if name == "constant" and warmup_steps else name
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
+                         last_epoch=done_steps - 1)

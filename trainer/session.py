@@ -14,7 +14,7 @@ from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
 from .objective import diffusion_loss
-from .optimizers import build_optimizer, optimizer_state_bytes
+from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision
 from .settings import MemorySettings, TrainSettings
 
@@ -36,6 +36,7 @@ class TrainingSession:
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
         self.checkpointed = False
+        self.steps_done = 0  # kept by the caller; a rebuilt optimizer's LR schedule resumes from here
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
@@ -62,6 +63,8 @@ class TrainingSession:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
                                                    device=device)
+            self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
+                                                 self.train.steps, self.steps_done)
             if note:
                 self.notes.append(note)
         if old is None or old.batch_size != memory.batch_size:

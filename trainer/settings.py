@@ -84,14 +84,23 @@ class LoraSettings:
         return LORA_TARGETS[self.targets]
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear", "cosine_with_restarts", "polynomial")  # diffusers' names
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     steps: int = 500
     learning_rate: float = 1e-4
     seed: int = 0
     output_name: str = "leanlora"
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
+        _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
+                 f"got {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+        _require(0 <= self.warmup_steps < self.steps, "warmup_steps",
+                 f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")
         _require(0 < self.learning_rate < 1, "learning_rate",
                  f"got {self.learning_rate}; use a small positive value such as 1e-4")

@@ -49,6 +49,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     adapter.set_attention(memory.attention)  # an unusable backend fails here, before any encoding
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
               f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
+              f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
 
     cancel_errors = (TrainingCancelled, *getattr(adapter, "cancel_errors", ()))
@@ -77,6 +78,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
 
     def on_step(info: StepInfo):
         losses.append(info.loss)
+        session.steps_done = info.step
         TIMELINE.record(info.step, device)
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds)
 
@@ -108,7 +110,8 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                 result = train_loop(params, session.loss, session.data, session.optimizer, session.precision,
                                     train.steps, session.memory.gradient_accumulation, should_stop, on_step,
                                     first_step=len(losses), cancel_errors=cancel_errors,
-                                    sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1)
+                                    sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
+                                    lr_schedule=session.lr_schedule)
                 cancelled = result.cancelled
                 break
             except Exception as error:
@@ -139,6 +142,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     path = unused_path(Path(loras_dir), stem)
     metadata = lora_metadata(lora, {"leanlora_version": __version__, "ss_steps": str(steps_done),
                                     "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
+                                    "ss_lr_scheduler": train.lr_schedule, "ss_lr_warmup_steps": str(train.warmup_steps),
                                     "ss_resolution": str(dataset.resolution), "leanlora_partial": str(partial)})
     save_safetensors_atomic(state_dict, path, metadata)
     adapter.free(unet)

@@ -227,7 +227,7 @@ def test_estimate_static_terms_are_exact_counts():
     optimizer.step()
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
     assert estimate.optimizer_state == state
-    assert estimate.total is None and "n/a (CPU)" in estimate.format()  # activations are probed on CUDA only
+    assert estimate.total is None and "n/a (not measured)" in estimate.format()  # activations are probed on CUDA only
     assert fit_line([(1, 3), (3, 7)]) == (1.0, 2.0)
 
 
@@ -293,3 +293,19 @@ def test_lr_schedule_follows_diffusers_and_survives_an_optimizer_rebuild():
     assert TrainSettings(10, 1e-3, lr_schedule="constant", warmup_steps=0).lr_schedule == "constant"
     with pytest.raises(LeanLoRAError, match="warmup_steps"):
         TrainSettings(10, 1e-3, warmup_steps=10)
+
+
+def test_allocators_without_peak_statistics_skip_measurements_instead_of_failing(monkeypatch):
+    """ComfyUI runs PyTorch on cudaMallocAsync by default; a build without its peak stats must not break runs."""
+    from trainer.estimate import MemoryEstimate, probe_activations
+    from trainer.vram import device_memory_gib
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("not supported by the cudaMallocAsync allocator")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("reset_peak_memory_stats", "max_memory_allocated", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, unsupported)
+    estimate = MemoryEstimate(1, 2, 2, 4)
+    probe = probe_activations(estimate, lambda batch: pytest.fail("probed"), (None, None), 1, torch.device("cuda"))
+    assert probe.activations is None and "n/a" in probe.format()
+    assert device_memory_gib(torch.device("cuda")) is None

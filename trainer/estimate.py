@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .frozen_weights import frozen_weight_bytes
 from .optimizers import optimizer_state_bytes
+from .vram import reset_peak
 
 GIB = 2 ** 30
 
@@ -38,7 +39,7 @@ class MemoryEstimate:
         rows = [("frozen weights", self.frozen_weights), ("LoRA parameters", self.lora_parameters),
                 ("gradients", self.gradients), ("optimizer state", self.optimizer_state),
                 ("activations", self.activations), ("workspace", self.workspace)]
-        text = ", ".join(f"{name} {value / GIB:.2f}" if value is not None else f"{name} n/a (CPU)"
+        text = ", ".join(f"{name} {value / GIB:.2f}" if value is not None else f"{name} n/a (not measured)"
                          for name, value in rows)
         total = self.total
         return f"memory estimate (GiB): {text}" + (f"; peak {total / GIB:.2f} GiB" if total is not None else "")
@@ -72,7 +73,7 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
                       batch_size: int, device: torch.device) -> MemoryEstimate:
     """Runs forward+backward at two small sizes (`step(batch)` returns the loss, gradients are cleared by the
     caller) and fills in activations and workspace for the real batch and latent size."""
-    if device.type != "cuda":
+    if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
         return estimate
     latent, cond = sample
     height, width = latent.shape[-2:]

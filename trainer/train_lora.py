@@ -24,7 +24,7 @@ from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
 from .session import TrainingSession, budget_bytes, fit_to_budget, is_out_of_memory, plan_static, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
-from .vram import TIMELINE, device_memory_gib
+from .vram import GIB, TIMELINE, device_memory_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
@@ -102,8 +102,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                 emit(kind="phase", text=line)
         report.append(estimate.format())
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)  # the run's peak, not the probes'
+        reset_peak(device)  # the run's peak, not the probes'
         started = time.perf_counter()
         while True:
             try:
@@ -163,7 +162,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     if peak:
         report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved")
         if estimate is not None and not recoveries:
-            report.append(estimate_error(estimate, torch.cuda.max_memory_allocated(device)))
+            report.append(estimate_error(estimate, int(peak["peak_allocated"] * GIB)))
     report.append(("CANCELLED: partial LoRA (what was learned so far) saved to " if cancelled else "saved ") + str(path))
     return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries)
 

@@ -10,14 +10,32 @@ import torch
 GIB = 2 ** 30
 
 
+def reset_peak(device: torch.device) -> bool:
+    """Starts a new peak measurement; False where the allocator keeps no peak statistics. ComfyUI switches
+    PyTorch to the cudaMallocAsync backend by default, and not every torch build tracks peaks for it: what
+    needs them (estimate probes, peak reports) is skipped rather than failing the run."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.max_memory_allocated(device)
+        return True
+    except RuntimeError:
+        return False
+
+
 def device_memory_gib(device: torch.device) -> dict[str, float] | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return {"allocated": torch.cuda.memory_allocated(device) / GIB,
-            "reserved": torch.cuda.memory_reserved(device) / GIB,
-            "peak_allocated": torch.cuda.max_memory_allocated(device) / GIB,
-            "peak_reserved": torch.cuda.max_memory_reserved(device) / GIB}
+    try:
+        return {"allocated": torch.cuda.memory_allocated(device) / GIB,
+                "reserved": torch.cuda.memory_reserved(device) / GIB,
+                "peak_allocated": torch.cuda.max_memory_allocated(device) / GIB,
+                "peak_reserved": torch.cuda.max_memory_reserved(device) / GIB}
+    except RuntimeError:  # an allocator backend without these statistics
+        return None
 
 
 @dataclass

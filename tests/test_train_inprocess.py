@@ -162,3 +162,17 @@ def test_unusable_xformers_fails_before_any_work_with_a_clear_message(adapter, d
     with pytest.raises(LeanLoRAError, match="attention: xformers is not usable here"):
         _run(adapter, dataset, MemorySettings(attention="xformers"), tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("memory", [MemorySettings("bf16", True, 2, 1, "AdamW8bit", "fp8 streamed from CPU"),
+                                    MemorySettings("fp16", False, 1, 2, "Lion", "fp8")])
+def test_the_base_model_is_bit_identical_after_training(adapter, comfy_objects, dataset, tmp_path, memory):
+    model = comfy_objects[0]
+    before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    patches_before = dict(model.patches)
+    _run(adapter, dataset, memory, tmp_path, steps=3)
+    after = model.model.diffusion_model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert dict(model.patches) == patches_before
+    assert not any(hasattr(m, "leanlora_streamed") for m in model.model.diffusion_model.modules())

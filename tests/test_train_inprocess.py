@@ -176,3 +176,22 @@ def test_the_base_model_is_bit_identical_after_training(adapter, comfy_objects, 
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
     assert dict(model.patches) == patches_before
     assert not any(hasattr(m, "leanlora_streamed") for m in model.model.diffusion_model.modules())
+
+
+def test_training_targets_follow_the_models_own_prediction_type(comfy_objects):
+    """eps models learn the noise, v models learn v = (noise - sigma * x0) / sqrt(1 + sigma^2), and a
+    v_prediction patch from ComfyUI's ModelSamplingDiscrete node is what training sees."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete
+    from trainer.comfy_adapter import ComfyAdapter
+    from trainer.objective import output_target
+    model, clip, vae = comfy_objects
+    patched = ModelSamplingDiscrete().patch(model, "v_prediction", False)[0]
+    eps_sampling = ComfyAdapter(model, clip, vae).model_sampling
+    v_sampling = ComfyAdapter(patched, clip, vae).model_sampling
+    g = torch.Generator().manual_seed(0)
+    clean, noise = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    sigma = torch.tensor([0.5, 7.0])
+    noisy = eps_sampling.noise_scaling(sigma, noise.clone(), clean)
+    torch.testing.assert_close(output_target(eps_sampling, sigma, noisy, clean), noise, rtol=1e-4, atol=1e-4)
+    expected_v = (noise - sigma.view(-1, 1, 1, 1) * clean) / (1 + sigma.view(-1, 1, 1, 1) ** 2).sqrt()
+    torch.testing.assert_close(output_target(v_sampling, sigma, noisy, clean), expected_v, rtol=1e-4, atol=1e-4)

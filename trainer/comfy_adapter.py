@@ -80,7 +80,9 @@ class ComfyAdapter:
         if getattr(self.base, "concat_keys", ()):
             raise LeanLoRAError("inpainting/instruct checkpoints (extra input channels) are not supported yet")
         self.device = comfy.model_management.get_torch_device()
-        self.model_sampling = self.base.model_sampling
+        # Object patches first: ComfyUI's ModelSamplingDiscrete node (e.g. v_prediction) patches the schedule
+        # onto the MODEL without touching the base model until sampling.
+        self.model_sampling = model.get_model_object("model_sampling")
         self.transformer_options: dict = {}
         self._encoder_ids: dict[str, str] = {}
 

@@ -140,7 +140,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     from trainer.comfy_adapter import ComfyAdapter
     from trainer.loop import train_loop
     from trainer.lora import inject_lora
-    from trainer.session import TrainingSession, budget_bytes, fit_to_budget, plan_static
+    from trainer.session import TrainingSession
     from trainer.settings import LoraSettings, TrainSettings
 
     device = work.device
@@ -163,15 +163,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
     session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(warmup + steps, 1e-4, 0, "bench"))
-    budget = budget_bytes(memory.auto_fit, device)
-    if budget is None:
-        session.configure(memory)
-        estimate, fit_lines = session.estimate(), []
-    else:
-        memory, fit_lines = plan_static(memory, unet, params, budget, device)
-        session.configure(memory)
-        estimate, more_lines = fit_to_budget(session, budget)
-        fit_lines += more_lines
+    estimate, fit_lines = session.start(memory)
     notes = [*fit_lines, *session.notes, estimate.format()]
 
     def loop(n, on_step=lambda info: None):

@@ -17,7 +17,6 @@ class LoopResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step (mean over micro-batches)
     steps_done: int = 0
     cancelled: bool = False
-    seconds: float = 0.0
 
 
 @dataclass
@@ -85,5 +84,4 @@ def train_loop(params: list[torch.nn.Parameter], loss_fn: Callable[[object], tor
                 report()
     finally:  # an OOM or error still reports the steps that were applied
         report()
-    result.seconds = time.perf_counter() - start
     return result

@@ -71,6 +71,18 @@ class TrainingSession:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
         self.memory = memory
 
+    def start(self, memory: MemorySettings) -> tuple[MemoryEstimate, list[str]]:
+        """First configuration and the estimate before step 1. With an auto-fit budget, weights and optimizer
+        are planned before anything reaches the GPU, then probes walk the ladder until the estimate fits."""
+        budget = budget_bytes(memory.auto_fit, self.adapter.device)
+        if budget is None:
+            self.configure(memory)
+            return self.estimate(), []
+        memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device)
+        self.configure(memory)
+        estimate, more_lines = fit_to_budget(self, budget)
+        return estimate, lines + more_lines
+
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device)

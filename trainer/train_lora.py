@@ -22,7 +22,7 @@ from .files import sanitize_name, save_safetensors_atomic, unused_path
 from .lora import inject_lora, kohya_state_dict, lora_metadata
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
-from .session import TrainingSession, budget_bytes, fit_to_budget, is_out_of_memory, plan_static, recover
+from .session import TrainingSession, is_out_of_memory, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import GIB, TIMELINE, device_memory_gib, reset_peak
 
@@ -89,17 +89,10 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     started = time.perf_counter()  # reset below, once the estimate's probe steps are done
     estimate = None
     try:
-        budget = budget_bytes(memory.auto_fit, device)
-        if budget is None:
-            session.configure(memory)
-            estimate = session.estimate()
-        else:
-            memory, fit_lines = plan_static(memory, unet, params, budget, device)
-            session.configure(memory)
-            estimate, more_lines = fit_to_budget(session, budget)
-            for line in fit_lines + more_lines:
-                report.append(line)
-                emit(kind="phase", text=line)
+        estimate, fit_lines = session.start(memory)
+        for line in fit_lines:
+            report.append(line)
+            emit(kind="phase", text=line)
         report.append(estimate.format())
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
         reset_peak(device)  # the run's peak, not the probes'

@@ -98,6 +98,7 @@ def build_comfy_model(spec: ModelSpec, weight_dtype: torch.dtype, device: torch.
     model_config.set_inference_dtype(weight_dtype, None)
     with torch.device(device):
         base = model_config.get_model({}, "", device=device)
+    torch.manual_seed(0)  # the same weights in every row: a preset and its -eager twin must train identically
     random_init_(base.diffusion_model)
     return base.to(device)  # model_sampling's schedule buffers follow the weights, as ModelPatcher.load does
 
@@ -119,13 +120,16 @@ def make_workload(spec: ModelSpec, batch: int, device: torch.device) -> Workload
 def presets() -> dict:
     """Our presets as the MemorySettings a user picks in LeanLoRA Memory Settings (batch comes from the row)."""
     from trainer.settings import MemorySettings as M
-    return {"fast": M("bf16", False, 1, 1, "AdamW"),
+    from dataclasses import replace
+    base = {"fast": M("bf16", False, 1, 1, "AdamW"),
             "balanced": M("bf16", True, 1, 1, "AdamW"),
             "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
             "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU")}
+    # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
+    return {**base, **{f"{name}-eager": replace(m, fast_path="off") for name, m in base.items()}}
 
 
-PRESET_NAMES = ("fast", "balanced", "lean", "leanest")
+PRESET_NAMES = ("fast", "balanced", "lean", "leanest", "fast-eager", "balanced-eager", "lean-eager", "leanest-eager")
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
@@ -142,6 +146,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     from trainer.lora import inject_lora
     from trainer.session import TrainingSession
     from trainer.settings import LoraSettings, TrainSettings
+    from trainer.train_lora import LOSS_READ_EVERY
 
     device = work.device
     memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
@@ -166,21 +171,24 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     estimate, fit_lines = session.start(memory)
     notes = [*fit_lines, *session.notes, estimate.format()]
 
-    def loop(n, on_step=lambda info: None):
-        return train_loop(params, session.loss, session.data, session.optimizer, session.precision, n,
-                          session.memory.gradient_accumulation, lambda: False, on_step)
+    def loop(n, step_fn, after_step=lambda: None):
+        return train_loop(params, step_fn, session.data, session.optimizer, session.precision, n,
+                          session.memory.gradient_accumulation, lambda: False, sync_every=LOSS_READ_EVERY,
+                          lr_schedule=session.lr_schedule, after_step=after_step)
 
     clock = StepClock(device)
     work.reset_peak()
     clock.mark()
-    result = loop(warmup + steps, lambda info: clock.mark())
-    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "notes": notes,
+    result = loop(warmup + steps, session.step, clock.mark)  # the Train node's loop: loss read every N steps
+    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device),
            "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
     if count_flops:  # one extra, untimed step after the peak was read
         with FlopCounterMode(display=False) as counter:
-            loop(1)
+            loop(1, session.loss)  # eager: a replayed graph dispatches nothing to count
         out["flops"] = counter.get_total_flops()
         out["flops_include_recompute"] = session.memory.gradient_checkpointing
+    session.close()
+    out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out
 
 
@@ -313,6 +321,7 @@ def _measurements(result: dict, warmup: int, batch: int) -> dict:
         out["s_per_step"] = statistics.median(timed)
         out["images_per_s"] = batch / out["s_per_step"]
     if losses:
+        out["losses"] = losses
         out["loss_first"], out["loss_last"] = losses[0], losses[-1]
         out["loss_finite"] = all(x == x and abs(x) != float("inf") for x in losses)
     for key in ("flops", "flops_include_recompute", "estimate_gib", "settings"):
@@ -329,6 +338,11 @@ def derive(rows: list[dict], flops: dict, peak_tflops: float) -> None:
         if s and per_image:
             row["tflop_per_step"] = per_image * row["batch"] / 1e12
             row["mfu"] = per_image * row["batch"] / s / (peak_tflops * 1e12)
+        twin = next((r for r in rows if r["config"] == f"{row['config']}-eager" and r["model"] == row["model"]
+                     and r.get("losses")), None)
+        if twin is not None and row.get("losses"):  # the fast path must train like the eager path
+            pairs = list(zip(row["losses"], twin["losses"]))
+            row["loss_vs_eager_max_rel"] = max(abs(a - b) / max(abs(b), 1e-8) for a, b in pairs)
         row["ratio"] = {}
         for peer in PEERS:
             ref = next((r for r in rows if r["kind"] == peer and r["model"] == row["model"] and
@@ -371,7 +385,7 @@ def _fmt(value, spec=".2f", missing="-"):
 
 TABLE_COLUMNS = ("model", "config", "status", "peak alloc GiB", "peak resv GiB", "est GiB", "est err %", "s/step",
                  "warm-up s", "img/s",
-                 "MFU %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
+                 "MFU %", "loss Δ eager %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
 
 
 def _estimate_error(row: dict) -> float | None:
@@ -392,6 +406,7 @@ def format_table(rows: list[dict], cuda: bool) -> str:
             _fmt(r.get("estimate_gib")), _fmt(_estimate_error(r), "+.1f"),
             _fmt(r.get("s_per_step"), ".4f"), _fmt(r.get("warmup_s"), ".2f"), _fmt(r.get("images_per_s"), ".2f"),
             _fmt(r["mfu"] * 100 if r.get("mfu") else None, ".2f"),
+            _fmt(r["loss_vs_eager_max_rel"] * 100 if "loss_vs_eager_max_rel" in r else None, ".2f"),
             *(_fmt(ratio.get(p, {}).get(k), ".2f") for p in PEERS for k in ("s_per_step", "peak_alloc"))))
     widths = [max(len(str(x)) for x in col) for col in zip(TABLE_COLUMNS, *lines)]
     render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731

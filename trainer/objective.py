@@ -31,13 +31,26 @@ def output_target(model_sampling, sigma: torch.Tensor, noisy: torch.Tensor, clea
     return (a - clean) / b
 
 
+def draw_noise(model_sampling, shape: torch.Size, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Noise, noise levels and the model's timesteps for one batch, on the CPU: drawn from the CPU generator so
+    a seed gives the same run on any device, and computed from a CPU `model_sampling` so no step waits for the
+    GPU (a replayed CUDA graph gets them as plain inputs)."""
+    noise = torch.randn(shape, generator=generator)
+    sigma = sample_sigmas(model_sampling, shape[0], generator)
+    return {"noise": noise, "sigma": sigma, "timestep": model_sampling.timestep(sigma).float()}
+
+
 def diffusion_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
                    generator: torch.Generator) -> torch.Tensor:
-    # Noise and timesteps are drawn on the CPU generator so a seed gives the same run on any device.
-    noise = torch.randn(clean.shape, generator=generator).to(clean.device)
-    sigma = sample_sigmas(model_sampling, clean.shape[0], generator).to(clean.device)
+    draws = {name: t.to(clean.device) for name, t in draw_noise(model_sampling, clean.shape, generator).items()}
+    return denoising_loss(model_sampling, predict, clean, cond, **draws)
+
+
+def denoising_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
+                   noise: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    """Everything after the random draws: only device work, no host synchronisation (capturable)."""
     noisy = model_sampling.noise_scaling(sigma, noise, clean)
     with torch.no_grad():
         target = output_target(model_sampling, sigma, noisy, clean).float()
-    output = predict(model_sampling.calculate_input(sigma, noisy), model_sampling.timestep(sigma).float(), cond)
+    output = predict(model_sampling.calculate_input(sigma, noisy), timestep, cond)
     return F.mse_loss(output.float(), target)

@@ -21,10 +21,10 @@ class Precision:
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=initial_scale) if mode == "fp16" else None
         self.skipped_steps = 0  # fp16 steps dropped because a gradient overflowed
 
-    def autocast(self):
+    def autocast(self, cache_enabled: bool = True):
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=cache_enabled)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()

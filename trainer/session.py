@@ -3,17 +3,20 @@ optimizer and batches. `configure` moves between settings mid-run (OOM recovery,
 where memory goes; `fit` walks the memory ladder until the estimate fits a budget."""
 from __future__ import annotations
 
+import copy
 import gc
 from dataclasses import replace
 
 import torch
 
+from .allocator import apply_allocator_settings
 from .cache import CachedSample, batches, collate
-from .checkpointing import checkpoint_blocks
+from .checkpointing import checkpoint_blocks, uses_randomness
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
-from .objective import diffusion_loss
+from .fast_path import BatchStep, build_micro_step
+from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision
 from .settings import MemorySettings, TrainSettings
@@ -33,10 +36,14 @@ class TrainingSession:
         self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
             adapter, unet, params, cache, repeats, train
         self.generator = torch.Generator().manual_seed(train.seed)
+        # Random draws and timesteps are computed from a CPU copy of the schedule: no step waits for the GPU.
+        self.sampling_on_cpu = copy.deepcopy(adapter.model_sampling).to("cpu")
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
         self.checkpointed = False
         self.steps_done = 0  # kept by the caller; a rebuilt optimizer's LR schedule resumes from here
+        self.restore_allocator = lambda: None
+        self.micro_step = self.step = None
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
@@ -47,7 +54,7 @@ class TrainingSession:
             memory = replace(memory, gradient_checkpointing=True)  # otherwise every streamed copy stays for backward
             self.notes.append("streaming needs gradient checkpointing: turned it on")
         if memory.gradient_checkpointing and not self.checkpointed:
-            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet))
+            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet), preserve_rng_state=uses_randomness(self.unet))
             self.checkpointed = True
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)
@@ -69,11 +76,24 @@ class TrainingSession:
                 self.notes.append(note)
         if old is None or old.batch_size != memory.batch_size:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
+        # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
+        if self.micro_step is not None:
+            self.notes += [n for n in self.micro_step.notes if n not in self.notes]
+        self.micro_step = self.step = None
+        gc.collect()
+        self.micro_step, note = build_micro_step(
+            memory.fast_path, self.compute_loss, self.precision, self.params, device,
+            passthrough_errors=getattr(self.adapter, "cancel_errors", ()),
+            incompatible="LoRA dropout draws random numbers inside the step" if uses_randomness(self.unet) else None)
+        if note and note not in self.notes:
+            self.notes.append(note)
+        self.step = BatchStep(self.inputs, self.micro_step)
         self.memory = memory
 
     def start(self, memory: MemorySettings) -> tuple[MemoryEstimate, list[str]]:
         """First configuration and the estimate before step 1. With an auto-fit budget, weights and optimizer
         are planned before anything reaches the GPU, then probes walk the ladder until the estimate fits."""
+        self.restore_allocator = apply_allocator_settings(memory.allocator, self.adapter.device, self.notes)
         budget = budget_bytes(memory.auto_fit, self.adapter.device)
         if budget is None:
             self.configure(memory)
@@ -106,13 +126,37 @@ class TrainingSession:
         finally:
             self.generator.set_state(rng)
 
-    def loss(self, batch) -> torch.Tensor:
-        device = self.adapter.device
+    def inputs(self, batch) -> dict[str, torch.Tensor]:
+        """One batch with its random draws, on the device. Copies go through pinned memory without blocking,
+        so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
-        clean = clean.to(device)
-        cond = {k: v.to(device) for k, v in cond.items()}
+        tensors = {"clean": clean, **draw_noise(self.sampling_on_cpu, clean.shape, self.generator),
+                   **{f"cond.{name}": value for name, value in cond.items()}}
+        device = self.adapter.device
+        if device.type != "cuda":
+            return {name: t.to(device) for name, t in tensors.items()}
+        return {name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}
+
+    def compute_loss(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        cond = {name[len("cond."):]: t for name, t in inputs.items() if name.startswith("cond.")}
         predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
-        return diffusion_loss(self.adapter.model_sampling, predict, clean, cond, self.generator)
+        return denoising_loss(self.adapter.model_sampling, predict, inputs["clean"], cond, inputs["noise"],
+                              inputs["sigma"], inputs["timestep"])
+
+    def loss(self, batch) -> torch.Tensor:
+        return self.compute_loss(self.inputs(batch))
+
+    def close(self) -> None:
+        """Ends the run: releases captured graphs (and their memory pool) and puts the allocator setting back.
+        The training copy stays the caller's (its LoRA is still to be saved)."""
+        self.notes = self.report_notes()
+        self.micro_step = self.step = None
+        self.restore_allocator()
+        self.restore_allocator = lambda: None
+
+    def report_notes(self) -> list[str]:
+        extra = self.micro_step.notes if self.micro_step is not None else []
+        return self.notes + [n for n in extra if n not in self.notes]
 
 
 def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:

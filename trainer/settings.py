@@ -13,6 +13,8 @@ MIXED_PRECISION = ("bf16", "fp16", "no")
 BASE_WEIGHTS = ("as loaded", "fp8", "fp8 streamed from CPU")
 LATENT_CACHE = ("RAM", "RAM + disk", "off")
 ATTENTION = ("auto", "pytorch SDPA", "xformers", "chunked (sub-quadratic)")
+FAST_PATH = ("CUDA graphs", "off")
+ALLOCATOR = ("expandable segments", "as started")
 AUTO_FIT = ("off", "free VRAM", "2 GiB", "3 GiB", "4 GiB", "6 GiB", "8 GiB", "10 GiB", "12 GiB", "16 GiB", "24 GiB")
 LORA_TARGETS = {
     # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
@@ -37,6 +39,8 @@ class MemorySettings:
     auto_fit: str = "off"
     latent_cache: str = "RAM"
     attention: str = "auto"
+    fast_path: str = "CUDA graphs"
+    allocator: str = "expandable segments"
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -49,6 +53,8 @@ class MemorySettings:
         _require(self.latent_cache in LATENT_CACHE, "latent_cache",
                  f"got {self.latent_cache!r}; choose one of {', '.join(LATENT_CACHE)}")
         _require(self.attention in ATTENTION, "attention", f"got {self.attention!r}; choose one of {', '.join(ATTENTION)}")
+        _require(self.fast_path in FAST_PATH, "fast_path", f"got {self.fast_path!r}; choose one of {', '.join(FAST_PATH)}")
+        _require(self.allocator in ALLOCATOR, "allocator", f"got {self.allocator!r}; choose one of {', '.join(ALLOCATOR)}")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -61,7 +67,7 @@ class MemorySettings:
         return (f"precision {self.mixed_precision}, gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
-                f"base weights {self.base_weights}, attention {self.attention}"
+                f"base weights {self.base_weights}, attention {self.attention}, fast path {self.fast_path}"
                 + (f", auto-fit to {self.auto_fit}" if self.auto_fit != "off" else ""))
 
 

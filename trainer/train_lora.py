@@ -99,7 +99,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         started = time.perf_counter()
         while True:
             try:
-                result = train_loop(params, session.loss, session.data, session.optimizer, session.precision,
+                result = train_loop(params, session.step, session.data, session.optimizer, session.precision,
                                     train.steps, session.memory.gradient_accumulation, should_stop, on_step,
                                     first_step=len(losses), cancel_errors=cancel_errors,
                                     sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
@@ -117,8 +117,9 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     except Exception as error:  # keep what was learned before the failure, then report it
         failure = error
     seconds = time.perf_counter() - started
+    session.close()
     steps_done = len(losses)
-    report += session.notes
+    report += session.report_notes()
 
     partial = cancelled or failure is not None
     if steps_done == 0:

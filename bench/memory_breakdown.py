@@ -1,0 +1,91 @@
+"""Where the memory of one training step goes, phase by phase, for our presets on a full-size model (GPU).
+
+    python -m bench.memory_breakdown [--models sdxl] [--configs lean]
+
+Prints, in GiB: resident after setup (weights, LoRA, optimizer), allocated after the forward pass (what the
+backward pass will need: saved activations / checkpoint inputs), the step's peak, and the bytes autograd saved
+for backward outside checkpointed blocks, grouped by tensor size."""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import replace
+
+import torch
+
+from bench.run import GIB, SPECS, make_workload, presets, cached_conditioning, free_device_memory
+
+
+def breakdown(spec, preset: str, device: torch.device) -> None:
+    import comfy.model_patcher
+
+    from trainer.cache import CachedSample
+    from trainer.comfy_adapter import ComfyAdapter
+    from trainer.lora import inject_lora
+    from trainer.session import TrainingSession
+    from trainer.settings import LoraSettings, TrainSettings
+
+    work = make_workload(spec, 1, device)
+    base = work.build_comfy_model(torch.bfloat16)
+    base.diffusion_model.to("cpu")
+    free_device_memory(device)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
+    adapter = ComfyAdapter(patcher, "cached", "cached")
+    unet = base.diffusion_model
+    params = inject_lora(unet, LoraSettings(rank=16, alpha=16, targets="attention"), seed=0)
+    unet.train()
+    cond = cached_conditioning(base, work)
+    cache = [CachedSample(work.latents[:1], {k: v[:1] for k, v in cond.items()})]
+    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(10, 1e-4, 0, "bench"))
+    memory = replace(presets()[preset], fast_path="off")
+    estimate, _ = session.start(memory)
+    torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated(device)
+    saved = Counter()
+
+    def pack(tensor):
+        if tensor.is_cuda:
+            saved[(tuple(tensor.shape), str(tensor.dtype))] += 1
+        return tensor
+
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with session.precision.autocast():
+            loss = session.loss(next(session.data))
+    torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated(device)
+    forward_peak = torch.cuda.max_memory_allocated(device)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device)
+    saved_bytes = sum(n * torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, d.split(".")[1])).element_size()
+                      for (shape, d), n in saved.items())
+    print(f"[breakdown] {spec.name} {preset}: {session.memory.describe()}")
+    print(f"[breakdown]   {estimate.format()}")
+    print(f"[breakdown]   resident after setup {static / GIB:.3f}; after forward {after_forward / GIB:.3f} "
+          f"(+{(after_forward - static) / GIB:.3f}); forward peak {forward_peak / GIB:.3f}; step peak {peak / GIB:.3f}; "
+          f"reserved {torch.cuda.max_memory_reserved(device) / GIB:.3f}")
+    print(f"[breakdown]   saved for backward outside checkpoints (hook view, may double count views): "
+          f"{saved_bytes / GIB:.3f} GiB in {sum(saved.values())} tensors; largest:")
+    by_size = sorted(saved.items(), key=lambda kv: -kv[1] * torch.Size(kv[0][0]).numel())
+    for (shape, dtype), n in by_size[:12]:
+        print(f"[breakdown]     {n:4d} x {shape} {dtype}")
+    session.close()
+    del session, loss, unet, base, params
+    free_device_memory(device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="sdxl")
+    p.add_argument("--configs", default="lean")
+    args = p.parse_args()
+    import comfy.model_management
+    device = comfy.model_management.get_torch_device()
+    for model in args.models.split(","):
+        for preset in args.configs.split(","):
+            breakdown(SPECS[model], preset, device)
+
+
+if __name__ == "__main__":
+    main()

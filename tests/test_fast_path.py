@@ -1,0 +1,93 @@
+"""The fast path (CUDA graphs) trains like the eager path. CUDA-only checks are skipped in CI (no GPU) and run
+on the GPU machine: `python -m pytest -q tests/test_fast_path.py` (see docs/BENCHMARKS.md)."""
+import pytest
+import torch
+
+from helpers import TinyNet
+from trainer.fast_path import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
+from trainer.loop import train_loop
+from trainer.lora import inject_lora
+from trainer.optimizers import build_optimizer
+from trainer.precision import Precision
+from trainer.settings import LoraSettings
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")
+
+
+def _setup(device, seed=0):
+    torch.manual_seed(seed)
+    net = TinyNet(dim=32).to(device)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=seed)
+    for p in params:  # lora_B starts at zero; give the test something to move
+        p.data.normal_(0, 0.05)
+    return net, params
+
+
+def _data(device, shapes=((4, 8), (2, 12)), count=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(count):
+        b, n = shapes[i % len(shapes)]  # alternating shapes, as aspect-ratio buckets do
+        x = torch.randn(b, n, 32, generator=g)
+        batches.append({"x": x.to(device), "y": torch.tanh(x).to(device)})
+    return iter(batches)
+
+
+def _train(device, graphed: bool, precision_mode="no", optimizer_name="AdamW", accumulation=2, steps=8):
+    net, params = _setup(device)
+    precision = Precision(precision_mode, device)
+    loss_of = lambda inputs: torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])  # noqa: E731
+    micro = GraphedMicroStep(loss_of, precision, params) if graphed else EagerMicroStep(loss_of, precision)
+    optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=device)
+    result = train_loop(params, BatchStep(lambda batch: batch, micro), _data(device), optimizer, precision,
+                        steps=steps, accumulation=accumulation, should_stop=lambda: False)
+    return result.losses, [p.detach().float().cpu().clone() for p in params], micro
+
+
+def test_cpu_falls_back_to_the_eager_step():
+    micro, note = build_micro_step("CUDA graphs", lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
+                                   torch.device("cpu"))
+    assert type(micro) is EagerMicroStep and note is None
+
+
+def test_incompatible_settings_say_why():
+    micro, note = build_micro_step("CUDA graphs", lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
+                                   torch.device("cuda"), incompatible="LoRA dropout draws random numbers")
+    assert type(micro) is EagerMicroStep and "LoRA dropout" in note
+
+
+@cuda
+@pytest.mark.parametrize("precision_mode,optimizer_name,tolerance", [
+    ("no", "AdamW", 1e-5), ("bf16", "AdamW", 2e-2), ("fp16", "AdamW", 2e-2), ("bf16", "AdamW8bit", 2e-2)])
+def test_graphed_steps_train_like_eager_steps(precision_mode, optimizer_name, tolerance):
+    device = torch.device("cuda")
+    eager_losses, eager_params, _ = _train(device, False, precision_mode, optimizer_name)
+    graph_losses, graph_params, micro = _train(device, True, precision_mode, optimizer_name)
+    assert micro.disabled is None, micro.notes
+    assert len(micro.graphs) == 2  # one graph per batch shape
+    assert graph_losses == pytest.approx(eager_losses, rel=tolerance)
+    for a, b in zip(graph_params, eager_params):
+        assert torch.allclose(a, b, rtol=tolerance, atol=tolerance * 0.1)
+    assert eager_losses[-1] < eager_losses[0]
+
+
+@cuda
+def test_gradients_reset_elsewhere_are_reattached():
+    """Something outside the fast path may set .grad to None (a probe step, an eager step); the graph keeps
+    writing into its own tensors, which get re-attached zeroed before the next replay."""
+    device = torch.device("cuda")
+    net, params = _setup(device)
+    precision = Precision("no", device)
+    micro = GraphedMicroStep(lambda inputs: ((net(inputs["x"]) - inputs["y"]) ** 2).mean(), precision, params)
+    inputs = next(_data(device, shapes=((2, 8),)))
+    micro(inputs, 1)  # eager warm-up + capture
+    for p in params:
+        p.grad = None
+    micro(inputs, 1)  # replay into re-attached, zeroed gradients
+    replayed = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    loss = ((net(inputs["x"]) - inputs["y"]) ** 2).mean()
+    loss.backward()
+    for a, p in zip(replayed, params):
+        assert torch.allclose(a, p.grad, rtol=1e-5, atol=1e-7)

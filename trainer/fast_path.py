@@ -1,0 +1,165 @@
+"""How one micro-step (forward + backward of one batch) is executed: eagerly, or replayed from a CUDA graph.
+
+At batch 1 an eager step is bound by the host, not the GPU: ComfyUI's UNet makes thousands of Python-level layer
+calls (each checking Cancel, casting weights, dispatching through autocast and peft), and the GPU finishes every
+kernel before the next one is launched. A CUDA graph records the kernels of the whole forward + backward once per
+batch shape and launches them with one call. Optimizer step, gradient clipping and loss scaling stay eager (a few
+fused kernels), so every optimizer, bitsandbytes' included, works unchanged.
+
+The graph reads its inputs from fixed tensors and adds its gradients into the parameters' existing `.grad`
+tensors, so gradients are zeroed in place (never set to None) while graphs are in use. The first micro-step of
+each shape runs eagerly (it is a real step, its gradient counts) and doubles as the warm-up that capture needs."""
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+from .precision import Precision
+
+# (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
+ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
+
+
+class EagerMicroStep:
+    """The plain step: autocast forward, (scaled) backward. Also the fallback of every faster path."""
+
+    graphed = False
+
+    def __init__(self, compute_loss: ComputeLoss, precision: Precision):
+        self.compute_loss, self.precision = compute_loss, precision
+        self.notes: list[str] = []
+
+    def forward_backward(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
+        # Autocast's weight-cast cache must be off under capture: its cached copies would outlive the graph.
+        with self.precision.autocast(cache_enabled=not self.graphed):
+            loss = self.compute_loss(inputs) / accumulation
+        self.precision.backward(loss)
+        return loss.detach()
+
+    def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
+        return self.forward_backward(inputs, accumulation)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)  # gradients need no memory between steps
+
+
+class GraphedMicroStep(EagerMicroStep):
+    """Replays a captured forward + backward per batch shape. Capture failures fall back to eager steps and say
+    why in `notes`; out-of-memory and Cancel propagate like in an eager step."""
+
+    def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
+                 passthrough_errors: tuple[type[BaseException], ...] = ()):
+        super().__init__(compute_loss, precision)
+        self.params = params
+        self.passthrough_errors = passthrough_errors  # Cancel: re-raised, never a reason to give up on graphs
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.pool = None  # graphs of different shapes share one memory pool (they never run at the same time)
+        self.grads: list[torch.Tensor] | None = None  # the tensors the graphs add into
+        self.disabled: str | None = None
+        self.graphed = True
+
+    @staticmethod
+    def key(inputs: dict[str, torch.Tensor], accumulation: int) -> tuple:
+        return (accumulation, *((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items())))
+
+    def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
+        if self.disabled:
+            return self.forward_backward(inputs, accumulation)
+        self._attach_grads()
+        key = self.key(inputs, accumulation)
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self._warm_up_and_capture(key, inputs, accumulation)
+        graph, static_inputs, static_loss = entry
+        for name, tensor in inputs.items():
+            static_inputs[name].copy_(tensor, non_blocking=True)
+        graph.replay()
+        return static_loss.clone()  # the next replay overwrites static_loss
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.disabled or self.grads is None:
+            return super().zero_grad(optimizer)
+        optimizer.zero_grad(set_to_none=False)
+        self._attach_grads()
+
+    def _attach_grads(self) -> None:
+        """Gradients the graphs write into must stay the same tensors; anything that reset them to None (an
+        optimizer's zero_grad elsewhere) gets them back, zeroed."""
+        if self.grads is None:
+            return
+        for param, grad in zip(self.params, self.grads):
+            if param.grad is not grad:
+                if param.grad is None:
+                    grad.zero_()
+                else:
+                    grad.copy_(param.grad)
+                param.grad = grad
+
+    def _warm_up_and_capture(self, key: tuple, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
+        # The real micro-step, on a side stream as capture requires for warm-up (lazy cuBLAS/cuDNN setup).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = self.forward_backward(inputs, accumulation)
+        torch.cuda.current_stream().wait_stream(side)
+        if len(self.graphs) >= MAX_GRAPHS:
+            return loss  # this shape stays eager
+        if self.grads is None:
+            # Backward must add into existing tensors: with .grad None a captured backward would hand the
+            # parameters fresh tensors from the graph's private pool.
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            self.grads = [param.grad for param in self.params]
+        static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_loss = self.forward_backward(static_inputs, accumulation)
+        except self.passthrough_errors:
+            raise
+        except Exception as error:
+            if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+                raise
+            # Capture records kernels without running them, so the gradients of the eager step above are intact.
+            self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+            self.notes.append(f"fast path: CUDA graph capture failed ({self.disabled}); steps run eagerly")
+            self.graphs.clear()
+            return loss
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = (graph, static_inputs, static_loss)
+        return loss
+
+
+class BatchStep:
+    """What the training loop calls: batch -> device inputs with their random draws -> micro-step."""
+
+    def __init__(self, prepare: Callable[[object], dict[str, torch.Tensor]], micro_step: EagerMicroStep):
+        self.prepare, self.micro_step = prepare, micro_step
+
+    def __call__(self, batch, accumulation: int) -> torch.Tensor:
+        return self.micro_step(self.prepare(batch), accumulation)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        self.micro_step.zero_grad(optimizer)
+
+
+def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Precision,
+                     params: list[torch.nn.Parameter], device: torch.device,
+                     passthrough_errors: tuple[type[BaseException], ...] = (),
+                     incompatible: str | None = None) -> tuple[EagerMicroStep, str | None]:
+    """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
+    if fast_path == "off":
+        return EagerMicroStep(compute_loss, precision), None
+    if device.type != "cuda":
+        return EagerMicroStep(compute_loss, precision), None  # CPU runs have no launch overhead to remove
+    if incompatible:
+        return EagerMicroStep(compute_loss, precision), f"fast path: CUDA graphs off because {incompatible}"
+    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors), None

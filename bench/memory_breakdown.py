@@ -48,9 +48,11 @@ def breakdown(spec, preset: str, device: torch.device) -> None:
             saved[(tuple(tensor.shape), str(tensor.dtype))] += 1
         return tensor
 
+    import contextlib
     torch.cuda.reset_peak_memory_stats(device)
+    offload = session.micro_step.offload
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with session.precision.autocast():
+        with session.precision.autocast(), offload.saving() if offload else contextlib.nullcontext():
             loss = session.loss(next(session.data))
     torch.cuda.synchronize()
     after_forward = torch.cuda.memory_allocated(device)
@@ -65,6 +67,8 @@ def breakdown(spec, preset: str, device: torch.device) -> None:
     print(f"[breakdown]   resident after setup {static / GIB:.3f}; after forward {after_forward / GIB:.3f} "
           f"(+{(after_forward - static) / GIB:.3f}); forward peak {forward_peak / GIB:.3f}; step peak {peak / GIB:.3f}; "
           f"reserved {torch.cuda.max_memory_reserved(device) / GIB:.3f}")
+    if offload:
+        print(f"[breakdown]   offloaded to CPU RAM: {offload.offloaded_bytes / GIB:.3f} GiB")
     print(f"[breakdown]   saved for backward outside checkpoints (hook view, may double count views): "
           f"{saved_bytes / GIB:.3f} GiB in {sum(saved.values())} tensors; largest:")
     by_size = sorted(saved.items(), key=lambda kv: -kv[1] * torch.Size(kv[0][0]).numel())

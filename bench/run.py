@@ -125,11 +125,13 @@ def presets() -> dict:
             "balanced": M("bf16", True, 1, 1, "AdamW"),
             "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
             "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU")}
+    parts = {"gc+fp8": M("bf16", True, 1, 1, "AdamW", "fp8"), "gc+8bit": M("bf16", True, 1, 1, "AdamW8bit"),
+             "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
+             "lean+offload": replace(base["lean"], activation_offload=True)}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
-    return {**base, **{f"{name}-eager": replace(m, fast_path="off") for name, m in base.items()}}
+    return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 
 
-PRESET_NAMES = ("fast", "balanced", "lean", "leanest", "fast-eager", "balanced-eager", "lean-eager", "leanest-eager")
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
@@ -222,8 +224,11 @@ def parse_config(token: str) -> RowConfig:
         if not suffix.startswith("bs") or not suffix[2:].isdigit() or int(suffix[2:]) < 1:
             raise SystemExit(f"bench: bad config {token!r}; batch suffix is :bsN, e.g. fast:bs8")
         batch = int(suffix[2:])
-    if name in PRESET_NAMES:
+    if name in presets():
         return RowConfig(token, "ours", name, None, batch)
+    preset, _, cap = name.partition("@")
+    if preset in presets() and cap.replace(".", "", 1).isdigit() and float(cap) > 0:
+        return RowConfig(token, "ours", preset, float(cap), batch)  # a preset as is, under a per-process cap
     if name in PEERS:
         return RowConfig(token, name, None, None, batch)
     if name.startswith("autofit@"):

@@ -1,5 +1,5 @@
-from ..trainer.settings import (ATTENTION, AUTO_FIT, BASE_WEIGHTS, LATENT_CACHE, LORA_TARGETS, MIXED_PRECISION,
-                                OPTIMIZERS, LoraSettings, MemorySettings)
+from ..trainer.settings import (ALLOCATOR, ATTENTION, AUTO_FIT, BASE_WEIGHTS, FAST_PATH, LATENT_CACHE, LORA_TARGETS,
+                                MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings)
 from .common import CATEGORY
 
 
@@ -29,7 +29,7 @@ class LeanLoRAMemorySettings:
                     "and copy each layer to the GPU just before it runs (least VRAM, slower; CUDA only)."}),
                 "auto_fit": (list(AUTO_FIT), {"default": "off", "tooltip":
                     "Before step 1, measure the memory these settings need and, if it exceeds the budget, take "
-                    "the next memory saver (batch -> accumulation, bf16, checkpointing, 8-bit optimizer, fp8, "
+                    "the next memory saver (batch -> accumulation, bf16, checkpointing, 8-bit optimizer, fp8, activation offload, "
                     "streaming) until it fits. 'free VRAM' = what the GPU has free now. The report says what "
                     "was chosen and why."}),
                 "latent_cache": (list(LATENT_CACHE), {"default": "RAM", "tooltip":
@@ -41,20 +41,38 @@ class LeanLoRAMemorySettings:
                     "Attention kernel used while training. auto: what ComfyUI picked at start-up. pytorch SDPA: "
                     "flash / memory-efficient kernels where the GPU has them. xformers: only if installed for "
                     "your torch on an NVIDIA GPU. chunked: sub-quadratic attention in slices, least memory, slowest."}),
-            }
+            },
+            # Optional so workflows saved before these existed still load with the defaults.
+            "optional": {
+                "fast_path": (list(FAST_PATH), {"default": "CUDA graphs", "tooltip":
+                    "CUDA graphs: record each step's GPU work once per image size and replay it, removing the "
+                    "Python overhead that dominates small batches (often 3-6x faster steps). Falls back to normal "
+                    "steps, saying why, where capture is not possible. off: plain PyTorch steps."}),
+                "activation_offload": ("BOOLEAN", {"default": False, "tooltip":
+                    "Keep what the forward pass saves for backward (with checkpointing: each block's input) in "
+                    "pinned CPU RAM instead of VRAM. Saves ~0.5 GiB on SDXL at 1024, costs PCIe copies."}),
+                "allocator": (list(ALLOCATOR), {"default": "expandable segments", "tooltip":
+                    "expandable segments: PyTorch's allocator grows one mapping instead of many fixed blocks, so "
+                    "reserved VRAM stays close to what is used (less fragmentation), for this run only. Needs "
+                    "PyTorch's native allocator (start ComfyUI with --disable-cuda-malloc); otherwise the report "
+                    "says it was not applied. as started: leave the allocator as it is."}),
+            },
         }
 
     RETURN_TYPES = ("MEMORY",)
     FUNCTION = "execute"
     CATEGORY = CATEGORY
     DESCRIPTION = ("If a step runs out of memory anyway, training frees memory, takes the next memory saver "
-                   "(batch -> accumulation, mixed precision, checkpointing, 8-bit optimizer, fp8 weights) and "
+                   "(batch -> accumulation, mixed precision, checkpointing, 8-bit optimizer, fp8 weights, activation "
+                   "offload, streamed weights) and "
                    "repeats that step; the report lists each recovery.")
 
     def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
-                base_weights, auto_fit, latent_cache, attention):
+                base_weights, auto_fit, latent_cache, attention, fast_path="CUDA graphs", activation_offload=False,
+                allocator="expandable segments"):
         return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
-                               optimizer, base_weights, auto_fit, latent_cache, attention),)
+                               optimizer, base_weights, auto_fit, latent_cache, attention, fast_path, allocator,
+                               activation_offload),)
 
 
 class LeanLoRALoraConfig:

@@ -213,6 +213,16 @@ def test_memory_ladder_order_keeps_effective_batch():
             memory.base_weights) == (1, "bf16", True, "AdamW8bit", "fp8")
 
 
+def test_memory_ladder_on_cuda_ends_with_offload_then_streaming():
+    from trainer.memory_plan import next_rung
+    memory = MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8")
+    memory, first = next_rung(memory, torch.device("cuda"))
+    assert memory.activation_offload and first.startswith("activations")
+    memory, second = next_rung(memory, torch.device("cuda"))
+    assert memory.base_weights == "fp8 streamed from CPU" and "streamed" in second
+    assert next_rung(memory, torch.device("cuda")) is None
+
+
 def test_estimate_static_terms_are_exact_counts():
     from trainer.estimate import fit_line, static_terms
     from trainer.optimizers import build_optimizer

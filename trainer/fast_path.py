@@ -11,16 +11,25 @@ tensors, so gradients are zeroed in place (never set to None) while graphs are i
 each shape runs eagerly (it is a real step, its gradient counts) and doubles as the warm-up that capture needs."""
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Callable
 
 import torch
 
+from .activation_offload import ActivationOffload
 from .precision import Precision
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class EagerMicroStep:
@@ -28,13 +37,14 @@ class EagerMicroStep:
 
     graphed = False
 
-    def __init__(self, compute_loss: ComputeLoss, precision: Precision):
-        self.compute_loss, self.precision = compute_loss, precision
+    def __init__(self, compute_loss: ComputeLoss, precision: Precision, offload: ActivationOffload | None = None):
+        self.compute_loss, self.precision, self.offload = compute_loss, precision, offload
         self.notes: list[str] = []
 
-    def forward_backward(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
+    def forward_backward(self, inputs: dict[str, torch.Tensor], accumulation: int, record: bool = False) -> torch.Tensor:
+        saving = self.offload.saving(record) if self.offload else contextlib.nullcontext()
         # Autocast's weight-cast cache must be off under capture: its cached copies would outlive the graph.
-        with self.precision.autocast(cache_enabled=not self.graphed):
+        with self.precision.autocast(cache_enabled=not self.graphed), saving:
             loss = self.compute_loss(inputs) / accumulation
         self.precision.backward(loss)
         return loss.detach()
@@ -51,11 +61,12 @@ class GraphedMicroStep(EagerMicroStep):
     why in `notes`; out-of-memory and Cancel propagate like in an eager step."""
 
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
-                 passthrough_errors: tuple[type[BaseException], ...] = ()):
-        super().__init__(compute_loss, precision)
+                 passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None):
+        super().__init__(compute_loss, precision, offload)
         self.params = params
         self.passthrough_errors = passthrough_errors  # Cancel: re-raised, never a reason to give up on graphs
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        # shape key -> (graph, its input tensors, its loss tensor, host buffers its offload copies use)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor, list]] = {}
         self.pool = None  # graphs of different shapes share one memory pool (they never run at the same time)
         self.grads: list[torch.Tensor] | None = None  # the tensors the graphs add into
         self.disabled: str | None = None
@@ -73,7 +84,7 @@ class GraphedMicroStep(EagerMicroStep):
         entry = self.graphs.get(key)
         if entry is None:
             return self._warm_up_and_capture(key, inputs, accumulation)
-        graph, static_inputs, static_loss = entry
+        graph, static_inputs, static_loss, _ = entry
         for name, tensor in inputs.items():
             static_inputs[name].copy_(tensor, non_blocking=True)
         graph.replay()
@@ -100,10 +111,10 @@ class GraphedMicroStep(EagerMicroStep):
 
     def _warm_up_and_capture(self, key: tuple, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
         # The real micro-step, on a side stream as capture requires for warm-up (lazy cuBLAS/cuDNN setup).
-        side = torch.cuda.Stream()
+        side = _side_stream(torch.cuda.current_stream().device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            loss = self.forward_backward(inputs, accumulation)
+            loss = self.forward_backward(inputs, accumulation, record=True)
         torch.cuda.current_stream().wait_stream(side)
         if len(self.graphs) >= MAX_GRAPHS:
             return loss  # this shape stays eager
@@ -119,8 +130,10 @@ class GraphedMicroStep(EagerMicroStep):
         gc.collect()
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
         graph = torch.cuda.CUDAGraph()
+        host_buffers: list = []
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with self.offload.capturing() if self.offload else contextlib.nullcontext([]) as host_buffers, \
+                    torch.cuda.graph(graph, pool=self.pool):
                 static_loss = self.forward_backward(static_inputs, accumulation)
         except self.passthrough_errors:
             raise
@@ -134,7 +147,7 @@ class GraphedMicroStep(EagerMicroStep):
             return loss
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key] = (graph, static_inputs, static_loss)
+        self.graphs[key] = (graph, static_inputs, static_loss, host_buffers)
         return loss
 
 
@@ -154,12 +167,11 @@ class BatchStep:
 def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Precision,
                      params: list[torch.nn.Parameter], device: torch.device,
                      passthrough_errors: tuple[type[BaseException], ...] = (),
-                     incompatible: str | None = None) -> tuple[EagerMicroStep, str | None]:
+                     incompatible: str | None = None,
+                     offload: ActivationOffload | None = None) -> tuple[EagerMicroStep, str | None]:
     """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
-    if fast_path == "off":
-        return EagerMicroStep(compute_loss, precision), None
-    if device.type != "cuda":
-        return EagerMicroStep(compute_loss, precision), None  # CPU runs have no launch overhead to remove
+    if fast_path == "off" or device.type != "cuda":  # CPU runs have no launch overhead to remove
+        return EagerMicroStep(compute_loss, precision, offload), None
     if incompatible:
-        return EagerMicroStep(compute_loss, precision), f"fast path: CUDA graphs off because {incompatible}"
-    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors), None
+        return EagerMicroStep(compute_loss, precision, offload), f"fast path: CUDA graphs off because {incompatible}"
+    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload), None

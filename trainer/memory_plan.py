@@ -42,6 +42,9 @@ def next_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySetti
                 f"optimizer {memory.optimizer} -> {target} (optimizer moments restart; LoRA weights are kept)")
     if memory.base_weights == "as loaded":
         return replace(memory, base_weights="fp8"), "frozen base weights stored as fp8"
+    if not memory.activation_offload and device.type == "cuda":
+        return (replace(memory, activation_offload=True),
+                "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)")
     if memory.base_weights == "fp8" and device.type == "cuda":
         return (replace(memory, base_weights="fp8 streamed from CPU"),
                 "frozen base weights streamed from CPU memory, layer by layer")

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 
+from .activation_offload import ActivationOffload
 from .allocator import apply_allocator_settings
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, uses_randomness
@@ -84,7 +85,8 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=getattr(self.adapter, "cancel_errors", ()),
-            incompatible="LoRA dropout draws random numbers inside the step" if uses_randomness(self.unet) else None)
+            incompatible="LoRA dropout draws random numbers inside the step" if uses_randomness(self.unet) else None,
+            offload=ActivationOffload() if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
         self.step = BatchStep(self.inputs, self.micro_step)
@@ -108,10 +110,8 @@ class TrainingSession:
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device)
         rng = self.generator.get_state()
 
-        def probe_step(batch):
-            with self.precision.autocast():
-                loss = self.loss(batch)
-            loss.backward()
+        def probe_step(batch):  # eager, with the run's precision and activation offload
+            self.micro_step.forward_backward(self.inputs(batch), 1)
             self.optimizer.zero_grad(set_to_none=True)
         try:
             largest = max(self.cache, key=lambda sample: sample.latent.numel())  # the biggest bucket sets the peak

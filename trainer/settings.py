@@ -41,6 +41,7 @@ class MemorySettings:
     attention: str = "auto"
     fast_path: str = "CUDA graphs"
     allocator: str = "expandable segments"
+    activation_offload: bool = False
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -67,7 +68,9 @@ class MemorySettings:
         return (f"precision {self.mixed_precision}, gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
-                f"base weights {self.base_weights}, attention {self.attention}, fast path {self.fast_path}"
+                f"base weights {self.base_weights}"
+                + (", activations offloaded to CPU RAM" if self.activation_offload else "")
+                + f", attention {self.attention}, fast path {self.fast_path}"
                 + (f", auto-fit to {self.auto_fit}" if self.auto_fit != "off" else ""))
 
 

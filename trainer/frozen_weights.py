@@ -3,7 +3,12 @@
 fp8 (e4m3fn) storage halves the frozen weights' memory against fp16/bf16 (a quarter against fp32). Compute
 stays in the compute dtype: layers that can cast per call (ComfyUI's ops: `comfy_cast_weights`) upcast each
 weight only while that layer runs. With gradient checkpointing the upcast copies live for one block at a
-time; without it autograd keeps them for backward, so fp8 pays off together with checkpointing."""
+time; without it autograd keeps them for backward, so fp8 pays off together with checkpointing.
+
+ComfyUI's generic cast (`cast_bias_weight`) copies the fp8 weight, casts it to the *input's* dtype and then
+applies weight functions: under autocast a conv after GroupNorm gets an fp32 input, so SDXL's largest convs
+briefly held ~0.3 GiB of fp32 copies. fp8 Linear/Conv2d layers of the training copy therefore get their own
+forward: one cast to the autocast dtype, the scale applied in place."""
 from __future__ import annotations
 
 import torch
@@ -13,13 +18,39 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 class _Rescale:
-    """Per-tensor scale applied after ComfyUI's per-call upcast (a `weight_function` of ComfyUI's ops)."""
+    """Per-tensor scale applied after ComfyUI's per-call upcast (a `weight_function` of ComfyUI's ops); used
+    for castable layer types without a dedicated fp8 forward."""
 
     def __init__(self, scale: float):
         self.scale = scale
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.scale
+
+
+def _compute_dtype(input: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(input.device.type):
+        return torch.get_autocast_dtype(input.device.type)
+    return input.dtype
+
+
+class _Fp8Forward:
+    """Replaces ComfyUI's `forward_comfy_cast_weights` on one fp8 Linear/Conv2d: weight (and bias) to the
+    input's device if streamed, one upcast to the compute dtype, the scale applied in place."""
+
+    def __init__(self, layer: torch.nn.Module, scale: float):
+        self.layer, self.scale = layer, scale
+        self.conv = isinstance(layer, torch.nn.Conv2d)
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        layer, dtype = self.layer, _compute_dtype(input)
+        weight = layer.weight.to(input.device, non_blocking=True).to(dtype).mul_(self.scale)
+        bias = layer.bias
+        if bias is not None:
+            bias = bias.to(input.device, dtype, non_blocking=True)
+        if self.conv:
+            return layer._conv_forward(input, weight, bias)
+        return torch.nn.functional.linear(input, weight, bias)
 
 
 def _castable_layers(module: torch.nn.Module, min_dim: int = 2):
@@ -43,8 +74,11 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
         scale = max(weight.detach().abs().max().item(), 1e-12) / FP8_MAX
         saved += weight.numel() * (weight.element_size() - 1)
         layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
-        layer.weight_function = [*layer.weight_function, _Rescale(scale)]  # per instance: the class list is shared
-        layer.comfy_cast_weights = True  # upcast to the input's dtype on every call
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and not layer.weight_function:
+            layer.forward_comfy_cast_weights = _Fp8Forward(layer, scale)  # instance attribute: this layer only
+        else:
+            layer.weight_function = [*layer.weight_function, _Rescale(scale)]  # per instance: the class list is shared
+        layer.comfy_cast_weights = True  # upcast on every call
     return saved
 
 

@@ -123,11 +123,12 @@ def presets() -> dict:
     from dataclasses import replace
     base = {"fast": M("bf16", False, 1, 1, "AdamW"),
             "balanced": M("bf16", True, 1, 1, "AdamW"),
-            "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
-            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU")}
+            "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True),
+            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU", activation_offload=True)}
+    # the lean preset's parts one at a time, to show what each costs
     parts = {"gc+fp8": M("bf16", True, 1, 1, "AdamW", "fp8"), "gc+8bit": M("bf16", True, 1, 1, "AdamW8bit"),
-             "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
-             "lean+offload": replace(base["lean"], activation_offload=True)}
+             "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
+             "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True)}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 
@@ -311,6 +312,11 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
     if peak:
         row["peak_alloc_gib"], row["peak_reserved_gib"] = peak["alloc"], peak["reserved"]
     row["row_wall_s"] = time.perf_counter() - started
+    if device.type == "cuda":
+        left = torch.cuda.memory_allocated(device) / GIB - (row["baseline_alloc_gib"] or 0.0)
+        if left > 0.05:  # what the row failed to give back would count in every later row's peak
+            row["notes"] = row["notes"] + [f"{left:.2f} GiB still allocated after the row"]
+            print(f"[bench] warning: {left:.2f} GiB still allocated after {spec.name} {config.name}", flush=True)
     return row
 
 
@@ -462,7 +468,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--tiny", action="store_true", help="tiny SD1.5-shaped UNet at 64 px; runs on the CPU (CI)")
     p.add_argument("--models", default="sd15,sdxl", help="comma list of sd15, sdxl")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma list: fast, balanced, lean, diffusers, comfyui, autofit@GiB; optional :bsN batch")
+                   help="comma list: presets (fast, balanced, lean, leanest, gc+fp8, ...; <preset>-eager = without CUDA "
+                        "graphs; <preset>@GiB = under a per-process cap), diffusers, comfyui, autofit@GiB; optional "
+                        ":bsN batch")
     p.add_argument("--steps", type=int, default=12, help="timed optimizer steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per row (reported separately)")
     p.add_argument("--out", default="out/bench", help="folder for results.json, table.txt, bench.png")

@@ -319,3 +319,22 @@ def test_allocators_without_peak_statistics_skip_measurements_instead_of_failing
     probe = probe_activations(estimate, lambda batch: pytest.fail("probed"), (None, None), 1, torch.device("cuda"))
     assert probe.activations is None and "n/a" in probe.format()
     assert device_memory_gib(torch.device("cuda")) is None
+
+
+def test_norms_stay_in_the_compute_dtype_under_autocast():
+    from trainer.precision import norms_in_compute_dtype
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.GroupNorm(4, 16), torch.nn.SiLU(), torch.nn.Conv2d(16, 8, 1))
+    x = torch.randn(2, 16, 8, 8)
+    with torch.no_grad():
+        reference = net(x)  # fp32, no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = net[0](x)
+    assert plain.dtype == torch.float32  # what autocast does by itself: an fp32 copy per norm
+    assert norms_in_compute_dtype(net) == 1 and norms_in_compute_dtype(net) == 0  # installed once
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        halved = net[0](x)
+        out = net(x)
+    assert halved.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), reference, atol=5e-2, rtol=5e-2)
+    assert torch.equal(net(x), reference) or torch.allclose(net(x), reference)  # outside autocast: unchanged

@@ -32,6 +32,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
 class EagerMicroStep:
     """The plain step: autocast forward, (scaled) backward. Also the fallback of every faster path."""
 
@@ -138,12 +142,18 @@ class GraphedMicroStep(EagerMicroStep):
         except self.passthrough_errors:
             raise
         except Exception as error:
-            if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
-                raise
             # Capture records kernels without running them, so the gradients of the eager step above are intact.
+            # Out of memory here means the graph's pool does not fit next to what is already held: eager steps
+            # need no extra pool, so they go on (and OOM recovery still handles a real shortage later).
             self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-            self.notes.append(f"fast path: CUDA graph capture failed ({self.disabled}); steps run eagerly")
+            why = "it needs more memory than is left" if _is_out_of_memory(error) else self.disabled
+            self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
+        if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
+            del graph, host_buffers
             self.graphs.clear()
+            self.pool = None
+            gc.collect()
+            torch.cuda.empty_cache()
             return loss
         if self.pool is None:
             self.pool = graph.pool()

@@ -19,7 +19,7 @@ from .memory_plan import next_rung
 from .fast_path import BatchStep, build_micro_step
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
-from .precision import DTYPES, Precision
+from .precision import DTYPES, Precision, norms_in_compute_dtype
 from .settings import MemorySettings, TrainSettings
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
@@ -60,6 +60,8 @@ class TrainingSession:
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)
             self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
+            if old is None:
+                norms_in_compute_dtype(self.unet)  # a no-op outside autocast, so installed once
         if memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded"):
             saved = store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")

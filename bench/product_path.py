@@ -10,7 +10,6 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -32,8 +31,11 @@ def settings_table():
         "fp16 + loss scaling + GC": M("fp16", True, 1, 1),
         "bf16 + GC + AdamW8bit": M("bf16", True, 1, 1, "AdamW8bit"),
         "bf16 + GC + fp8 base": M("bf16", True, 1, 1, "AdamW", "fp8"),
-        "lean: GC + AdamW8bit + fp8": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
-        "leanest: + fp8 streamed": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU"),
+        "GC + AdamW8bit + fp8": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
+        "lean: GC + 8bit + fp8 + offload": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True),
+        "leanest: + fp8 streamed": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU",
+                                     activation_offload=True),
+        "lean, eager steps": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True, fast_path="off"),
         "bs4 + GC": M("bf16", True, 4, 1),
         "bs2 no GC + Lion": M("bf16", False, 2, 1, "Lion"),
         "Adafactor + GC": M("bf16", True, 1, 1, "Adafactor"),
@@ -56,7 +58,7 @@ def run_one(adapter, dataset, memory, steps, loras, name, cap_at_step=None):
     def emit(**event):
         if event["kind"] == "step":
             torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
+            stamps.append((event["step"], time.perf_counter()))
             if cap_at_step and event["step"] == cap_at_step[0]:
                 torch.cuda.set_per_process_memory_fraction(cap_at_step[1] * GIB / torch.cuda.get_device_properties(0).total_memory)
                 torch.cuda.empty_cache()  # cached blocks would keep serving the old sizes; the cap binds new ones
@@ -67,10 +69,14 @@ def run_one(adapter, dataset, memory, steps, loras, name, cap_at_step=None):
     outcome = train_lora(adapter, dataset, memory, LoraSettings(16, 16.0), TrainSettings(steps, 1e-4, 0, name),
                          loras, emit, lambda: False)
     wall = time.perf_counter() - started
-    durations = [b - a for a, b in zip(stamps, stamps[1:])][3:]
+    # Steps are reported in bursts (the loss is read every LOSS_READ_EVERY steps): time between the first and the
+    # last burst's reads, per step, leaves out the first burst (warm-up, graph capture).
+    first = next(((step, t) for step, t in stamps if step >= 8), None)
+    last = stamps[-1] if stamps else None
+    per_step = (last[1] - first[1]) / (last[0] - first[0]) if first and last and last[0] > first[0] else None
     peak = torch.cuda.max_memory_allocated()
     estimate = events.get("estimate")
-    return {"name": name, "s_per_step": statistics.median(durations) if durations else None, "wall_s": wall,
+    return {"name": name, "s_per_step": per_step, "wall_s": wall,
             "peak_alloc_gib": peak / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
             "estimate_gib": estimate / GIB if estimate else None,
             "estimate_error_pct": 100 * (estimate - peak) / peak if estimate else None,

@@ -32,6 +32,25 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def _allocated(device: torch.device, peak: bool = False, reserved: bool = False) -> int | None:
+    """Allocator statistics, None where the backend keeps none (some builds' cudaMallocAsync)."""
+    try:
+        if reserved:
+            return torch.cuda.memory_reserved(device)
+        return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
+    except RuntimeError:
+        return None
+
+
+def _memory_limit(device: torch.device, budget: int | None) -> int | None:
+    """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
+    limits = [budget] if budget else []
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
+    if fraction < 1.0:
+        limits.append(int(fraction * torch.cuda.get_device_properties(device).total_memory))
+    return min(limits) if limits else None
+
+
 def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
@@ -75,6 +94,7 @@ class GraphedMicroStep(EagerMicroStep):
         self.grads: list[torch.Tensor] | None = None  # the tensors the graphs add into
         self.disabled: str | None = None
         self.graphed = True
+        self.budget: int | None = None  # bytes the run may hold (auto-fit); the process cap also counts
 
     @staticmethod
     def key(inputs: dict[str, torch.Tensor], accumulation: int) -> tuple:
@@ -115,13 +135,25 @@ class GraphedMicroStep(EagerMicroStep):
 
     def _warm_up_and_capture(self, key: tuple, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
         # The real micro-step, on a side stream as capture requires for warm-up (lazy cuBLAS/cuDNN setup).
-        side = _side_stream(torch.cuda.current_stream().device)
+        device = torch.cuda.current_stream().device
+        side = _side_stream(device)  # warm-up and capture share it: each stream costs a cuBLAS workspace
         side.wait_stream(torch.cuda.current_stream())
+        held = _allocated(device)
         with torch.cuda.stream(side):
             loss = self.forward_backward(inputs, accumulation, record=True)
         torch.cuda.current_stream().wait_stream(side)
         if len(self.graphs) >= MAX_GRAPHS:
             return loss  # this shape stays eager
+        # The graph keeps its own memory pool next to the one eager code uses: capture only where the step's
+        # transient memory (at most the peak seen so far above what was held) fits again under the limit.
+        limit, peak = _memory_limit(device, self.budget), _allocated(device, peak=True)
+        transient = peak - held if peak is not None and held is not None else 0  # unknown without statistics
+        if limit is not None and (_allocated(device, reserved=True) or 0) + int(1.25 * transient) > limit:
+            self.disabled = "memory limit"
+            self.notes.append(f"fast path: CUDA graphs skipped: the graph's own memory pool "
+                              f"(~{transient / 2 ** 30:.2f} GiB) does not fit the {limit / 2 ** 30:.2f} GiB limit; "
+                              "steps run eagerly")
+            return loss
         if self.grads is None:
             # Backward must add into existing tensors: with .grad None a captured backward would hand the
             # parameters fresh tensors from the graph's private pool.
@@ -137,7 +169,7 @@ class GraphedMicroStep(EagerMicroStep):
         host_buffers: list = []
         try:
             with self.offload.capturing() if self.offload else contextlib.nullcontext([]) as host_buffers, \
-                    torch.cuda.graph(graph, pool=self.pool):
+                    torch.cuda.graph(graph, pool=self.pool, stream=side):
                 static_loss = self.forward_backward(static_inputs, accumulation)
         except self.passthrough_errors:
             raise

@@ -91,6 +91,7 @@ class TrainingSession:
             offload=ActivationOffload() if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
+        self.micro_step.budget = budget_bytes(memory.auto_fit, device)
         self.step = BatchStep(self.inputs, self.micro_step)
         self.memory = memory
 

@@ -22,6 +22,7 @@ from .precision import Precision
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+GRAPH_OVERHEAD = 160 * 2 ** 20  # measured on an H200: the capture stream's cuBLAS workspace + pool rounding
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
 
@@ -78,6 +79,9 @@ class EagerMicroStep:
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)  # gradients need no memory between steps
 
+    def check_headroom(self, expected_peak: int | None, transient: int | None) -> None:
+        pass  # eager steps need nothing beyond the estimate
+
 
 class GraphedMicroStep(EagerMicroStep):
     """Replays a captured forward + backward per batch shape. Capture failures fall back to eager steps and say
@@ -113,6 +117,19 @@ class GraphedMicroStep(EagerMicroStep):
             static_inputs[name].copy_(tensor, non_blocking=True)
         graph.replay()
         return static_loss.clone()  # the next replay overwrites static_loss
+
+    def check_headroom(self, expected_peak: int | None, transient: int | None) -> None:
+        """Before step 1: a graph keeps its own memory pool (about the step's transient memory) and a second
+        stream's cuBLAS workspace next to eager memory; where the budget or process cap leaves no room for
+        them, steps run eagerly from the start (a failed capture under a cap can leave memory behind)."""
+        limit = _memory_limit(torch.device("cuda", torch.cuda.current_device()), self.budget)
+        if limit is None or expected_peak is None:
+            return
+        need = expected_peak + GRAPH_OVERHEAD + (transient or 0)  # the graph's pool holds a transient of its own
+        if need > limit * 0.95:
+            self.disabled = "memory limit"
+            self.notes.append(f"fast path: CUDA graphs off: with their extra memory (~{need / 2 ** 30:.2f} GiB "
+                              f"expected) the run would not fit the {limit / 2 ** 30:.2f} GiB limit; steps run eagerly")
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.disabled or self.grads is None:

@@ -102,11 +102,15 @@ class TrainingSession:
         budget = budget_bytes(memory.auto_fit, self.adapter.device)
         if budget is None:
             self.configure(memory)
-            return self.estimate(), []
-        memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device)
-        self.configure(memory)
-        estimate, more_lines = fit_to_budget(self, budget)
-        return estimate, lines + more_lines
+            estimate, lines = self.estimate(), []
+        else:
+            memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device)
+            self.configure(memory)
+            estimate, more_lines = fit_to_budget(self, budget)
+            lines += more_lines
+        transient = None if estimate.activations is None else estimate.activations + estimate.workspace
+        self.micro_step.check_headroom(estimate.total, transient)
+        return estimate, lines
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""

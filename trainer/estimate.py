@@ -89,6 +89,7 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         step((small, cond))
         torch.cuda.synchronize(device)
         points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline))
+    torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
     intercept, slope = fit_line(points)
     # The probe's delta holds the LoRA gradients (allocated in backward) plus activations and workspace.
     estimate.activations = max(0, int(slope * height * width * batch_size))

@@ -27,7 +27,7 @@ def _net():
     return TinyNet(dim=256, depth=2)
 
 
-def _train(name: str, steps: int = 60):
+def _train(name: str, steps: int = 60, flat: bool = False):
     torch.manual_seed(0)
     net = _net()
     params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
@@ -40,7 +40,7 @@ def _train(name: str, steps: int = 60):
         while True:
             idx = torch.randint(0, 64, (8,), generator=g)
             yield x[idx], y[idx]
-    optimizer, note = build_optimizer(name, params, LEARNING_RATES[name], device=CPU)
+    optimizer, note = build_optimizer(name, params, LEARNING_RATES[name], device=CPU, flat=flat)
     result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data(), optimizer,
                         Precision("no", CPU), steps=steps, accumulation=1, should_stop=lambda: False)
     return result.losses, optimizer, note, params
@@ -163,3 +163,32 @@ def test_unknown_optimizer_is_rejected_with_the_field_name():
         build_optimizer("SGD", [torch.nn.Parameter(torch.zeros(1))], 1e-3, device=CPU)
     with pytest.raises(LeanLoRAError, match="optimizer"):
         optimizer_state_bytes("adamw", [(4, 16)])
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion8bit"])
+def test_flat_bitsandbytes_steps_train_like_per_tensor_steps(name):
+    """One flat tensor instead of 12. Each LoRA tensor here has 4096 elements, a whole number of bitsandbytes'
+    256-element blocks, so every block holds the same values either way and the runs are identical (with other
+    sizes blocks span tensor borders and tensors under 4096 elements get 8-bit state too: close, not equal)."""
+    per_tensor, _, _, _ = _train(name)
+    flat, optimizer, note, params = _train(name, flat=True)
+    assert note is None and len(optimizer.param_groups[0]["params"]) == 1
+    flat_param = optimizer.leanlora_flat.param
+    for p in params:  # every LoRA tensor is a view of the stepped buffer, so the model sees each update
+        assert p.untyped_storage().data_ptr() == flat_param.untyped_storage().data_ptr()
+        assert p.grad is not None and p.grad.untyped_storage().data_ptr() == flat_param.grad.untyped_storage().data_ptr()
+    assert flat == per_tensor
+    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(name, [flat_param])
+
+
+def test_flat_gradients_are_zeroed_in_place_and_reattached():
+    torch.manual_seed(0)
+    net = _net()
+    params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
+    optimizer, _ = build_optimizer("AdamW8bit", params, 1e-2, device=CPU, flat=True)
+    flat = optimizer.leanlora_flat
+    net(torch.randn(2, 5, 256)).square().mean().backward()
+    assert flat.param.grad.abs().sum() > 0  # autograd added into the views
+    params[0].grad = None  # something resets one gradient
+    optimizer.zero_grad(set_to_none=True)
+    assert flat.param.grad.abs().sum() == 0 and params[0].grad is flat.grads[0]

@@ -97,6 +97,35 @@ def _adafactor(params, lr, weight_decay):
                      weight_decay=weight_decay)
 
 
+class FlatParameters:
+    """The LoRA tensors as views of one flat buffer, and their gradients as views of one flat gradient, so an
+    optimizer that launches its kernels tensor by tensor (bitsandbytes) makes one call per step instead of one
+    per tensor: SDXL at rank 16 has 1,120 LoRA tensors, and stepping them one by one cost ~0.07 s per step on
+    an H200. Gradients are zeroed in place, never set to None (autograd adds into the views)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        first = params[0]
+        self.param = torch.nn.Parameter(torch.empty(sum(p.numel() for p in params), device=first.device,
+                                                    dtype=first.dtype))
+        self.param.grad = torch.zeros_like(self.param)
+        self.params, self.grads, offset = params, [], 0
+        for p in params:
+            n = p.numel()
+            self.param.data[offset:offset + n].copy_(p.data.reshape(-1))
+            p.data = self.param.data[offset:offset + n].view_as(p)
+            grad = self.param.grad[offset:offset + n].view_as(p)
+            if p.grad is not None:
+                grad.copy_(p.grad)
+            p.grad = grad
+            self.grads.append(grad)
+            offset += n
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the views must stay
+        self.param.grad.zero_()
+        for p, grad in zip(self.params, self.grads):
+            p.grad = grad  # re-attached if anything replaced it
+
+
 def _build(name, params, lr, weight_decay, device):
     if name == "AdamW":
         return _torch_adamw(params, lr, weight_decay, device)
@@ -106,8 +135,10 @@ def _build(name, params, lr, weight_decay, device):
 
 
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 1e-2, *,
-                    device: torch.device) -> tuple[torch.optim.Optimizer, str | None]:
-    """The optimizer, and a note for the report when another one had to be used instead (None otherwise)."""
+                    device: torch.device, flat: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
+    """The optimizer, and a note for the report when another one had to be used instead (None otherwise).
+    flat=True: a bitsandbytes optimizer steps all tensors as one (FlatParameters, kept as `.leanlora_flat`; its
+    zero_grad zeroes in place)."""
     _check_name(name)
     params, device = list(params), torch.device(device)
     whys: dict[str, list[str]] = {}  # reason -> the candidates it ruled out
@@ -120,6 +151,11 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
             whys.setdefault(missing.why, []).append(candidate)
             if missing.todo and missing.todo not in todos:
                 todos.append(missing.todo)
+    if flat and candidate in _BITSANDBYTES and params:
+        flat_params = FlatParameters(params)
+        optimizer = _build(candidate, [flat_params.param], lr, weight_decay, device)
+        optimizer.leanlora_flat = flat_params
+        optimizer.zero_grad = flat_params.zero_grad  # this instance only: gradients stay views of the flat one
     if candidate == name:
         return optimizer, None
     if name.startswith("Lion") and candidate == "AdamW":

@@ -72,7 +72,7 @@ class TrainingSession:
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
-                                                   device=device)
+                                                   device=device, flat=True)
             self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
                                                  self.train.steps, self.steps_done)
             if note:
@@ -114,7 +114,8 @@ class TrainingSession:
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
-        estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device)
+        estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
+                                state_params=[p for group in self.optimizer.param_groups for p in group["params"]])
         rng = self.generator.get_state()
 
         def probe_step(batch):  # eager, with the run's precision and activation offload

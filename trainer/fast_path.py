@@ -184,9 +184,11 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
         graph = torch.cuda.CUDAGraph()
         host_buffers: list = []
+        # thread_local: training runs in its own thread; CUDA calls ComfyUI's other threads might make during the
+        # capture must neither break it nor fail themselves.
         try:
             with self.offload.capturing() if self.offload else contextlib.nullcontext([]) as host_buffers, \
-                    torch.cuda.graph(graph, pool=self.pool, stream=side):
+                    torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 static_loss = self.forward_backward(static_inputs, accumulation)
         except self.passthrough_errors:
             raise

@@ -196,3 +196,26 @@ def test_training_targets_follow_the_models_own_prediction_type(comfy_objects):
     torch.testing.assert_close(output_target(eps_sampling, sigma, noisy, clean), noise, rtol=1e-4, atol=1e-4)
     expected_v = (noise - sigma.view(-1, 1, 1, 1) * clean) / (1 + sigma.view(-1, 1, 1, 1) ** 2).sqrt()
     torch.testing.assert_close(output_target(v_sampling, sigma, noisy, clean), expected_v, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path):
+    """torch.compile of the real ComfyUI UNet on the CPU (inductor's C++ backend): the compile step runs before
+    step 1 and is reported, and the losses stay within fp32 reordering tolerance of the eager run."""
+    memory = MemorySettings("no", False, 1, 1)
+    eager = _run(adapter, dataset, memory, tmp_path, steps=3, name="eager")
+    compiled = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=3,
+                    name="compiled")
+    assert "torch.compile: the diffusion model compiled in" in compiled.report, compiled.report
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-3)
+
+
+def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset, tmp_path, monkeypatch):
+    """A real compile failure: inductor's C++ backend pointed at a compiler that does not exist."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/leanlora-no-compiler",))
+    torch._dynamo.reset()
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=2,
+                   name="nocompiler")
+    assert "torch.compile failed here" in outcome.report and "runs eagerly" in outcome.report
+    assert len(outcome.losses) == 2
+    torch._dynamo.reset()

@@ -236,3 +236,50 @@ def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Preci
     if incompatible:
         return EagerMicroStep(compute_loss, precision, offload), f"fast path: CUDA graphs off because {incompatible}"
     return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload), None
+
+
+class CompiledForward:
+    """torch.compile of the diffusion model's forward, installed as the training copy's `forward`. Where
+    dynamo/inductor cannot compile it here (no C++ compiler or Triton, an unsupported op, ...), it falls back to
+    the eager forward once and says why in `notes`; a compile error surfaces before any of the compiled
+    region's kernels run, so the same call simply runs eagerly."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.eager = module, module.forward
+        self.compiled = torch.compile(self.eager)
+        self.failed: str | None = None
+        self.notes: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        if self.failed:
+            return self.eager(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as error:
+            if not is_compile_error(error):
+                raise
+            self.fall_back(error)
+            return self.eager(*args, **kwargs)
+
+    def fall_back(self, error: BaseException) -> None:
+        self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
+        self.module.forward = self.eager
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Errors of dynamo (tracing) and of the compiler backends it wraps (BackendCompilerFailed)."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return isinstance(error, TorchDynamoException)
+
+
+def compile_model(module: torch.nn.Module) -> CompiledForward:
+    """Installs a CompiledForward on `module` (the private training copy); idempotent."""
+    if isinstance(module.forward, CompiledForward):
+        return module.forward
+    compiled = CompiledForward(module)
+    module.forward = compiled
+    return compiled

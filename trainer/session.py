@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 from dataclasses import replace
 
 import torch
@@ -16,7 +17,7 @@ from .checkpointing import checkpoint_blocks, uses_randomness
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
-from .fast_path import BatchStep, build_micro_step
+from .fast_path import BatchStep, build_micro_step, compile_model, is_compile_error
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
@@ -45,6 +46,7 @@ class TrainingSession:
         self.steps_done = 0  # kept by the caller; a rebuilt optimizer's LR schedule resumes from here
         self.restore_allocator = lambda: None
         self.micro_step = self.step = None
+        self.compiled = None  # the CompiledForward, once compile is asked for
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
@@ -69,6 +71,8 @@ class TrainingSession:
             moved = stream_weights_from_cpu(self.unet)
             self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
+        if memory.compile and self.compiled is None:
+            self.compiled = compile_model(self.unet)
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
@@ -102,15 +106,40 @@ class TrainingSession:
         budget = budget_bytes(memory.auto_fit, self.adapter.device)
         if budget is None:
             self.configure(memory)
-            estimate, lines = self.estimate(), []
+            lines = self.compile_now()
+            estimate = self.estimate()
         else:
             memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device)
             self.configure(memory)
+            lines += self.compile_now()
             estimate, more_lines = fit_to_budget(self, budget)
             lines += more_lines
         transient = None if estimate.activations is None else estimate.activations + estimate.workspace
         self.micro_step.check_headroom(estimate.total, transient)
         return estimate, lines
+
+    def compile_now(self) -> list[str]:
+        """With compile on: compiles before step 1 with one forward+backward on the largest sample (gradients
+        discarded), so compile time is reported on its own and a compiler failing in backward is caught here."""
+        if self.compiled is None or self.compiled.failed:
+            return []
+        started = time.perf_counter()
+        largest = max(self.cache, key=lambda sample: sample.latent.numel())
+        rng = self.generator.get_state()
+        try:
+            self.micro_step.forward_backward(self.inputs(collate([largest])), 1)
+        except Exception as error:
+            if is_out_of_memory(error):
+                return ["torch.compile: the compile step ran out of memory; compiling happens at step 1"]
+            if not is_compile_error(error):
+                raise
+            self.compiled.fall_back(error)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.generator.set_state(rng)
+        if self.compiled.failed:
+            return []
+        return [f"torch.compile: the diffusion model compiled in {time.perf_counter() - started:.1f} s"]
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
@@ -163,7 +192,8 @@ class TrainingSession:
         self.restore_allocator = lambda: None
 
     def report_notes(self) -> list[str]:
-        extra = self.micro_step.notes if self.micro_step is not None else []
+        extra = (self.micro_step.notes if self.micro_step is not None else []) + \
+            (self.compiled.notes if self.compiled is not None else [])
         return self.notes + [n for n in extra if n not in self.notes]
 
 

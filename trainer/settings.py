@@ -42,6 +42,7 @@ class MemorySettings:
     fast_path: str = "CUDA graphs"
     allocator: str = "expandable segments"
     activation_offload: bool = False
+    compile: bool = False
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -71,6 +72,7 @@ class MemorySettings:
                 f"base weights {self.base_weights}"
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")
                 + f", attention {self.attention}, fast path {self.fast_path}"
+                + (", torch.compile" if self.compile else "")
                 + (f", auto-fit to {self.auto_fit}" if self.auto_fit != "off" else ""))
 
 

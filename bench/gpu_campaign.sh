@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The GPU campaign behind docs/BENCHMARKS.md, one command on the GPU machine (repo root, .gpu/ carried; see
-# bench/prepare_gpu_carry.sh). Capped rows run in their own process so nothing one row leaves behind counts
-# in another's cap. Usage: bash bench/gpu_campaign.sh OUT_DIR [STEPS]
+# The GPU campaign behind docs/BENCHMARKS.md, on the GPU machine (repo root, .gpu/ carried; see
+# bench/prepare_gpu_carry.sh). One device command runs at most 10 minutes, so the campaign comes in parts:
+#   bash bench/gpu_campaign.sh OUT caps    # 30-step rows under per-process caps, each in its own process
+#   bash bench/gpu_campaign.sh OUT table   # ours vs both peers, same process, no cap (+ memory breakdown)
+#   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), torch.compile
+# Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
-OUT="${1:?output folder}"; STEPS="${2:-27}"
+OUT="${1:?output folder}"; PART="${2:-table}"; STEPS="${STEPS:-27}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p .cache "$OUT" && tar xzf .gpu/comfyui.tgz -C .cache
 run() { local name="$1"; shift; timeout "${LIMIT:-150}" python3 -m bench.run --out "$OUT/$name" "$@" 2>&1 \
   | grep -E "^\[bench\]|^(sd15|sdxl)@|OOM|error" | grep -v "^\s*$"; }
-timeout 120 python3 -m bench.memory_breakdown --models sdxl --configs lean 2>&1 | grep "^\[breakdown\]" | head -5
-# 30 steps (3 warm-up + STEPS timed) under per-process caps
-run sdxl_lean_3 --models sdxl --configs lean@3 --steps "$STEPS" --warmup 3
-run sdxl_leanest_2 --models sdxl --configs leanest@2 --steps "$STEPS" --warmup 3
-run sd15_lean_1 --models sd15 --configs lean@1 --steps "$STEPS" --warmup 3
-run sdxl_autofit_3 --models sdxl --configs autofit@3 --steps "$STEPS" --warmup 3
-# ours vs both peers, same process, no cap
-LIMIT=420 run table --models sd15,sdxl --steps 12 --warmup 3 --budget-s 400 \
-  --configs fast,fast-eager,balanced,lean,lean-eager,leanest,gc+fp8,gc+8bit,diffusers,comfyui
-cat "$OUT/table/table.txt" 2>/dev/null | tail -30
+case "$PART" in
+  caps)
+    for row in sdxl:lean@3 sdxl:leanest@2 sd15:lean@1 sd15:leanest@1 sdxl:autofit@3 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8; do
+      LIMIT=70 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
+    done ;;
+  table)
+    timeout 100 python3 -m bench.memory_breakdown --models sdxl --configs lean 2>&1 | grep "^\[breakdown\]" | head -5
+    LIMIT=420 run table --models sd15,sdxl --steps 12 --warmup 3 --budget-s 400 \
+      --configs fast,fast-eager,balanced,lean,lean-eager,leanest,gc+fp8,gc+8bit,diffusers,comfyui
+    cat "$OUT/table/table.txt" 2>/dev/null | tail -30 ;;
+  bs8)
+    LIMIT=500 run bs8 --models sdxl --steps 8 --warmup 2 --budget-s 480 --configs fast:bs8,fast+compile:bs8,diffusers:bs8
+    cat "$OUT/bs8/table.txt" 2>/dev/null | tail -8 ;;
+esac
+# the device tool returns a limited number of files: one archive
+tar czf "/tmp/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/"

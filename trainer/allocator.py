@@ -41,6 +41,12 @@ def apply_allocator_settings(choice: str, device: torch.device, notes: list[str]
         return lambda: None
     if (_env_setting("expandable_segments") or "False").lower() == "true":
         return lambda: None  # already on for the whole process
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    _set_allocator_settings("expandable_segments:True")
     notes.append("allocator: expandable segments on for this run (reserved memory stays close to allocated)")
-    return lambda: torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    return lambda: _set_allocator_settings("expandable_segments:False")
+
+
+def _set_allocator_settings(setting: str) -> None:
+    # Newer torch moved this to the accelerator-generic call (the CUDA one warns it is deprecated).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(setting)

@@ -231,8 +231,11 @@ def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Preci
                      incompatible: str | None = None,
                      offload: ActivationOffload | None = None) -> tuple[EagerMicroStep, str | None]:
     """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
-    if fast_path == "off" or device.type != "cuda":  # CPU runs have no launch overhead to remove
+    if fast_path == "off":
         return EagerMicroStep(compute_loss, precision, offload), None
+    if device.type != "cuda":
+        return EagerMicroStep(compute_loss, precision, offload), \
+            f"fast path: CUDA graphs need an NVIDIA GPU; steps run normally on {device.type}"
     if incompatible:
         return EagerMicroStep(compute_loss, precision, offload), f"fast path: CUDA graphs off because {incompatible}"
     return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload), None

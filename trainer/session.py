@@ -194,6 +194,10 @@ class TrainingSession:
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
             (self.compiled.notes if self.compiled is not None else [])
+        graphs = len(getattr(self.micro_step, "graphs", {}))
+        if graphs:
+            extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
+                         "(one per batch shape)")
         return self.notes + [n for n in extra if n not in self.notes]
 
 

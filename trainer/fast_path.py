@@ -22,7 +22,7 @@ from .precision import Precision
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-GRAPH_OVERHEAD = 160 * 2 ** 20  # measured on an H200: the capture stream's cuBLAS workspace + pool rounding
+GRAPH_OVERHEAD = 160 * 2 ** 20  # from H200 runs: the side stream's cuBLAS workspace (64 MiB) + pool rounding
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
 

@@ -40,12 +40,6 @@ def draw_noise(model_sampling, shape: torch.Size, generator: torch.Generator) ->
     return {"noise": noise, "sigma": sigma, "timestep": model_sampling.timestep(sigma).float()}
 
 
-def diffusion_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
-                   generator: torch.Generator) -> torch.Tensor:
-    draws = {name: t.to(clean.device) for name, t in draw_noise(model_sampling, clean.shape, generator).items()}
-    return denoising_loss(model_sampling, predict, clean, cond, **draws)
-
-
 def denoising_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
                    noise: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
     """Everything after the random draws: only device work, no host synchronisation (capturable)."""

@@ -274,6 +274,17 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def who_holds_cuda_memory(top: int = 3) -> str:
+    """For leak hunting: the largest live CUDA tensors and, for each, the types of what refers to it."""
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    tensors.sort(key=lambda t: -t.numel() * t.element_size())
+    parts = []
+    for t in tensors[:top]:
+        holders = [type(r).__name__ for r in gc.get_referrers(t) if r is not tensors]
+        parts.append(f"{tuple(t.shape)} {t.dtype} <- {', '.join(holders[:4]) or '?'}")
+    return f"{len(tensors)} CUDA tensors alive; largest: " + "; ".join(parts)
+
+
 def _run_config(work: Workload, config: RowConfig, warmup: int, steps: int, count_flops: bool) -> dict:
     if config.kind == "ours":
         return run_ours(work, config.preset, config.cap_gib, warmup, steps, count_flops)
@@ -318,6 +329,9 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
         if left > 0.05:  # what the row failed to give back would count in every later row's peak
             row["notes"] = row["notes"] + [f"{left:.2f} GiB still allocated after the row"]
             print(f"[bench] warning: {left:.2f} GiB still allocated after {spec.name} {config.name}", flush=True)
+            if left > 0.5:
+                row["notes"].append("held by: " + who_holds_cuda_memory())
+                print(f"[bench]   held by: {row['notes'][-1][9:]}", flush=True)
     return row
 
 

@@ -1,5 +1,5 @@
 from ..trainer.settings import (ALLOCATOR, ATTENTION, AUTO_FIT, BASE_WEIGHTS, FAST_PATH, LATENT_CACHE, LORA_TARGETS,
-                                MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings)
+                                LORA_WEIGHTS, MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings)
 from .common import CATEGORY
 
 
@@ -55,6 +55,10 @@ class LeanLoRAMemorySettings:
                     "torch.compile the diffusion model (fused kernels; needs a C++ compiler, and Triton on the "
                     "GPU). Compiles before step 1 and reports how long it took; where compiling fails the report "
                     "says why and training runs uncompiled."}),
+                "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
+                    "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
+                    "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "
+                    "down at random so small steps still add up. Needs mixed_precision bf16."}),
                 "allocator": (list(ALLOCATOR), {"default": "expandable segments", "tooltip":
                     "expandable segments: PyTorch's allocator grows one mapping instead of many fixed blocks, so "
                     "reserved VRAM stays close to what is used (less fragmentation), for this run only. Needs "
@@ -73,10 +77,10 @@ class LeanLoRAMemorySettings:
 
     def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
                 base_weights, auto_fit, latent_cache, attention, fast_path="CUDA graphs", activation_offload=False,
-                allocator="expandable segments", compile=False):
+                allocator="expandable segments", compile=False, lora_weights="fp32"):
         return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
                                optimizer, base_weights, auto_fit, latent_cache, attention, fast_path, allocator,
-                               activation_offload, compile),)
+                               activation_offload, compile, lora_weights),)
 
 
 class LeanLoRALoraConfig:

@@ -192,3 +192,55 @@ def test_flat_gradients_are_zeroed_in_place_and_reattached():
     params[0].grad = None  # something resets one gradient
     optimizer.zero_grad(set_to_none=True)
     assert flat.param.grad.abs().sum() == 0 and params[0].grad is flat.grads[0]
+
+
+def test_stochastic_rounding_is_unbiased_where_round_to_nearest_stalls():
+    from trainer.optimizers import stochastic_round_
+    torch.manual_seed(0)
+    weight_nearest = torch.ones(4096, dtype=torch.bfloat16)
+    weight_stochastic = torch.ones(4096, dtype=torch.bfloat16)
+    for _ in range(100):  # 100 updates of 1e-4: 1/78 of bf16's spacing at 1.0 each
+        weight_nearest = (weight_nearest.float() + 1e-4).bfloat16()
+        stochastic_round_(weight_stochastic, weight_stochastic.float() + 1e-4)
+    assert torch.all(weight_nearest == 1.0)  # every update lost
+    assert weight_stochastic.float().mean().item() == pytest.approx(1.01, abs=1e-3)  # they add up on average
+    x = torch.full((100_000,), 1.0 + 2 ** -9)  # a quarter of the way between two bf16 neighbours (1 and 1+2^-7)
+    rounded = torch.empty_like(x, dtype=torch.bfloat16)
+    stochastic_round_(rounded, x)
+    assert set(rounded.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert rounded.float().mean().item() == pytest.approx(x[0].item(), abs=2e-5)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit"])
+def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name):
+    torch.manual_seed(0)
+
+    def run(bf16_weights):
+        torch.manual_seed(0)
+        net = _net()
+        params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
+        optimizer, _ = build_optimizer(name, params, 1e-2, device=CPU, bf16_weights=bf16_weights)
+        x = torch.randn(64, 5, 256)
+        with torch.no_grad():
+            y = _net()(x)
+        g = torch.Generator().manual_seed(0)
+        data = ((x[i], y[i]) for i in iter(lambda: torch.randint(0, 64, (8,), generator=g), None))
+        result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
+                            optimizer, Precision("bf16", CPU), steps=60, accumulation=1, should_stop=lambda: False)
+        held = sum(2 * p.numel() * p.element_size() for p in params)  # weight + its gradient, same dtype
+        return result.losses, held, params, optimizer
+
+    fp32_losses, fp32_bytes, _, _ = run(False)
+    bf16_losses, bf16_bytes, params, optimizer = run(True)
+    assert bf16_bytes * 2 == fp32_bytes
+    assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16 for p in params)
+    assert sum(bf16_losses[-10:]) == pytest.approx(sum(fp32_losses[-10:]), rel=0.05)  # measured: within 2%
+    assert sum(bf16_losses[-10:]) < 0.7 * sum(bf16_losses[:10])
+    state = optimizer.state[optimizer.leanlora_flat.proxy]  # fp32 state for the whole flat tensor
+    assert state and all(t.dtype != torch.bfloat16 for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def test_bf16_lora_weights_need_bf16_mixed_precision():
+    from trainer.settings import MemorySettings
+    with pytest.raises(LeanLoRAError, match="lora_weights.*mixed_precision bf16"):
+        MemorySettings("fp16", lora_weights="bf16 + stochastic rounding")

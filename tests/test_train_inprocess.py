@@ -166,7 +166,8 @@ def test_unusable_xformers_fails_before_any_work_with_a_clear_message(adapter, d
 
 @pytest.mark.parametrize("memory", [MemorySettings("bf16", True, 2, 1, "AdamW8bit", "fp8 streamed from CPU"),
                                     MemorySettings("fp16", False, 1, 2, "Lion", "fp8"),
-                                    MemorySettings("bf16", True, 1, 2, "Lion8bit", "fp8", activation_offload=True)])
+                                    MemorySettings("bf16", True, 1, 2, "Lion8bit", "fp8", activation_offload=True),
+                                    MemorySettings("bf16", False, 1, 1, "AdamW", lora_weights="bf16 + stochastic rounding")])
 def test_the_base_model_is_bit_identical_after_training(adapter, comfy_objects, dataset, tmp_path, memory):
     model = comfy_objects[0]
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}

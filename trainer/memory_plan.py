@@ -19,8 +19,8 @@ def resolve_for_device(memory: MemorySettings, device: torch.device) -> tuple[Me
     """Settings the device cannot run become the closest ones it can, with a note for the report."""
     notes = []
     if memory.mixed_precision == "bf16" and not bf16_supported(device):
-        memory = replace(memory, mixed_precision="fp16")
-        notes.append("this GPU has no bf16: using fp16 with loss scaling instead")
+        memory = replace(memory, mixed_precision="fp16", lora_weights="fp32")
+        notes.append("this GPU has no bf16: using fp16 with loss scaling (and fp32 LoRA weights) instead")
     return memory, notes
 
 

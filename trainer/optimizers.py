@@ -6,6 +6,7 @@ saying why, and the exact bytes of state each keeps (the memory estimate's optim
 from __future__ import annotations
 
 import math
+import types
 from typing import Iterable
 
 import torch
@@ -101,12 +102,13 @@ class FlatParameters:
     """The LoRA tensors as views of one flat buffer, and their gradients as views of one flat gradient, so an
     optimizer that launches its kernels tensor by tensor (bitsandbytes) makes one call per step instead of one
     per tensor: SDXL at rank 16 has 1,120 LoRA tensors, and stepping them one by one cost ~0.07 s per step on
-    an H200. Gradients are zeroed in place, never set to None (autograd adds into the views)."""
+    an H200. Gradients are zeroed in place, never set to None (autograd adds into the views). `dtype`: the
+    buffer's (and so the LoRA weights') dtype, e.g. bf16 for BF16Weights."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype | None = None):
         first = params[0]
         self.param = torch.nn.Parameter(torch.empty(sum(p.numel() for p in params), device=first.device,
-                                                    dtype=first.dtype))
+                                                    dtype=dtype or first.dtype))
         self.param.grad = torch.zeros_like(self.param)
         self.params, self.grads, offset = params, [], 0
         for p in params:
@@ -126,6 +128,40 @@ class FlatParameters:
             p.grad = grad  # re-attached if anything replaced it
 
 
+def stochastic_round_(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Writes fp32 `source` into bf16 `target`, rounding up or down at random in proportion to the distance to
+    each neighbour: unbiased, so updates far below bf16's resolution (a learning rate of 1e-4 times a gradient
+    on a weight of ~1e-2) add up over steps instead of vanishing as round-to-nearest makes them."""
+    bits = source.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
+    target.copy_(((bits + noise) & -65536).view(torch.float32))  # low 16 bits zero: the bf16 cast is exact
+
+
+class BF16Weights(FlatParameters):
+    """LoRA weights and gradients in bf16 (half of fp32's bytes). The optimizer keeps fp32 state and steps an
+    fp32 copy of the weights made for the step only (activations are freed by then, so the copy does not raise
+    the peak); the result is stochastically rounded back."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__(params, torch.bfloat16)
+        self.proxy = torch.nn.Parameter(torch.empty(0, device=self.param.device))  # what the optimizer steps
+
+    def wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replaces this optimizer instance's step (as a bound method: LR schedulers wrap it again)."""
+        inner = optimizer.step
+
+        def bf16_step(_optimizer, *args, **kwargs):
+            self.proxy.data = self.param.detach().float()
+            self.proxy.grad = self.param.grad.float()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                stochastic_round_(self.param.data, self.proxy.data)
+                self.proxy.grad = None
+                self.proxy.data = torch.empty(0, device=self.param.device)
+        optimizer.step = types.MethodType(bf16_step, optimizer)
+
+
 def _build(name, params, lr, weight_decay, device):
     if name == "AdamW":
         return _torch_adamw(params, lr, weight_decay, device)
@@ -135,10 +171,11 @@ def _build(name, params, lr, weight_decay, device):
 
 
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 1e-2, *,
-                    device: torch.device, flat: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
+                    device: torch.device, flat: bool = False,
+                    bf16_weights: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
     """The optimizer, and a note for the report when another one had to be used instead (None otherwise).
     flat=True: a bitsandbytes optimizer steps all tensors as one (FlatParameters, kept as `.leanlora_flat`; its
-    zero_grad zeroes in place)."""
+    zero_grad zeroes in place). bf16_weights=True: the LoRA weights become bf16 (BF16Weights, any optimizer)."""
     _check_name(name)
     params, device = list(params), torch.device(device)
     whys: dict[str, list[str]] = {}  # reason -> the candidates it ruled out
@@ -151,9 +188,14 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
             whys.setdefault(missing.why, []).append(candidate)
             if missing.todo and missing.todo not in todos:
                 todos.append(missing.todo)
-    if flat and candidate in _BITSANDBYTES and params:
+    if bf16_weights and params:
+        flat_params = BF16Weights(params)
+        optimizer = _build(candidate, [flat_params.proxy], lr, weight_decay, device)
+        flat_params.wrap_step(optimizer)  # this instance only
+    elif flat and candidate in _BITSANDBYTES and params:
         flat_params = FlatParameters(params)
         optimizer = _build(candidate, [flat_params.param], lr, weight_decay, device)
+    if (bf16_weights or (flat and candidate in _BITSANDBYTES)) and params:
         optimizer.leanlora_flat = flat_params
         optimizer.zero_grad = flat_params.zero_grad  # this instance only: gradients stay views of the flat one
     if candidate == name:

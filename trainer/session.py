@@ -76,7 +76,8 @@ class TrainingSession:
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
-                                                   device=device, flat=True)
+                                                   device=device, flat=True,
+                                                   bf16_weights=memory.lora_weights != "fp32")
             self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
                                                  self.train.steps, self.steps_done)
             if note:
@@ -143,8 +144,9 @@ class TrainingSession:
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
+        flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
-                                state_params=[p for group in self.optimizer.param_groups for p in group["params"]])
+                                state_params=[flat.param] if flat is not None else None)
         rng = self.generator.get_state()
 
         def probe_step(batch):  # eager, with the run's precision and activation offload

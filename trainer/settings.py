@@ -14,6 +14,7 @@ BASE_WEIGHTS = ("as loaded", "fp8", "fp8 streamed from CPU")
 LATENT_CACHE = ("RAM", "RAM + disk", "off")
 ATTENTION = ("auto", "pytorch SDPA", "xformers", "chunked (sub-quadratic)")
 FAST_PATH = ("CUDA graphs", "off")
+LORA_WEIGHTS = ("fp32", "bf16 + stochastic rounding")
 ALLOCATOR = ("expandable segments", "as started")
 AUTO_FIT = ("off", "free VRAM", "2 GiB", "3 GiB", "4 GiB", "6 GiB", "8 GiB", "10 GiB", "12 GiB", "16 GiB", "24 GiB")
 LORA_TARGETS = {
@@ -43,6 +44,7 @@ class MemorySettings:
     allocator: str = "expandable segments"
     activation_offload: bool = False
     compile: bool = False
+    lora_weights: str = "fp32"
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -57,6 +59,10 @@ class MemorySettings:
         _require(self.attention in ATTENTION, "attention", f"got {self.attention!r}; choose one of {', '.join(ATTENTION)}")
         _require(self.fast_path in FAST_PATH, "fast_path", f"got {self.fast_path!r}; choose one of {', '.join(FAST_PATH)}")
         _require(self.allocator in ALLOCATOR, "allocator", f"got {self.allocator!r}; choose one of {', '.join(ALLOCATOR)}")
+        _require(self.lora_weights in LORA_WEIGHTS, "lora_weights",
+                 f"got {self.lora_weights!r}; choose one of {', '.join(LORA_WEIGHTS)}")
+        _require(self.lora_weights == "fp32" or self.mixed_precision == "bf16", "lora_weights",
+                 "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -73,6 +79,7 @@ class MemorySettings:
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")
                 + f", attention {self.attention}, fast path {self.fast_path}"
                 + (", torch.compile" if self.compile else "")
+                + (f", LoRA weights {self.lora_weights}" if self.lora_weights != "fp32" else "")
                 + (f", auto-fit to {self.auto_fit}" if self.auto_fit != "off" else ""))
 
 

@@ -1,5 +1,6 @@
-from ..trainer.settings import (ALLOCATOR, ATTENTION, AUTO_FIT, BASE_WEIGHTS, FAST_PATH, LATENT_CACHE, LORA_TARGETS,
-                                LORA_WEIGHTS, MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings)
+from ..trainer.settings import (ALLOCATOR, ATTENTION, AUTO_FIT, BASE_WEIGHTS, CHECKPOINT_DEPTH, FAST_PATH,
+                                LATENT_CACHE, LORA_TARGETS, LORA_WEIGHTS, MIXED_PRECISION, OPTIMIZERS, LoraSettings,
+                                MemorySettings)
 from .common import CATEGORY
 
 
@@ -44,6 +45,11 @@ class LeanLoRAMemorySettings:
             },
             # Optional so workflows saved before these existed still load with the defaults.
             "optional": {
+                "checkpoint_depth": (list(CHECKPOINT_DEPTH), {"default": "per layer", "tooltip":
+                    "With gradient checkpointing: recompute each ResBlock and each single transformer layer (per "
+                    "layer: least memory during backward on SDXL, whose deep blocks stack 10 layers) or each whole "
+                    "transformer block (per block: fewer stored block inputs, more memory while one block is "
+                    "recomputed). Same compute either way."}),
                 "fast_path": (list(FAST_PATH), {"default": "CUDA graphs", "tooltip":
                     "CUDA graphs: record each step's GPU work once per image size and replay it, removing the "
                     "Python overhead that dominates small batches (often 3-6x faster steps). Falls back to normal "
@@ -77,10 +83,10 @@ class LeanLoRAMemorySettings:
 
     def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
                 base_weights, auto_fit, latent_cache, attention, fast_path="CUDA graphs", activation_offload=False,
-                allocator="expandable segments", compile=False, lora_weights="fp32"):
+                allocator="expandable segments", compile=False, lora_weights="fp32", checkpoint_depth="per layer"):
         return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
                                optimizer, base_weights, auto_fit, latent_cache, attention, fast_path, allocator,
-                               activation_offload, compile, lora_weights),)
+                               activation_offload, compile, lora_weights, checkpoint_depth),)
 
 
 class LeanLoRALoraConfig:

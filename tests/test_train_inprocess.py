@@ -114,6 +114,26 @@ def test_gradient_checkpointing_really_wraps_comfyui_unet_layers(adapter):
     assert saved_checkpointed < 0.5 * saved_plain, (saved_checkpointed, saved_plain)
 
 
+def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
+    """Per block: the whole SpatialTransformer (norm, projections and layers) is one recomputed unit, so fewer
+    tensors stay saved than per layer; gradients are the same."""
+    from trainer.checkpointing import checkpoint_blocks
+    from trainer.lora import inject_lora
+    unets = {depth: adapter.training_unet() for depth in ("per layer", "per block")}
+    grads = {}
+    for depth, unet in unets.items():
+        params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+        for p in params:
+            p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+        units = adapter.checkpoint_blocks(unet, depth)
+        checkpoint_blocks(units)
+        grads[depth] = (_saved_bytes_in_forward(adapter, unet), [p.grad.clone() for p in params], len(units))
+    (layer_bytes, layer_grads, layer_units), (block_bytes, block_grads, block_units) = grads.values()
+    assert block_units <= layer_units and block_bytes < layer_bytes, (block_bytes, layer_bytes)
+    for a, b in zip(layer_grads, block_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
     from trainer.frozen_weights import device_bound, projected_weight_bytes, stream_weights_from_cpu
     from trainer.lora import inject_lora

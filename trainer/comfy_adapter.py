@@ -140,16 +140,18 @@ class ComfyAdapter:
         unet.requires_grad_(False)
         return unet
 
-    def checkpoint_blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
-        """The units to recompute: every ResBlock and every transformer layer. ComfyUI's UNet runs the layers
-        of its TimestepEmbedSequential blocks one by one (forward_timestep_embed), never the block's own
-        forward, so checkpointing must wrap the layers. SDXL's deep levels stack 10 transformer layers in one
-        SpatialTransformer: per-layer units keep one layer's activations alive during recompute, not ten."""
+    def checkpoint_blocks(self, unet: torch.nn.Module, depth: str = "per layer") -> list[torch.nn.Module]:
+        """The units to recompute: every ResBlock, plus every transformer layer ("per layer") or every whole
+        SpatialTransformer ("per block"). ComfyUI's UNet runs the layers of its TimestepEmbedSequential blocks
+        one by one (forward_timestep_embed), never the block's own forward, so checkpointing must wrap the
+        layers. SDXL's deep levels stack 10 transformer layers in one SpatialTransformer: per-layer units keep
+        one layer's activations alive during recompute, not ten; per-block units keep fewer inputs (and
+        recompute the norm and projections around the layers too)."""
         units = []
         for block in [*unet.input_blocks, unet.middle_block, *unet.output_blocks]:
             for layer in block:
                 if hasattr(layer, "transformer_blocks"):
-                    units.extend(layer.transformer_blocks)
+                    units.extend(layer.transformer_blocks if depth == "per layer" else [layer])
                 elif isinstance(layer, TimestepBlock):
                     units.append(layer)
         return units

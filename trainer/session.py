@@ -57,7 +57,8 @@ class TrainingSession:
             memory = replace(memory, gradient_checkpointing=True)  # otherwise every streamed copy stays for backward
             self.notes.append("streaming needs gradient checkpointing: turned it on")
         if memory.gradient_checkpointing and not self.checkpointed:
-            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet), preserve_rng_state=uses_randomness(self.unet))
+            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth),
+                              preserve_rng_state=uses_randomness(self.unet))
             self.checkpointed = True
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)

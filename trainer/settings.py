@@ -15,6 +15,7 @@ LATENT_CACHE = ("RAM", "RAM + disk", "off")
 ATTENTION = ("auto", "pytorch SDPA", "xformers", "chunked (sub-quadratic)")
 FAST_PATH = ("CUDA graphs", "off")
 LORA_WEIGHTS = ("fp32", "bf16 + stochastic rounding")
+CHECKPOINT_DEPTH = ("per layer", "per block")
 ALLOCATOR = ("expandable segments", "as started")
 AUTO_FIT = ("off", "free VRAM", "2 GiB", "3 GiB", "4 GiB", "6 GiB", "8 GiB", "10 GiB", "12 GiB", "16 GiB", "24 GiB")
 LORA_TARGETS = {
@@ -45,6 +46,7 @@ class MemorySettings:
     activation_offload: bool = False
     compile: bool = False
     lora_weights: str = "fp32"
+    checkpoint_depth: str = "per layer"
 
     def __post_init__(self):
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
@@ -63,6 +65,8 @@ class MemorySettings:
                  f"got {self.lora_weights!r}; choose one of {', '.join(LORA_WEIGHTS)}")
         _require(self.lora_weights == "fp32" or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
+        _require(self.checkpoint_depth in CHECKPOINT_DEPTH, "checkpoint_depth",
+                 f"got {self.checkpoint_depth!r}; choose one of {', '.join(CHECKPOINT_DEPTH)}")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -73,7 +77,7 @@ class MemorySettings:
 
     def describe(self) -> str:
         return (f"precision {self.mixed_precision}, gradient checkpointing "
-                f"{'on' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
+                f"{f'on ({self.checkpoint_depth})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
                 f"base weights {self.base_weights}"
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")

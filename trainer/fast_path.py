@@ -79,7 +79,11 @@ class EagerMicroStep:
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)  # gradients need no memory between steps
 
-    def check_headroom(self, expected_peak: int | None, transient: int | None) -> None:
+    def extra_memory(self, estimate) -> int:
+        """Bytes this way of stepping needs beyond the (eagerly probed) memory estimate."""
+        return 0
+
+    def check_headroom(self, estimate) -> None:
         pass  # eager steps need nothing beyond the estimate
 
 
@@ -118,14 +122,20 @@ class GraphedMicroStep(EagerMicroStep):
         graph.replay()
         return static_loss.clone()  # the next replay overwrites static_loss
 
-    def check_headroom(self, expected_peak: int | None, transient: int | None) -> None:
-        """Before step 1: a graph keeps its own memory pool (about the step's transient memory) and a second
-        stream's cuBLAS workspace next to eager memory; where the budget or process cap leaves no room for
-        them, steps run eagerly from the start (a failed capture under a cap can leave memory behind)."""
+    def extra_memory(self, estimate) -> int:
+        """A graph keeps its own memory pool (about one step's activations and workspace) and a second stream's
+        cuBLAS workspace next to the memory eager code uses."""
+        if self.disabled:
+            return 0
+        return GRAPH_OVERHEAD + (estimate.activations or 0) + (estimate.workspace or 0)
+
+    def check_headroom(self, estimate) -> None:
+        """Before step 1: where the budget or process cap leaves no room for the graph's extra memory, steps
+        run eagerly from the start (a failed capture under a cap can leave memory behind)."""
         limit = _memory_limit(torch.device("cuda", torch.cuda.current_device()), self.budget)
-        if limit is None or expected_peak is None:
+        if limit is None or estimate.total is None:
             return
-        need = expected_peak + GRAPH_OVERHEAD + (transient or 0)  # the graph's pool holds a transient of its own
+        need = estimate.total + self.extra_memory(estimate)
         if need > limit * 0.95:
             self.disabled = "memory limit"
             self.notes.append(f"fast path: CUDA graphs off: with their extra memory (~{need / 2 ** 30:.2f} GiB "

@@ -81,12 +81,8 @@ class LeanLoRAMemorySettings:
                    "offload, streamed weights) and "
                    "repeats that step; the report lists each recovery.")
 
-    def execute(self, mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation, optimizer,
-                base_weights, auto_fit, latent_cache, attention, fast_path="CUDA graphs", activation_offload=False,
-                allocator="expandable segments", compile=False, lora_weights="fp32", checkpoint_depth="per layer"):
-        return (MemorySettings(mixed_precision, gradient_checkpointing, batch_size, gradient_accumulation,
-                               optimizer, base_weights, auto_fit, latent_cache, attention, fast_path, allocator,
-                               activation_offload, compile, lora_weights, checkpoint_depth),)
+    def execute(self, **settings):
+        return (MemorySettings(**settings),)  # input names are MemorySettings' fields; omitted optionals default
 
 
 class LeanLoRALoraConfig:

@@ -202,3 +202,14 @@ def test_buckets_and_latent_cache_through_the_nodes(comfy_server, trained):
     assert "buckets: 64x128: 1, 128x64: 1, 128x128: 1" in reports[0], reports[0]
     assert "cache: latents 0 hits, 3 encoded" in reports[0]
     assert "cache: latents 3 hits, 0 encoded" in reports[1]
+
+
+def test_memory_settings_inputs_are_exactly_the_settings_fields(comfy_server):
+    """The node passes its inputs to MemorySettings by name: every field is an input and nothing else is."""
+    import dataclasses
+    from trainer.settings import MemorySettings
+    spec = comfy_server.object_info()["LeanLoRAMemorySettings"]["input"]
+    names = {*spec["required"], *spec.get("optional", {})}
+    assert names == {field.name for field in dataclasses.fields(MemorySettings)}
+    for name, (_, options) in spec.get("optional", {}).items():  # optional ones default like the dataclass
+        assert options["default"] == MemorySettings.__dataclass_fields__[name].default, name

@@ -1,3 +1,6 @@
+import torch
+
+
 class LeanLoRAError(Exception):
     """A problem the user can fix. The message names the file or field and says what to do."""
 
@@ -5,3 +8,8 @@ class LeanLoRAError(Exception):
 class TrainingCancelled(Exception):
     """Raised from inside a step when the host stops the run (ComfyUI's Cancel can surface in the middle of a
     forward pass); the loop ends exactly like a cancel between steps."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OOM error, or another allocator's (bitsandbytes, other backends) saying the same in words."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

@@ -18,7 +18,9 @@ from typing import Callable
 import torch
 
 from .activation_offload import ActivationOffload
+from .errors import is_out_of_memory
 from .precision import Precision
+from .vram import device_memory_bytes
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -33,16 +35,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def _allocated(device: torch.device, peak: bool = False, reserved: bool = False) -> int | None:
-    """Allocator statistics, None where the backend keeps none (some builds' cudaMallocAsync)."""
-    try:
-        if reserved:
-            return torch.cuda.memory_reserved(device)
-        return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
-    except RuntimeError:
-        return None
-
-
 def _memory_limit(device: torch.device, budget: int | None) -> int | None:
     """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
     limits = [budget] if budget else []
@@ -52,14 +44,11 @@ def _memory_limit(device: torch.device, budget: int | None) -> int | None:
     return min(limits) if limits else None
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
 class EagerMicroStep:
     """The plain step: autocast forward, (scaled) backward. Also the fallback of every faster path."""
 
     graphed = False
+    budget: int | None = None  # bytes the run may hold (auto-fit); only a graphed step needs it
 
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, offload: ActivationOffload | None = None):
         self.compute_loss, self.precision, self.offload = compute_loss, precision, offload
@@ -91,6 +80,8 @@ class GraphedMicroStep(EagerMicroStep):
     """Replays a captured forward + backward per batch shape. Capture failures fall back to eager steps and say
     why in `notes`; out-of-memory and Cancel propagate like in an eager step."""
 
+    graphed = True
+
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
                  passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None):
         super().__init__(compute_loss, precision, offload)
@@ -101,8 +92,6 @@ class GraphedMicroStep(EagerMicroStep):
         self.pool = None  # graphs of different shapes share one memory pool (they never run at the same time)
         self.grads: list[torch.Tensor] | None = None  # the tensors the graphs add into
         self.disabled: str | None = None
-        self.graphed = True
-        self.budget: int | None = None  # bytes the run may hold (auto-fit); the process cap also counts
 
     @staticmethod
     def key(inputs: dict[str, torch.Tensor], accumulation: int) -> tuple:
@@ -165,7 +154,7 @@ class GraphedMicroStep(EagerMicroStep):
         device = torch.cuda.current_stream().device
         side = _side_stream(device)  # warm-up and capture share it: each stream costs a cuBLAS workspace
         side.wait_stream(torch.cuda.current_stream())
-        held = _allocated(device)
+        before = device_memory_bytes(device)
         with torch.cuda.stream(side):
             loss = self.forward_backward(inputs, accumulation, record=True)
         torch.cuda.current_stream().wait_stream(side)
@@ -173,9 +162,10 @@ class GraphedMicroStep(EagerMicroStep):
             return loss  # this shape stays eager
         # The graph keeps its own memory pool next to the one eager code uses: capture only where the step's
         # transient memory (at most the peak seen so far above what was held) fits again under the limit.
-        limit, peak = _memory_limit(device, self.budget), _allocated(device, peak=True)
-        transient = peak - held if peak is not None and held is not None else 0  # unknown without statistics
-        if limit is not None and (_allocated(device, reserved=True) or 0) + int(1.25 * transient) > limit:
+        limit, after = _memory_limit(device, self.budget), device_memory_bytes(device)
+        # unknown (0) without allocator statistics
+        transient = after["peak_allocated"] - before["allocated"] if before and after else 0
+        if limit is not None and after and after["reserved"] + int(1.25 * transient) > limit:
             self.disabled = "memory limit"
             self.notes.append(f"fast path: CUDA graphs skipped: the graph's own memory pool "
                               f"(~{transient / 2 ** 30:.2f} GiB) does not fit the {limit / 2 ** 30:.2f} GiB limit; "
@@ -207,7 +197,7 @@ class GraphedMicroStep(EagerMicroStep):
             # Out of memory here means the graph's pool does not fit next to what is already held: eager steps
             # need no extra pool, so they go on (and OOM recovery still handles a real shortage later).
             self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-            why = "it needs more memory than is left" if _is_out_of_memory(error) else self.disabled
+            why = "it needs more memory than is left" if is_out_of_memory(error) else self.disabled
             self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
             del graph, host_buffers

@@ -124,8 +124,9 @@ class FlatParameters:
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the views must stay
         self.param.grad.zero_()
-        for p, grad in zip(self.params, self.grads):
-            p.grad = grad  # re-attached if anything replaced it
+        for p, grad in zip(self.params, self.grads):  # every step: an identity check, not 1,120 assignments
+            if p.grad is not grad:
+                p.grad = grad  # re-attached: something replaced it
 
 
 def stochastic_round_(target: torch.Tensor, source: torch.Tensor) -> None:

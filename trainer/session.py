@@ -14,10 +14,11 @@ from .activation_offload import ActivationOffload
 from .allocator import apply_allocator_settings
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, uses_randomness
+from .errors import is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
+from .fast_path import BatchStep, build_micro_step, compile_model, is_compile_error
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
-from .fast_path import BatchStep, build_micro_step, compile_model, is_compile_error
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
@@ -25,10 +26,6 @@ from .settings import MemorySettings, TrainSettings
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 class TrainingSession:
@@ -53,12 +50,13 @@ class TrainingSession:
         rung saves more), which is all that first configuration, OOM recovery and auto-fit need."""
         old, device = self.memory, self.adapter.device
         streamed = "streamed" in memory.base_weights
+        random_forward = uses_randomness(self.unet)  # LoRA dropout: recompute must replay it, graphs cannot
         if streamed and not memory.gradient_checkpointing:
             memory = replace(memory, gradient_checkpointing=True)  # otherwise every streamed copy stays for backward
             self.notes.append("streaming needs gradient checkpointing: turned it on")
         if memory.gradient_checkpointing and not self.checkpointed:
             checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth),
-                              preserve_rng_state=uses_randomness(self.unet))
+                              preserve_rng_state=random_forward)
             self.checkpointed = True
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)
@@ -93,7 +91,7 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=getattr(self.adapter, "cancel_errors", ()),
-            incompatible="LoRA dropout draws random numbers inside the step" if uses_randomness(self.unet) else None,
+            incompatible="LoRA dropout draws random numbers inside the step" if random_forward else None,
             offload=ActivationOffload() if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -125,18 +123,17 @@ class TrainingSession:
         if self.compiled is None or self.compiled.failed:
             return []
         started = time.perf_counter()
-        largest = max(self.cache, key=lambda sample: sample.latent.numel())
         rng = self.generator.get_state()
         try:
-            self.micro_step.forward_backward(self.inputs(collate([largest])), 1)
+            self.throwaway_step(self.largest_batch())
         except Exception as error:
+            self.optimizer.zero_grad(set_to_none=True)  # a failed step may have left gradients behind
             if is_out_of_memory(error):
                 return ["torch.compile: the compile step ran out of memory; compiling happens at step 1"]
             if not is_compile_error(error):
                 raise
             self.compiled.fall_back(error)
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
             self.generator.set_state(rng)
         if self.compiled.failed:
             return []
@@ -148,13 +145,8 @@ class TrainingSession:
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=[flat.param] if flat is not None else None)
         rng = self.generator.get_state()
-
-        def probe_step(batch):  # eager, with the run's precision and activation offload
-            self.micro_step.forward_backward(self.inputs(batch), 1)
-            self.optimizer.zero_grad(set_to_none=True)
         try:
-            largest = max(self.cache, key=lambda sample: sample.latent.numel())  # the biggest bucket sets the peak
-            return probe_activations(estimate, probe_step, collate([largest]), self.memory.batch_size,
+            return probe_activations(estimate, self.throwaway_step, self.largest_batch(), self.memory.batch_size,
                                      self.adapter.device)
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
@@ -164,6 +156,15 @@ class TrainingSession:
             return estimate
         finally:
             self.generator.set_state(rng)
+
+    def largest_batch(self) -> tuple:
+        """The largest sample as a batch of one: the biggest bucket sets the peak."""
+        return collate([max(self.cache, key=lambda sample: sample.latent.numel())])
+
+    def throwaway_step(self, batch) -> None:
+        """Forward + backward (eager, with the run's precision and activation offload), gradients discarded."""
+        self.micro_step.forward_backward(self.inputs(batch), 1)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def inputs(self, batch) -> dict[str, torch.Tensor]:
         """One batch with its random draws, on the device. Copies go through pinned memory without blocking,

@@ -16,13 +16,13 @@ from . import __version__
 from .cache import CacheStats, build_cache
 from .cache_store import LatentTextStore
 from .dataset import Dataset
-from .errors import LeanLoRAError, TrainingCancelled
+from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
 from .estimate import estimate_error
 from .files import sanitize_name, save_safetensors_atomic, unused_path
 from .lora import inject_lora, kohya_state_dict, lora_metadata
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
-from .session import TrainingSession, is_out_of_memory, recover
+from .session import TrainingSession, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import GIB, TIMELINE, device_memory_gib, reset_peak
 

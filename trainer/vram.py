@@ -25,17 +25,24 @@ def reset_peak(device: torch.device) -> bool:
         return False
 
 
-def device_memory_gib(device: torch.device) -> dict[str, float] | None:
+def device_memory_bytes(device: torch.device) -> dict[str, int] | None:
+    """This process's allocated / reserved bytes and their peaks; None off CUDA or where the allocator backend
+    keeps no such statistics."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     try:
-        return {"allocated": torch.cuda.memory_allocated(device) / GIB,
-                "reserved": torch.cuda.memory_reserved(device) / GIB,
-                "peak_allocated": torch.cuda.max_memory_allocated(device) / GIB,
-                "peak_reserved": torch.cuda.max_memory_reserved(device) / GIB}
+        return {"allocated": torch.cuda.memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device),
+                "peak_allocated": torch.cuda.max_memory_allocated(device),
+                "peak_reserved": torch.cuda.max_memory_reserved(device)}
     except RuntimeError:  # an allocator backend without these statistics
         return None
+
+
+def device_memory_gib(device: torch.device) -> dict[str, float] | None:
+    memory = device_memory_bytes(device)
+    return None if memory is None else {name: value / GIB for name, value in memory.items()}
 
 
 @dataclass

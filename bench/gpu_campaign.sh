@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU campaign behind docs/BENCHMARKS.md, on the GPU machine (repo root, .gpu/ carried; see
 # bench/prepare_gpu_carry.sh). One device command runs at most 10 minutes, so the campaign comes in parts:
-#   bash bench/gpu_campaign.sh OUT caps    # 30-step rows under per-process caps, each in its own process
+#   bash bench/gpu_campaign.sh OUT caps    # 30-step rows under per-process caps, each in its own process; product path
 #   bash bench/gpu_campaign.sh OUT table   # ours vs both peers, same process, no cap (+ memory breakdown)
 #   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), torch.compile
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
@@ -11,19 +11,29 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 mkdir -p .cache "$OUT" && tar xzf .gpu/comfyui.tgz -C .cache
 run() { local name="$1"; shift; timeout "${LIMIT:-150}" python3 -m bench.run --out "$OUT/$name" "$@" 2>&1 \
-  | grep -E "^\[bench\]|^(sd15|sdxl)@|OOM|error" | grep -v "^\s*$"; }
+  | grep -E "^\[bench\]|^(sd15|sdxl)@|OOM|error" | grep -v "^\s*$"
+  python3 - "$OUT/$name/results.json" <<'PY' 2>/dev/null
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    keep = [n for n in r.get("notes", []) if any(k in n for k in ("fast path", "auto-fit", "memory estimate", "allocated"))]
+    print("  ", r["config"], r["status"], r.get("where", ""), "|", " | ".join(keep)[:900])
+PY
+}
 case "$PART" in
   caps)
-    for row in sdxl:lean@3 sdxl:leanest@2 sd15:lean@1 sd15:leanest@1 sdxl:autofit@3 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8; do
-      LIMIT=70 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
-    done ;;
+    for row in ${ROWS:-sdxl:lean@3 sdxl:leanest@2 sd15:leanest@1 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8}; do
+      LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
+    done
+    # the Train node's own path: estimate accuracy per setting, base MODEL unchanged
+    timeout 200 python3 -m bench.product_path --out "$OUT/product" --steps 24 --budget-s 170 2>&1 | grep -v "^{" | tail -17 ;;
   table)
-    timeout 100 python3 -m bench.memory_breakdown --models sdxl --configs lean 2>&1 | grep "^\[breakdown\]" | head -5
-    LIMIT=420 run table --models sd15,sdxl --steps 12 --warmup 3 --budget-s 400 \
-      --configs fast,fast-eager,balanced,lean,lean-eager,leanest,gc+fp8,gc+8bit,diffusers,comfyui
+    [ "${BREAKDOWN:-1}" = 1 ] && timeout 100 python3 -m bench.memory_breakdown --models sdxl --configs lean 2>&1 | grep "^\[breakdown\]" | head -5
+    LIMIT=${LIMIT:-420} run table --models "${MODELS:-sd15,sdxl}" --steps 12 --warmup 3 --budget-s "${BUDGET:-400}" \
+      --configs "${CONFIGS:-fast,fast-eager,balanced,lean,lean-eager,leanest,gc+fp8,gc+8bit,diffusers,comfyui}"
     cat "$OUT/table/table.txt" 2>/dev/null | tail -30 ;;
   bs8)
-    LIMIT=500 run bs8 --models sdxl --steps 8 --warmup 2 --budget-s 480 --configs fast:bs8,fast+compile:bs8,diffusers:bs8
+    LIMIT=${LIMIT:-500} run bs8 --models sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-480}" \
+      --configs "${CONFIGS:-fast:bs8,fast+compile:bs8,diffusers:bs8}"
     cat "$OUT/bs8/table.txt" 2>/dev/null | tail -8 ;;
 esac
 # the device tool returns a limited number of files: one archive

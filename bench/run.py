@@ -310,7 +310,7 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
         row.update(status="unavailable", reason=str(error))
     except Exception as error:  # an OOM (or any failure) becomes a row; the run goes on
         if _is_oom(error):
-            row.update(status="OOM", reason=str(error).splitlines()[0][:300])
+            row.update(status="OOM", reason=str(error).splitlines()[0][:300], where=_where(error))
         else:
             row.update(status="error", reason=f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
     finally:
@@ -333,6 +333,13 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
                 row["notes"].append("held by: " + who_holds_cuda_memory())
                 print(f"[bench]   held by: {row['notes'][-1][9:]}", flush=True)
     return row
+
+
+def _where(error: BaseException) -> str:
+    """The innermost frames of our code (trainer/, bench/) the error passed through: which phase ran out."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/trainer/" in f.filename or "/bench/" in f.filename]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
 
 
 def _measurements(result: dict, warmup: int, batch: int) -> dict:
@@ -437,7 +444,8 @@ def format_table(rows: list[dict], cuda: bool) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(TABLE_COLUMNS, *lines)]
     render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [render(TABLE_COLUMNS), render("-" * w for w in widths), *map(render, lines)]
-    reasons = [f"  {r['model']} {r['config']}: {r['status']}: {r['reason']}" for r in rows if r.get("reason")]
+    reasons = [f"  {r['model']} {r['config']}: {r['status']}: {r['reason']}" + (f" [at {r['where']}]" if r.get("where") else "")
+               for r in rows if r.get("reason")]
     chosen = [f"  {r['model']} {r['config']}: {r['settings']}" for r in rows if r.get("settings") and r["cap_gib"]]
     return "\n".join(out + (["reasons:"] + reasons if reasons else []) + (["auto-fit chose:"] + chosen if chosen else []))
 

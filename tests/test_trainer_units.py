@@ -321,6 +321,38 @@ def test_allocators_without_peak_statistics_skip_measurements_instead_of_failing
     assert device_memory_gib(torch.device("cuda")) is None
 
 
+def test_estimate_probes_separate_activations_workspace_and_memory_held_outside_training(monkeypatch):
+    """The probe arithmetic against a simulated allocator: the first step allocates a library workspace that
+    stays (cuBLAS does), each step's transient memory is gradients + fixed workspace + a per-pixel activation
+    rate. The estimate must recover each term exactly, with gradients allocated in backward or kept (flat)."""
+    from trainer.estimate import MemoryEstimate, probe_activations
+    mib = 2 ** 20
+    weights, lora, grads, state, library, fixed, per_pixel = 900 * mib, 20 * mib, 20 * mib, 0, 64 * mib, 30 * mib, 5000
+    for kept in (0, grads):
+        ledger = {"alloc": weights + lora + kept + 7 * mib, "peak": 0, "steps": 0}  # 7 MiB held by others
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: ledger["alloc"])
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: ledger["peak"])
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: ledger.update(peak=ledger["alloc"]))
+
+        def step(batch):
+            if ledger["steps"] == 0:
+                ledger["alloc"] += library  # allocated on first use, never freed
+            ledger["steps"] += 1
+            area = batch[0].shape[-2] * batch[0].shape[-1]
+            ledger["peak"] = max(ledger["peak"], ledger["alloc"] + (grads - kept) + fixed + per_pixel * area)
+
+        latent = torch.zeros(1, 4, 64, 48)
+        estimate = probe_activations(MemoryEstimate(weights, lora, grads, state), step, (latent, {}), 2,
+                                     torch.device("cuda"), gradients_kept=kept)
+        assert estimate.activations == per_pixel * 64 * 48 * 2  # batch 2
+        assert estimate.workspace == fixed
+        assert estimate.other == library + 7 * mib
+        assert estimate.total == weights + lora + grads + state + per_pixel * 64 * 48 * 2 + fixed + library + 7 * mib
+
+
 def test_norms_stay_in_the_compute_dtype_under_autocast():
     from trainer.precision import norms_in_compute_dtype
     torch.manual_seed(0)

@@ -28,18 +28,22 @@ class MemoryEstimate:
     optimizer_state: int
     activations: int | None = None   # None when not probed (CPU)
     workspace: int | None = None
+    # Held on the device by the process but by none of the above: cuBLAS/cuDNN workspaces (one per stream),
+    # tensors ComfyUI keeps loaded. It counts against the same VRAM and caps.
+    other: int = 0
 
     @property
     def total(self) -> int | None:
         if self.activations is None:
             return None
         return (self.frozen_weights + self.lora_parameters + self.gradients + self.optimizer_state
-                + self.activations + self.workspace)
+                + self.activations + self.workspace + self.other)
 
     def format(self) -> str:
         rows = [("frozen weights", self.frozen_weights), ("LoRA parameters", self.lora_parameters),
                 ("gradients", self.gradients), ("optimizer state", self.optimizer_state),
-                ("activations", self.activations), ("workspace", self.workspace)]
+                ("activations", self.activations), ("workspace", self.workspace),
+                ("other (CUDA libraries, loaded models)", self.other)]
         text = ", ".join(f"{name} {value / GIB:.2f}" if value is not None else f"{name} n/a (not measured)"
                          for name, value in rows)
         total = self.total
@@ -74,9 +78,12 @@ def _probe_sizes(height: int, width: int, multiple: int = 8) -> list[tuple[int, 
 
 
 def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Tensor], sample: tuple,
-                      batch_size: int, device: torch.device) -> MemoryEstimate:
-    """Runs forward+backward at two small sizes (`step(batch)` returns the loss, gradients are cleared by the
-    caller) and fills in activations and workspace for the real batch and latent size."""
+                      batch_size: int, device: torch.device, gradients_kept: int = 0,
+                      state_held: int = 0) -> MemoryEstimate:
+    """Runs forward+backward at a quarter of the area and at full size (`step(batch)`; gradients are cleared by
+    the caller) and fills in activations and workspace for the real batch and latent size, and `other`: what the
+    process holds beyond the estimate's terms. `gradients_kept` / `state_held`: bytes of gradients kept between
+    steps (a flat gradient) and of optimizer state already allocated, both part of the probes' baseline."""
     if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
         return estimate
     latent, cond = sample
@@ -89,12 +96,16 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         torch.cuda.reset_peak_memory_stats(device)
         step((small, cond))
         torch.cuda.synchronize(device)
-        points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline))
+        # What stayed allocated after the step (a library's first workspace) is not the step's transient memory.
+        stayed = max(0, torch.cuda.memory_allocated(device) - baseline)
+        points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline - stayed))
     torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
     intercept, slope = fit_line(points)
-    # The probe's delta holds the LoRA gradients (allocated in backward) plus activations and workspace.
+    # The probe's delta holds the LoRA gradients (when backward allocates them), activations and workspace.
     estimate.activations = max(0, int(slope * height * width * batch_size))
-    estimate.workspace = max(0, int(intercept) - estimate.gradients)
+    estimate.workspace = max(0, int(intercept) - (estimate.gradients - gradients_kept))
+    resident = estimate.frozen_weights + estimate.lora_parameters + gradients_kept + state_held
+    estimate.other = max(0, torch.cuda.memory_allocated(device) - resident)
     return estimate
 
 

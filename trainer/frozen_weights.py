@@ -128,8 +128,12 @@ def device_bound(module: torch.nn.Module):
 
 
 def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
-    """Moves what belongs on `device` there in place (optimizers keep their references to the parameters)."""
-    for tensor in device_bound(module):
+    """Moves what belongs on `device` there in place (optimizers keep their references to the parameters).
+    Trainable tensors go first, side by side: an optimizer that flattens them (FlatParameters) frees them all
+    at once, and whole allocator segments are given back instead of holes between frozen biases (on SDXL those
+    holes kept ~0.1 GiB reserved, enough to break a 3 GiB cap)."""
+    tensors = sorted(device_bound(module), key=lambda t: not t.requires_grad)  # stable: module order otherwise
+    for tensor in tensors:
         if tensor.device != torch.device(device):
             tensor.data = tensor.data.to(device)
 

@@ -81,6 +81,9 @@ class TrainingSession:
                                                  self.train.steps, self.steps_done)
             if note:
                 self.notes.append(note)
+            if getattr(self.optimizer, "leanlora_flat", None) is not None and device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()  # the per-tensor LoRA storage it replaced goes back, not kept reserved
         if old is None or old.batch_size != memory.batch_size:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
@@ -147,7 +150,7 @@ class TrainingSession:
         rng = self.generator.get_state()
         try:
             return probe_activations(estimate, self.throwaway_step, self.largest_batch(), self.memory.batch_size,
-                                     self.adapter.device)
+                                     self.adapter.device, *self.held_between_steps())
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise
@@ -156,6 +159,14 @@ class TrainingSession:
             return estimate
         finally:
             self.generator.set_state(rng)
+
+    def held_between_steps(self) -> tuple[int, int]:
+        """Bytes of LoRA gradients kept allocated between steps (flat ones are) and of optimizer state now."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        gradients = sum(nbytes(p.grad) for p in self.params if p.grad is not None)
+        state = sum(nbytes(v) for per_param in self.optimizer.state.values() for v in per_param.values()
+                    if isinstance(v, torch.Tensor) and v.device.type == self.adapter.device.type)
+        return gradients, state
 
     def largest_batch(self) -> tuple:
         """The largest sample as a batch of one: the biggest bucket sets the peak."""

@@ -129,7 +129,8 @@ def presets() -> dict:
     parts = {"gc+fp8": M("bf16", True, 1, 1, "AdamW", "fp8"), "gc+8bit": M("bf16", True, 1, 1, "AdamW8bit"),
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
              "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
-             "fast+compile": replace(base["fast"], compile=True)}
+             "fast+compile": replace(base["fast"], compile=True),
+             "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding")}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 

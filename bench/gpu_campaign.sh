@@ -25,7 +25,7 @@ case "$PART" in
       LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
     done
     # the Train node's own path: estimate accuracy per setting, base MODEL unchanged
-    timeout 200 python3 -m bench.product_path --out "$OUT/product" --steps 24 --budget-s 170 2>&1 | grep -v "^{" | tail -17 ;;
+    [ "${PRODUCT:-1}" = 1 ] && timeout 200 python3 -m bench.product_path --out "$OUT/product" --steps 24 --budget-s 170 2>&1 | grep -v "^{" | tail -17 ;;
   table)
     [ "${BREAKDOWN:-1}" = 1 ] && timeout 100 python3 -m bench.memory_breakdown --models sdxl --configs lean 2>&1 | grep "^\[breakdown\]" | head -5
     LIMIT=${LIMIT:-420} run table --models "${MODELS:-sd15,sdxl}" --steps 12 --warmup 3 --budget-s "${BUDGET:-400}" \

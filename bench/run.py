@@ -327,7 +327,9 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
     row["row_wall_s"] = time.perf_counter() - started
     if device.type == "cuda":
         left = torch.cuda.memory_allocated(device) / GIB - (row["baseline_alloc_gib"] or 0.0)
-        if left > 0.05:  # what the row failed to give back would count in every later row's peak
+        # What the row failed to give back would count in every later row's peak. Up to ~0.13 GiB stays by design:
+        # the cuBLAS workspaces of the main and the fast path's stream, allocated once per process.
+        if left > 0.2:
             row["notes"] = row["notes"] + [f"{left:.2f} GiB still allocated after the row"]
             print(f"[bench] warning: {left:.2f} GiB still allocated after {spec.name} {config.name}", flush=True)
             if left > 0.5:

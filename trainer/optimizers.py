@@ -140,8 +140,10 @@ def stochastic_round_(target: torch.Tensor, source: torch.Tensor) -> None:
 
 class BF16Weights(FlatParameters):
     """LoRA weights and gradients in bf16 (half of fp32's bytes). The optimizer keeps fp32 state and steps an
-    fp32 copy of the weights made for the step only (activations are freed by then, so the copy does not raise
-    the peak); the result is stochastically rounded back."""
+    fp32 copy of the weights and gradients made for the step only, then rounds the result back stochastically.
+    The copy lives while activations are freed, so it lowers the peak only where activations dominate it: on
+    SDXL with fp8 weights and activation offload the peak moves to the step (H200: 3.09 vs 2.92 GiB), while
+    the bf16 LoRA matmuls make steps ~10% faster."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         super().__init__(params, torch.bfloat16)

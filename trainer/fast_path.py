@@ -26,8 +26,9 @@ from .vram import device_memory_bytes
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 # What a graphed run reserves beyond the eagerly probed estimate, from H200 runs (SD1.5/SDXL, 5 settings, under
 # caps): peak allocated stays within 0.04 GiB of the estimate (the graph's pool replaces eager activations), peak
-# reserved exceeds it by 0.13-0.20 GiB: the side stream's cuBLAS workspace (64 MiB), the pool's block rounding
-# and a share of the activations. Uncapped, the allocator keeps more cached (up to +0.45 GiB), which a cap trims.
+# reserved exceeds it by 0.13-0.20 GiB: the side stream's cuBLAS workspace (64 MiB; the estimate now counts it,
+# see _side_stream), the pool's block rounding and a share of the activations. Uncapped, the allocator keeps more
+# cached (up to +0.45 GiB), which a cap trims.
 GRAPH_OVERHEAD = 160 * 2 ** 20
 GRAPH_ACTIVATION_SHARE = 0.1
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
@@ -36,7 +37,15 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: eac
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = torch.cuda.Stream(device)
+        # cuBLAS allocates a workspace per stream on first use and keeps it: allocate it now, before the memory
+        # estimate's probes, so the estimate counts it (under "other") instead of the run finding it later.
+        with torch.cuda.stream(stream):
+            for dtype in (torch.float32, torch.bfloat16):
+                square = torch.ones(16, 16, device=device, dtype=dtype)
+                square @ square
+        stream.synchronize()
+        _SIDE_STREAMS[device] = stream
     return _SIDE_STREAMS[device]
 
 
@@ -90,6 +99,7 @@ class GraphedMicroStep(EagerMicroStep):
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
                  passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None):
         super().__init__(compute_loss, precision, offload)
+        _side_stream(torch.cuda.current_stream().device)  # so its cuBLAS workspace exists before the estimate
         self.params = params
         self.passthrough_errors = passthrough_errors  # Cancel: re-raised, never a reason to give up on graphs
         # shape key -> (graph, its input tensors, its loss tensor, host buffers its offload copies use)

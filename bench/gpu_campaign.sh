@@ -4,6 +4,7 @@
 #   bash bench/gpu_campaign.sh OUT caps    # 30-step rows under per-process caps, each in its own process; product path
 #   bash bench/gpu_campaign.sh OUT table   # ours vs both peers, same process, no cap (+ memory breakdown)
 #   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), torch.compile
+#   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
 OUT="${1:?output folder}"; PART="${2:-table}"; STEPS="${STEPS:-27}"
@@ -35,6 +36,11 @@ case "$PART" in
     LIMIT=${LIMIT:-500} run bs8 --models sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-480}" \
       --configs "${CONFIGS:-fast:bs8,fast+compile:bs8,diffusers:bs8}"
     cat "$OUT/bs8/table.txt" 2>/dev/null | tail -8 ;;
+  profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink
+    for row in ${ROWS:-fast:8 lean:1 fast:1}; do
+      timeout "${LIMIT:-150}" python3 -m bench.profile_step --models sdxl --configs "${row%%:*}" --batch "${row#*:}" \
+        --steps 2 2>&1 | grep "^\[profile\]"
+    done ;;
 esac
 # the device tool returns a limited number of files: one archive
 tar czf "/tmp/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/"

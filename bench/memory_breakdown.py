@@ -13,32 +13,12 @@ from dataclasses import replace
 
 import torch
 
-from bench.run import GIB, SPECS, make_workload, presets, cached_conditioning, free_device_memory
+from bench.run import GIB, SPECS, free_device_memory, make_workload, presets, start_session
 
 
 def breakdown(spec, preset: str, device: torch.device) -> None:
-    import comfy.model_patcher
-
-    from trainer.cache import CachedSample
-    from trainer.comfy_adapter import ComfyAdapter
-    from trainer.lora import inject_lora
-    from trainer.session import TrainingSession
-    from trainer.settings import LoraSettings, TrainSettings
-
     work = make_workload(spec, 1, device)
-    base = work.build_comfy_model(torch.bfloat16)
-    base.diffusion_model.to("cpu")
-    free_device_memory(device)
-    patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
-    adapter = ComfyAdapter(patcher, "cached", "cached")
-    unet = base.diffusion_model
-    params = inject_lora(unet, LoraSettings(rank=16, alpha=16, targets="attention"), seed=0)
-    unet.train()
-    cond = cached_conditioning(base, work)
-    cache = [CachedSample(work.latents[:1], {k: v[:1] for k, v in cond.items()})]
-    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(10, 1e-4, 0, "bench"))
-    memory = replace(presets()[preset], fast_path="off")
-    estimate, _ = session.start(memory)
+    session, estimate, _ = start_session(work, replace(presets()[preset], fast_path="off"), 10, start_on_cpu=True)
     torch.cuda.synchronize()
     static = torch.cuda.memory_allocated(device)
     saved = Counter()
@@ -75,7 +55,7 @@ def breakdown(spec, preset: str, device: torch.device) -> None:
     for (shape, dtype), n in by_size[:12]:
         print(f"[breakdown]     {n:4d} x {shape} {dtype}")
     session.close()
-    del session, loss, unet, base, params
+    del session, loss
     free_device_memory(device)
 
 

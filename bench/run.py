@@ -138,31 +138,24 @@ def presets() -> dict:
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
-def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
-    """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
-    from dataclasses import replace
-
+def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False):
+    """The Train node's TrainingSession on a bench model, started (auto-fit, estimate): (session, estimate,
+    fit lines). With a cap (or start_on_cpu) the checkpoint waits in CPU memory, as in ComfyUI, and the session
+    places only what it decided to; the cap then counts everything training puts on the GPU."""
     import comfy.model_patcher
-    from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.cache import CachedSample
     from trainer.comfy_adapter import ComfyAdapter
-    from trainer.loop import train_loop
     from trainer.lora import inject_lora
     from trainer.session import TrainingSession
     from trainer.settings import LoraSettings, TrainSettings
-    from trainer.train_lora import LOSS_READ_EVERY
 
     device = work.device
-    memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
-    if preset == "autofit":
-        memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
     base = work.build_comfy_model(torch.bfloat16)  # frozen base weights as ComfyUI loads them on a bf16 GPU
-    if cap_gib is not None:
-        # As in ComfyUI: the checkpoint waits in CPU memory and the session places only what it decided to;
-        # the cap then counts everything training puts on the GPU.
+    if cap_gib is not None or start_on_cpu:
         base.diffusion_model.to("cpu")
         free_device_memory(device)
+    if cap_gib is not None:
         apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
@@ -172,8 +165,26 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     unet.train()
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
-    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(warmup + steps, 1e-4, 0, "bench"))
+    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(steps, 1e-4, 0, "bench"))
     estimate, fit_lines = session.start(memory)
+    return session, estimate, fit_lines
+
+
+def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
+    """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
+    from dataclasses import replace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.loop import train_loop
+    from trainer.train_lora import LOSS_READ_EVERY
+
+    device = work.device
+    memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
+    if preset == "autofit":
+        memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
+    session, estimate, fit_lines = start_session(work, memory, warmup + steps, cap_gib)
+    params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
 
     def loop(n, step_fn, after_step=lambda: None):

@@ -36,3 +36,23 @@ def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
     assert table.splitlines()[0].split()[:2] == list(TABLE_COLUMNS[:2]) and "n/a (cpu)" in table
     for name in EXPECTED:
         assert f" {name} " in table
+
+
+def test_profile_step_groups_step_time_by_kernel_family(capsys):
+    """CPU smoke mode of bench.profile_step: the tiny model's operators, grouped into families with shares."""
+    from bench.profile_step import family, main
+
+    assert family("ampere_bf16_s16816gemm_bf16_128x64") == "matmul"
+    assert family("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert family("sm90_xmma_fprop_implicit_gemm_bf16") == "convolution"
+    assert family("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel") == "normalization"
+    assert family("aten::native_group_norm") == "normalization"
+
+    main(["--tiny", "--configs", "fast", "--batch", "2", "--steps", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[profile]")]
+    assert "sd15-tiny@64 fast batch 2" in lines[0]
+    assert "busy" in lines[1]
+    shares = {line.split()[1]: float(line.split()[-1].rstrip("%")) for line in lines[2:]
+              if line.strip().endswith("%")}
+    assert {"matmul", "convolution"} <= set(shares)
+    assert abs(sum(shares.values()) - 100) < 1  # every timed operator lands in exactly one family

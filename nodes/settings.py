@@ -65,9 +65,8 @@ class LeanLoRAMemorySettings:
                 "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
                     "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
                     "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "
-                    "down at random so small steps still add up; ~10% faster steps. The optimizer steps an fp32 "
-                    "copy, so where activations are already tiny (fp8 + offload) the peak does not drop. Needs "
-                    "mixed_precision bf16."}),
+                    "down at random so small steps still add up; ~10% faster steps. The optimizer steps fp32 "
+                    "copies of a few million weights at a time. Needs mixed_precision bf16."}),
                 "allocator": (list(ALLOCATOR), {"default": "expandable segments", "tooltip":
                     "expandable segments: PyTorch's allocator grows one mapping instead of many fixed blocks, so "
                     "reserved VRAM stays close to what is used (less fragmentation), for this run only. Needs "

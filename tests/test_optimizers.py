@@ -211,8 +211,13 @@ def test_stochastic_rounding_is_unbiased_where_round_to_nearest_stalls():
     assert rounded.float().mean().item() == pytest.approx(x[0].item(), abs=2e-5)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit"])
-def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name):
+@pytest.mark.parametrize("name,chunk", [("AdamW", None), ("AdamW8bit", None), ("AdamW", 5000), ("AdamW8bit", 5000)])
+def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name, chunk, monkeypatch):
+    """chunk=5000: the fp32 copies are made (and stepped) a few thousand elements at a time, as SDXL's 23M are in
+    4M chunks; every chunk gets its own fp32 optimizer state and training is unchanged."""
+    from trainer.optimizers import BF16Weights
+    if chunk:
+        monkeypatch.setattr(BF16Weights, "CHUNK", chunk)
     torch.manual_seed(0)
 
     def run(bf16_weights):
@@ -236,11 +241,40 @@ def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name):
     assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16 for p in params)
     assert sum(bf16_losses[-10:]) == pytest.approx(sum(fp32_losses[-10:]), rel=0.05)  # measured: within 2%
     assert sum(bf16_losses[-10:]) < 0.7 * sum(bf16_losses[:10])
-    state = optimizer.state[optimizer.leanlora_flat.proxy]  # fp32 state for the whole flat tensor
-    assert state and all(t.dtype != torch.bfloat16 for t in state.values() if isinstance(t, torch.Tensor))
+    flat = optimizer.leanlora_flat
+    total = flat.param.numel()
+    assert len(flat.proxies) == (-(-total // chunk) if chunk else 1) and sum(n for (n,) in flat.state_shapes()) == total
+    for proxy in flat.proxies:  # fp32 state for every chunk; the stand-ins hold no memory between steps
+        state = optimizer.state[proxy]
+        assert state and all(t.dtype != torch.bfloat16 for t in state.values() if isinstance(t, torch.Tensor))
+        assert proxy.numel() == 0 and proxy.grad is None
 
 
 def test_bf16_lora_weights_need_bf16_mixed_precision():
     from trainer.settings import MemorySettings
     with pytest.raises(LeanLoRAError, match="lora_weights.*mixed_precision bf16"):
         MemorySettings("fp16", lora_weights="bf16 + stochastic rounding")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory of the optimizer step needs CUDA")
+def test_bf16_lora_weights_step_in_chunks_so_the_fp32_copies_stay_small(monkeypatch):
+    """The step's fp32 copies of 32M bf16 weights: 256 MiB (weights + gradients) at once, 32 MiB in 4M chunks."""
+    from trainer.optimizers import BF16Weights
+    device = torch.device("cuda")
+    peaks = {}
+    for chunk in (1 << 30, 4 * 2 ** 20):
+        monkeypatch.setattr(BF16Weights, "CHUNK", chunk)
+        params = [torch.nn.Parameter(torch.randn(8 * 2 ** 20, device=device)) for _ in range(4)]
+        optimizer, _ = build_optimizer("AdamW", params, 1e-3, device=device, bf16_weights=True)
+        for p in params:
+            p.grad.normal_()
+        optimizer.step()  # the first step allocates the optimizer state
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        optimizer.step()
+        torch.cuda.synchronize()
+        peaks[chunk] = torch.cuda.max_memory_allocated() - held
+        del optimizer, params
+    assert peaks[1 << 30] >= 256 * 2 ** 20
+    assert peaks[4 * 2 ** 20] <= 40 * 2 ** 20  # 32 MiB: a chunk's weights + its gradient (or rounding noise)

@@ -53,7 +53,7 @@ class MemoryEstimate:
 def static_terms(unet: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: str,
                  device: torch.device | None = None, state_params: list | None = None) -> MemoryEstimate:
     """Streamed weights live in CPU memory: only what is resident on `device` counts. `state_params`: the tensors
-    the optimizer actually steps, when not `params` (one flat tensor for bitsandbytes)."""
+    (or shapes) the optimizer actually steps, when not `params` (flat tensors or their chunks)."""
     lora = sum(p.numel() * p.element_size() for p in params)
     return MemoryEstimate(frozen_weights=frozen_weight_bytes(unet, device), lora_parameters=lora, gradients=lora,
                           optimizer_state=optimizer_state_bytes(optimizer, state_params or params))

@@ -146,7 +146,7 @@ class TrainingSession:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
-                                state_params=[flat.param] if flat is not None else None)
+                                state_params=flat.state_shapes() if flat is not None else None)
         rng = self.generator.get_state()
         try:
             return probe_activations(estimate, self.throwaway_step, self.largest_batch(), self.memory.batch_size,

@@ -3,7 +3,7 @@
 # bench/prepare_gpu_carry.sh). One device command runs at most 10 minutes, so the campaign comes in parts:
 #   bash bench/gpu_campaign.sh OUT caps    # 30-step rows under per-process caps, each in its own process; product path
 #   bash bench/gpu_campaign.sh OUT table   # ours vs both peers, same process, no cap (+ memory breakdown)
-#   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), torch.compile
+#   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), with cuDNN autotune (ComfyUI's --fast autotune)
 #   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
@@ -34,7 +34,7 @@ case "$PART" in
     cat "$OUT/table/table.txt" 2>/dev/null | tail -30 ;;
   bs8)
     LIMIT=${LIMIT:-500} run bs8 --models sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-480}" \
-      --configs "${CONFIGS:-fast:bs8,fast+compile:bs8,diffusers:bs8}"
+      --configs "${CONFIGS:-fast:bs8,fast:bs8:autotune,diffusers:bs8}"
     cat "$OUT/bs8/table.txt" 2>/dev/null | tail -8 ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink
     for row in ${ROWS:-fast:8 lean:1 fast:1}; do

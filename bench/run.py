@@ -225,6 +225,7 @@ class RowConfig:
     preset: str | None
     cap_gib: float | None
     batch: int
+    autotune: bool = False  # cuDNN autotune for the row, as ComfyUI's `--fast autotune` sets it process-wide
 
 
 DEFAULT_CONFIGS = "fast,balanced,lean,leanest,diffusers,comfyui,autofit@2,autofit@3,autofit@4,autofit@6,autofit@8"
@@ -232,27 +233,31 @@ PEERS = ("diffusers", "comfyui")
 
 
 def parse_config(token: str) -> RowConfig:
-    name, _, suffix = token.strip().partition(":")
-    batch = 1
-    if suffix:
-        if not suffix.startswith("bs") or not suffix[2:].isdigit() or int(suffix[2:]) < 1:
-            raise SystemExit(f"bench: bad config {token!r}; batch suffix is :bsN, e.g. fast:bs8")
-        batch = int(suffix[2:])
+    """`name[:bsN][:autotune]`: a preset, `<preset>@N` (under an N GiB cap), `autofit@N` or a peer."""
+    name, *suffixes = token.strip().split(":")
+    batch, autotune = 1, False
+    for suffix in suffixes:
+        if suffix == "autotune":
+            autotune = True
+        elif suffix.startswith("bs") and suffix[2:].isdigit() and int(suffix[2:]) >= 1:
+            batch = int(suffix[2:])
+        else:
+            raise SystemExit(f"bench: bad config {token!r}; suffixes are :bsN (batch, e.g. fast:bs8) and :autotune")
     if name in presets():
-        return RowConfig(token, "ours", name, None, batch)
+        return RowConfig(token, "ours", name, None, batch, autotune)
     preset, _, cap = name.partition("@")
     if preset in presets() and cap.replace(".", "", 1).isdigit() and float(cap) > 0:
-        return RowConfig(token, "ours", preset, float(cap), batch)  # a preset as is, under a per-process cap
+        return RowConfig(token, "ours", preset, float(cap), batch, autotune)  # a preset as is, under a cap
     if name in PEERS:
-        return RowConfig(token, name, None, None, batch)
+        return RowConfig(token, name, None, None, batch, autotune)
     if name.startswith("autofit@"):
         try:
             cap = float(name.split("@", 1)[1])
         except ValueError:
             cap = -1.0
         if cap > 0:  # the fast preset, auto-fitted by the trainer to the cap (which is also enforced)
-            return RowConfig(token, "ours", "autofit", cap, batch)
-    raise SystemExit(f"bench: unknown config {token!r}; use {DEFAULT_CONFIGS} (optionally with :bsN)")
+            return RowConfig(token, "ours", "autofit", cap, batch, autotune)
+    raise SystemExit(f"bench: unknown config {token!r}; use {DEFAULT_CONFIGS} (optionally with :bsN, :autotune)")
 
 
 def reset_peak(device: torch.device) -> None:
@@ -316,6 +321,8 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
     if config.cap_gib is not None and config.kind != "ours":
         apply_cap(device, config.cap_gib)  # ours sets it itself once the checkpoint sits in CPU memory
     result = None
+    autotune_before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = config.autotune or autotune_before
     try:
         result = _run_config(make_workload(spec, config.batch, device), config, args.warmup, args.steps, count_flops)
     except PeerUnavailable as error:
@@ -326,6 +333,7 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
         else:
             row.update(status="error", reason=f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
     finally:
+        torch.backends.cudnn.benchmark = autotune_before
         peak = read_peak(device)
         if config.cap_gib is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, device)

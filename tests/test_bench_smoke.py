@@ -12,7 +12,7 @@ def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
 
     out = tmp_path / "bench"
     main(["--tiny", "--steps", "2", "--warmup", "1", "--out", str(out),
-          "--configs", "fast,balanced,lean,diffusers,comfyui,autofit@3"])
+          "--configs", "fast,balanced,lean,diffusers,comfyui,autofit@3,fast:bs2:autotune"])
 
     results = json.loads((out / "results.json").read_text())
     assert results["complete"]
@@ -26,6 +26,9 @@ def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
         assert row.get("peak_alloc_gib") is None  # CPU: no CUDA memory to report
     assert rows["comfyui"]["status"] in ("ok", "unavailable", "error")
     assert rows["autofit@3"]["status"] == "skipped" and "CUDA" in rows["autofit@3"]["reason"]
+    assert rows["fast:bs2:autotune"]["status"] == "ok" and rows["fast:bs2:autotune"]["batch"] == 2
+    import torch
+    assert torch.backends.cudnn.benchmark is False  # the row's autotune setting did not outlive it
     assert rows["fast"]["ratio"]["diffusers"]["s_per_step"] > 0  # ratios to the peer are filled in
     assert results["flops"]["sd15-tiny"]["per_image"] > 0 and rows["fast"]["mfu"] > 0
     assert (out / "bench.png").stat().st_size > 0

@@ -89,8 +89,13 @@ class TrainingSession:
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
+        had_graphs = bool(getattr(self.micro_step, "graphs", None))
         self.micro_step = self.step = None
         gc.collect()
+        if had_graphs:
+            # A released graph pool's blocks cannot serve other allocations until they go back to the driver:
+            # without this, a recovery rung would run next to the old graph's memory.
+            torch.cuda.empty_cache()
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=getattr(self.adapter, "cancel_errors", ()),

@@ -59,9 +59,10 @@ class LeanLoRAMemorySettings:
                     "pinned CPU RAM instead of VRAM. Saves ~0.5 GiB on SDXL at 1024, costs PCIe copies."}),
                 "compile": ("BOOLEAN", {"default": False, "tooltip":
                     "torch.compile the diffusion model (fused kernels; needs a C++ compiler, and Triton on the "
-                    "GPU). Compiles before step 1 and reports how long it took; where compiling fails the report "
-                    "says why and training runs uncompiled. Slow to start: SDXL did not finish compiling within 9 "
-                    "minutes on a 16-core H200 machine; the default fast path (CUDA graphs) needs ~3 s."}),
+                    "GPU). Each repeated block (ResBlock, attention, feed-forward) is compiled once per shape and "
+                    "shared by its twins, before step 1, and the report says how long it took; where compiling "
+                    "fails the report says why and training runs uncompiled. Compiling the whole model instead "
+                    "did not finish within 9 minutes on SDXL."}),
                 "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
                     "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
                     "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "

@@ -13,7 +13,7 @@ import comfy.ldm.modules.attention as comfy_attention
 import comfy.lora
 import comfy.model_management
 import comfy.sd
-from comfy.ldm.modules.diffusionmodules.openaimodel import TimestepBlock
+from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, TimestepBlock
 
 from .errors import LeanLoRAError
 from .frozen_weights import cast_frozen_weights
@@ -155,6 +155,13 @@ class ComfyAdapter:
                 elif isinstance(layer, TimestepBlock):
                     units.append(layer)
         return units
+
+    def compile_units(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
+        """What torch.compile compiles, each module on its own: ResBlocks, attention and feed-forward modules.
+        Not whole transformer layers: ComfyUI's layer forward reads its position in the UNet from
+        transformer_options, which would make every layer a compile of its own (SDXL: 70)."""
+        kinds = (ResBlock, comfy_attention.CrossAttention, comfy_attention.FeedForward)
+        return [module for module in unet.modules() if isinstance(module, kinds)]
 
     def set_attention(self, backend: str) -> None:
         """Picks the attention kernel for training through ComfyUI's per-call override hook (the sampler's own

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from .layer_patch import mix_into
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_SCALE = "leanlora_fp8_scale"  # the per-layer scale's buffer: fp32 whatever the compute dtype
 
 
 class _Rescale:
@@ -34,22 +37,19 @@ def _compute_dtype(input: torch.Tensor) -> torch.dtype:
     return input.dtype
 
 
-class _Fp8Forward:
-    """Replaces ComfyUI's `forward_comfy_cast_weights` on one fp8 Linear/Conv2d: weight (and bias) to the
-    input's device if streamed, one upcast to the compute dtype, the scale applied in place."""
+class _Fp8Compute:
+    """Mixin for fp8 Linear/Conv2d layers: replaces ComfyUI's `forward_comfy_cast_weights` with weight (and bias)
+    to the input's device if streamed, one upcast to the compute dtype, the scale (a 0-dim buffer, so every
+    layer runs the same code) applied in place."""
 
-    def __init__(self, layer: torch.nn.Module, scale: float):
-        self.layer, self.scale = layer, scale
-        self.conv = isinstance(layer, torch.nn.Conv2d)
-
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        layer, dtype = self.layer, _compute_dtype(input)
-        weight = layer.weight.to(input.device, non_blocking=True).to(dtype).mul_(self.scale)
-        bias = layer.bias
+    def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(input)
+        weight = self.weight.to(input.device, non_blocking=True).to(dtype).mul_(getattr(self, FP8_SCALE))
+        bias = self.bias
         if bias is not None:
             bias = bias.to(input.device, dtype, non_blocking=True)
-        if self.conv:
-            return layer._conv_forward(input, weight, bias)
+        if isinstance(self, torch.nn.Conv2d):
+            return self._conv_forward(input, weight, bias)
         return torch.nn.functional.linear(input, weight, bias)
 
 
@@ -75,7 +75,9 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
         saved += weight.numel() * (weight.element_size() - 1)
         layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and not layer.weight_function:
-            layer.forward_comfy_cast_weights = _Fp8Forward(layer, scale)  # instance attribute: this layer only
+            layer.register_buffer(FP8_SCALE, torch.tensor(scale, device=weight.device), persistent=False)
+            saved -= 4
+            mix_into(layer, _Fp8Compute)
         else:
             layer.weight_function = [*layer.weight_function, _Rescale(scale)]  # per instance: the class list is shared
         layer.comfy_cast_weights = True  # upcast on every call
@@ -85,7 +87,10 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
 def cast_frozen_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Stores frozen floating weights (fp8 ones excepted) in the compute dtype. Autocast would otherwise make a
     cast copy of every fp16 weight in a bf16 run and keep it for backward: a second model's worth of memory."""
-    for tensor in [*(p for p in module.parameters() if not p.requires_grad), *module.buffers()]:
+    frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+    for name, tensor in [*frozen, *module.named_buffers()]:
+        if name.endswith(FP8_SCALE):
+            continue
         if tensor.is_floating_point() and tensor.dtype not in (FP8, dtype) and tensor.element_size() > 1:
             tensor.data = tensor.data.to(dtype)
 

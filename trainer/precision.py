@@ -8,6 +8,8 @@ import contextlib
 
 import torch
 
+from .layer_patch import mix_into
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
 
@@ -43,32 +45,24 @@ class Precision:
 
 
 class _NormInComputeDtype:
-    """GroupNorm/LayerNorm forward that stays in the autocast dtype. Autocast runs these norms in fp32, so on
-    SDXL at 1024² each norm (and the SiLU after it) briefly holds fp32 copies of 128x128 feature maps; the
-    kernels accumulate their statistics in fp32 either way, only the output is kept in bf16/fp16."""
+    """Mixin for GroupNorm/LayerNorm layers: the forward stays in the autocast dtype. Autocast runs these norms in
+    fp32, so on SDXL at 1024² each norm (and the SiLU after it) briefly holds fp32 copies of 128x128 feature maps;
+    the kernels accumulate their statistics in fp32 either way, only the output is kept in bf16/fp16."""
 
-    def __init__(self, layer: torch.nn.Module):
-        self.layer, self.inner = layer, layer.forward
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
         if not torch.is_autocast_enabled(device_type):
-            return self.inner(x)
-        dtype, layer = torch.get_autocast_dtype(device_type), self.layer
-        weight = None if layer.weight is None else layer.weight.to(x.device, dtype, non_blocking=True)
-        bias = None if layer.bias is None else layer.bias.to(x.device, dtype, non_blocking=True)
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype(device_type)
+        weight = None if self.weight is None else self.weight.to(x.device, dtype, non_blocking=True)
+        bias = None if self.bias is None else self.bias.to(x.device, dtype, non_blocking=True)
         with torch.autocast(device_type, enabled=False):
-            if isinstance(layer, torch.nn.GroupNorm):
-                return torch.nn.functional.group_norm(x.to(dtype), layer.num_groups, weight, bias, layer.eps)
-            return torch.nn.functional.layer_norm(x.to(dtype), layer.normalized_shape, weight, bias, layer.eps)
+            if isinstance(self, torch.nn.GroupNorm):
+                return torch.nn.functional.group_norm(x.to(dtype), self.num_groups, weight, bias, self.eps)
+            return torch.nn.functional.layer_norm(x.to(dtype), self.normalized_shape, weight, bias, self.eps)
 
 
 def norms_in_compute_dtype(module: torch.nn.Module) -> int:
-    """Installs the compute-dtype forward on every GroupNorm/LayerNorm of the training copy; returns how many."""
-    count = 0
-    for layer in module.modules():
-        if isinstance(layer, (torch.nn.GroupNorm, torch.nn.LayerNorm)) and \
-                not isinstance(layer.forward, _NormInComputeDtype):
-            layer.forward = _NormInComputeDtype(layer)
-            count += 1
-    return count
+    """Gives every GroupNorm/LayerNorm of the training copy the compute-dtype forward; returns how many."""
+    return sum(mix_into(layer, _NormInComputeDtype) for layer in module.modules()
+               if isinstance(layer, (torch.nn.GroupNorm, torch.nn.LayerNorm)))

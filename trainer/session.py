@@ -16,7 +16,7 @@ from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, uses_randomness
 from .errors import is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
-from .fast_path import BatchStep, build_micro_step, compile_model, is_compile_error
+from .fast_path import BatchStep, build_micro_step, compile_blocks, is_compile_error
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
 from .objective import denoising_loss, draw_noise
@@ -43,7 +43,7 @@ class TrainingSession:
         self.steps_done = 0  # kept by the caller; a rebuilt optimizer's LR schedule resumes from here
         self.restore_allocator = lambda: None
         self.micro_step = self.step = None
-        self.compiled = None  # the CompiledForward, once compile is asked for
+        self.compiled = None  # the CompiledBlocks, once compile is asked for
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
@@ -54,6 +54,10 @@ class TrainingSession:
         if streamed and not memory.gradient_checkpointing:
             memory = replace(memory, gradient_checkpointing=True)  # otherwise every streamed copy stays for backward
             self.notes.append("streaming needs gradient checkpointing: turned it on")
+        if memory.compile and self.compiled is None:
+            # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
+            # and every unit's compiled forward is the same code, shared by units of equal shapes.
+            self.compiled = compile_blocks(self.adapter.compile_units(self.unet))
         if memory.gradient_checkpointing and not self.checkpointed:
             checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth),
                               preserve_rng_state=random_forward)
@@ -70,8 +74,6 @@ class TrainingSession:
             moved = stream_weights_from_cpu(self.unet)
             self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
-        if memory.compile and self.compiled is None:
-            self.compiled = compile_model(self.unet)
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
@@ -145,7 +147,8 @@ class TrainingSession:
             self.generator.set_state(rng)
         if self.compiled.failed:
             return []
-        return [f"torch.compile: the diffusion model compiled in {time.perf_counter() - started:.1f} s"]
+        return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
+                f"{time.perf_counter() - started:.1f} s"]
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""

@@ -291,15 +291,32 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def who_holds_cuda_memory(top: int = 3) -> str:
-    """For leak hunting: the largest live CUDA tensors and, for each, the types of what refers to it."""
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+def who_holds_cuda_memory(top: int = 3, depth: int = 4, wanted=lambda t: t.is_cuda) -> str:
+    """For leak hunting: the largest live CUDA tensors (`wanted`) and, for each, a chain of what refers to it
+    (dicts shown with a few of their keys), up to `depth` levels."""
+    import warnings
+    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and wanted(o)]
     tensors.sort(key=lambda t: -t.numel() * t.element_size())
+    ignore = {id(tensors)}
+
+    def describe(obj) -> str:
+        if isinstance(obj, dict):
+            return "dict{" + ",".join(str(k)[:20] for k in list(obj)[:4]) + "}"
+        return type(obj).__name__
+
     parts = []
     for t in tensors[:top]:
-        holders = [type(r).__name__ for r in gc.get_referrers(t) if r is not tensors]
-        parts.append(f"{tuple(t.shape)} {t.dtype} <- {', '.join(holders[:4]) or '?'}")
-    return f"{len(tensors)} CUDA tensors alive; largest: " + "; ".join(parts)
+        chain, current = [], t
+        for _ in range(depth):
+            holders = [r for r in gc.get_referrers(current) if id(r) not in ignore and not isinstance(r, type(sys._getframe()))]
+            if not holders:
+                break
+            current = holders[0]
+            chain.append(describe(current) + (f" (+{len(holders) - 1})" if len(holders) > 1 else ""))
+        parts.append(f"{tuple(t.shape)} {t.dtype} <- {' <- '.join(chain) or '?'}")
+    return f"{len(tensors)} tensors alive; largest: " + "; ".join(parts)
 
 
 def _run_config(work: Workload, config: RowConfig, warmup: int, steps: int, count_flops: bool) -> dict:
@@ -353,7 +370,7 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
             print(f"[bench] warning: {left:.2f} GiB still allocated after {spec.name} {config.name}", flush=True)
             if left > 0.5:
                 row["notes"].append("held by: " + who_holds_cuda_memory())
-                print(f"[bench]   held by: {row['notes'][-1][9:]}", flush=True)
+                print(f"[bench]   held by: {row['notes'][-1][len('held by: '):]}", flush=True)
     return row
 
 

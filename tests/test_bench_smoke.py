@@ -59,3 +59,20 @@ def test_profile_step_groups_step_time_by_kernel_family(capsys):
               if line.strip().endswith("%")}
     assert {"matmul", "convolution"} <= set(shares)
     assert abs(sum(shares.values()) - 100) < 1  # every timed operator lands in exactly one family
+
+
+def test_leak_report_names_the_chain_that_holds_a_tensor():
+    """What the bench prints when a row leaves memory behind: the holder chain of the largest tensors."""
+    import torch
+    from bench.run import who_holds_cuda_memory
+
+    class Keeper:
+        pass
+    leaked = torch.zeros(1234567)
+    keeper = Keeper()
+    keeper.stash = {"params": [leaked]}
+    report = who_holds_cuda_memory(top=1, wanted=lambda t: t is leaked)
+    import re
+    assert report.startswith("1 tensors alive")
+    assert re.search(r"\(1234567,\) torch\.float32 <- list( \(\+\d+\))? <- dict\{params\}( \(\+\d+\))? <- Keeper", report), report
+    assert keeper.stash["params"][0] is leaked

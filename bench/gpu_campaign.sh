@@ -5,6 +5,7 @@
 #   bash bench/gpu_campaign.sh OUT table   # ours vs both peers, same process, no cap (+ memory breakdown)
 #   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), with cuDNN autotune (ComfyUI's --fast autotune)
 #   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
+#   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
 OUT="${1:?output folder}"; PART="${2:-table}"; STEPS="${STEPS:-27}"
@@ -36,6 +37,12 @@ case "$PART" in
     LIMIT=${LIMIT:-500} run bs8 --models sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-480}" \
       --configs "${CONFIGS:-fast:bs8,fast:bs8:autotune,diffusers:bs8}"
     cat "$OUT/bs8/table.txt" 2>/dev/null | tail -8 ;;
+  verify)  # what changed after the last GPU run: CUDA tests, capped rows, the forced OOM (eager steps)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py tests/test_optimizers.py 2>&1 | tail -1
+    for row in ${ROWS:-sdxl:lean+bf16w@3 sdxl:autofit@4 sd15:leanest@1}; do
+      LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
+    done
+    timeout 120 python3 -m bench.product_path --out "$OUT/product" --steps 16 --only forced 2>&1 | grep -v "^{" | tail -3 ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink
     for row in ${ROWS:-fast:8 lean:1 fast:1}; do
       timeout "${LIMIT:-150}" python3 -m bench.profile_step --models sdxl --configs "${row%%:*}" --batch "${row#*:}" \

@@ -153,3 +153,29 @@ def test_graphed_steps_with_activation_offload_train_like_eager_steps():
     assert micro.disabled is None, micro.notes
     assert all(entry[3] for entry in micro.graphs.values())  # the graphs own their host buffers
     assert graph_losses == pytest.approx(eager_losses, rel=2e-2)
+
+
+def test_compile_fallback_keeps_checkpointing_wrapped_around_blocks():
+    """compile_now falls back after checkpointing has wrapped the compiled blocks: the blocks must run eagerly and
+    stay checkpointed (each block saves its input for backward, not its activations)."""
+    from trainer.checkpointing import checkpoint_blocks
+    from trainer.fast_path import CompiledBlocks
+
+    def saved_count(model, x):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            model(x).sum().backward()
+        return len(saved)
+
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(),  # noqa: E731
+                                                             torch.nn.Linear(32, 32)) for _ in range(3)])
+    plain, blocks = make(), make()
+    blocks.load_state_dict(plain.state_dict())
+    compiled = CompiledBlocks(list(blocks))
+    checkpoint_blocks(list(blocks), preserve_rng_state=False)
+    compiled.fall_back(RuntimeError("no C++ compiler"))
+    x = torch.randn(4, 32, requires_grad=True)
+    assert saved_count(blocks, x) < saved_count(plain, x)
+    torch.testing.assert_close(blocks(x), plain(x))
+    assert "torch.compile failed here (RuntimeError: no C++ compiler)" in compiled.notes[0]

@@ -293,10 +293,10 @@ class CompiledBlocks:
         return forward
 
     def fall_back(self, error: BaseException) -> None:
+        """From now on every block runs its eager forward (through the same wrapper: checkpointing may have
+        wrapped it since, and must stay)."""
         self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
         self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
-        for unit, forward in zip(self.units, self.eager):
-            unit.forward = forward
 
 
 def is_compile_error(error: BaseException) -> bool:

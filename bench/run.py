@@ -313,6 +313,8 @@ def who_holds_cuda_memory(top: int = 3, depth: int = 4, wanted=lambda t: t.is_cu
             holders = [r for r in gc.get_referrers(current) if id(r) not in ignore and not isinstance(r, type(sys._getframe()))]
             if not holders:
                 break
+            # containers and objects first: closure cells and argument tuples say little about who keeps it
+            holders.sort(key=lambda r: type(r).__name__ in ("cell", "tuple", "function", "method"))
             current = holders[0]
             chain.append(describe(current) + (f" (+{len(holders) - 1})" if len(holders) > 1 else ""))
         parts.append(f"{tuple(t.shape)} {t.dtype} <- {' <- '.join(chain) or '?'}")

@@ -194,7 +194,9 @@ def test_the_base_model_is_bit_identical_after_training(adapter, comfy_objects, 
     model = comfy_objects[0]
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
     patches_before = dict(model.patches)
+    classes_before = [type(m) for m in model.model.diffusion_model.modules()]  # mixins go on the training copy only
     _run(adapter, dataset, memory, tmp_path, steps=3)
+    assert [type(m) for m in model.model.diffusion_model.modules()] == classes_before
     after = model.model.diffusion_model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)

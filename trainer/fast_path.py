@@ -272,11 +272,10 @@ class CompiledBlocks:
         # dynamo's default (8) would leave the rest of the shapes eager without a word in the report
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
         self.units = units
-        self.eager = [unit.forward for unit in units]
         self.failed: str | None = None
         self.notes: list[str] = []
-        for unit, forward in zip(units, self.eager):
-            unit.forward = self._guarded(torch.compile(forward, dynamic=False), forward)
+        for unit in units:
+            unit.forward = self._guarded(torch.compile(unit.forward, dynamic=False), unit.forward)
 
     def _guarded(self, compiled, eager):
         def forward(*args, **kwargs):

@@ -151,11 +151,10 @@ class BF16Weights(FlatParameters):
 
     CHUNK = 4 * 2 ** 20  # elements per fp32 copy: 16 MiB of weights + 16 MiB of gradients at a time
 
-    def __init__(self, params: list[torch.nn.Parameter], chunk: int | None = None):
+    def __init__(self, params: list[torch.nn.Parameter]):
         super().__init__(params, torch.bfloat16)
-        chunk = chunk or self.CHUNK
         n = self.param.numel()
-        self.slices = [slice(start, min(start + chunk, n)) for start in range(0, n, chunk)]
+        self.slices = [slice(start, min(start + self.CHUNK, n)) for start in range(0, n, self.CHUNK)]
         # What the optimizer steps: one fp32 stand-in per chunk, empty between steps.
         self.proxies = [torch.nn.Parameter(torch.empty(0, device=self.param.device)) for _ in self.slices]
 

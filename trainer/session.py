@@ -83,20 +83,19 @@ class TrainingSession:
                                                  self.train.steps, self.steps_done)
             if note:
                 self.notes.append(note)
-            if getattr(self.optimizer, "leanlora_flat", None) is not None and device.type == "cuda":
-                gc.collect()
-                torch.cuda.empty_cache()  # the per-tensor LoRA storage it replaced goes back, not kept reserved
         if old is None or old.batch_size != memory.batch_size:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
         had_graphs = bool(getattr(self.micro_step, "graphs", None))
+        flattened = getattr(self.optimizer, "leanlora_flat", None) is not None
         self.micro_step = self.step = None
         gc.collect()
-        if had_graphs:
-            # A released graph pool's blocks cannot serve other allocations until they go back to the driver:
-            # without this, a recovery rung would run next to the old graph's memory.
+        if device.type == "cuda" and (had_graphs or flattened):
+            # Freed memory that cannot serve the next allocations goes back to the driver: a released graph pool
+            # (else a recovery rung runs next to the old graph's memory) and the per-tensor LoRA storage a flat
+            # optimizer replaced (else it stays reserved in small holes).
             torch.cuda.empty_cache()
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,

@@ -38,6 +38,8 @@ def breakdown(spec, preset: str, device: torch.device) -> None:
     after_forward = torch.cuda.memory_allocated(device)
     forward_peak = torch.cuda.max_memory_allocated(device)
     loss.backward()
+    if offload:
+        offload.finish()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device)
     saved_bytes = sum(n * torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, d.split(".")[1])).element_size()

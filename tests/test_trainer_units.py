@@ -53,6 +53,48 @@ def test_lora_injection_trains_only_lora_and_exports_kohya_keys():
     assert all(torch.equal(base[k], v) for k, v in frozen.items())
 
 
+def test_lora_layers_under_autocast_keep_their_input_in_the_compute_dtype():
+    """peft would cast each LoRA layer's input to fp32 (its weights' dtype) for autocast to cast it straight back:
+    same numbers, but activation-sized copies and a second saved copy of every LoRA layer's input."""
+    from trainer.frozen_weights import cast_frozen_weights
+    torch.manual_seed(0)
+    net = TinyNet(dim=32)
+    inject_lora(net, LoraSettings(rank=4), seed=1)
+    cast_frozen_weights(net, torch.bfloat16)
+    x = torch.randn(2, 64, 32, dtype=torch.bfloat16)
+
+    def forward():
+        saved = []
+        def pack(tensor):
+            saved.append(tensor)
+            return tensor
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = net(x)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        return out, sum(storages.values())
+
+    out, saved_bytes = forward()
+    for layer in net.modules():
+        if hasattr(layer, "cast_input_dtype_enabled"):
+            layer.cast_input_dtype_enabled = True  # peft's default
+    peft_out, peft_saved_bytes = forward()
+    assert torch.equal(out, peft_out)
+    # peft's round trip saves extra copies of LoRA layers' inputs: at least one input-sized copy per block
+    assert peft_saved_bytes - saved_bytes >= 3 * x.numel() * x.element_size()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
+def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
+    from trainer import frozen_weights
+    weight = (torch.randn(300, 77, device="cuda") * 100).to(frozen_weights.FP8)
+    scale = torch.tensor(0.0123, device="cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        fused = frozen_weights.dequantize(weight, scale, dtype)
+        assert frozen_weights._fused_dequantize not in (None, False), "the compiled kernel did not run"
+        assert fused.shape == weight.shape and fused.dtype == dtype
+        assert torch.equal(fused, frozen_weights._dequantize_eager(weight, scale, dtype))
+
+
 def test_same_seed_same_lora_init():
     a, b = TinyNet(), TinyNet()
     b.load_state_dict(a.state_dict())

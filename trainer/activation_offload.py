@@ -5,6 +5,11 @@ input (PyTorch's non-reentrant checkpoint saves them like any other saved tensor
 blocks: ~0.5 GiB on SDXL at 1024². Copying them to the host after the forward pass uses them and back when
 backward reaches them trades PCIe traffic for that memory. Small tensors (< 1 MiB) and parameters stay put.
 
+The copies run on their own stream so they overlap compute (on the compute stream they cost an SDXL step 20 ms
+on an H200): a saved tensor's device memory is released to the compute stream only once its copy has run, a
+few saved tensors later, and backward, which unpacks in reverse order, fetches the next one back while the
+current block recomputes. `finish()` after backward joins the copy stream again.
+
 CUDA graphs: a captured copy writes to the host buffer it was captured with, forever. The eager warm-up step
 records which buffers the forward pass needs; capture then takes preallocated buffers in the same order and
 they live as long as the graph (`GraphBuffers`)."""
@@ -18,7 +23,18 @@ import torch
 MIN_BYTES = 1 << 20
 
 
+class _Saved:
+    """A saved tensor waiting on the host; `previous` is the one saved before it (backward wants it next)."""
+    __slots__ = ("device", "host", "previous", "fetched")
+
+    def __init__(self, device: torch.device, host: torch.Tensor, previous: "_Saved | None"):
+        self.device, self.host, self.previous = device, host, previous
+        self.fetched: tuple[torch.cuda.Event, torch.Tensor] | None = None  # a copy back already under way
+
+
 class ActivationOffload:
+    IN_FLIGHT = 2  # saved tensors whose device memory waits for their copy to the host: overlap vs. memory
+
     def __init__(self, min_bytes: int = MIN_BYTES):
         self.min_bytes = min_bytes
         self.recorded: list[tuple[torch.Size, torch.dtype]] = []  # host buffers the last recorded pass needed
@@ -26,6 +42,10 @@ class ActivationOffload:
         self._static: list[torch.Tensor] | None = None  # capture: buffers handed out in order
         self._next = 0
         self.offloaded_bytes = 0  # of the latest forward pass
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._last: _Saved | None = None  # the latest tensor saved in this pass
+        self._to_host: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # copies out whose source is still held
+        self._fetching: dict[int, _Saved] = {}  # copies back not yet handed to backward
 
     def _wants(self, tensor: torch.Tensor) -> bool:
         return (tensor.is_cuda and not isinstance(tensor, torch.nn.Parameter)
@@ -43,24 +63,72 @@ class ActivationOffload:
             self.recorded.append((tensor.shape, tensor.dtype))
         return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)  # copies only: no cuBLAS workspace
+        return self._copy_stream
+
     def pack(self, tensor: torch.Tensor):
         if not self._wants(tensor):
             return tensor
         host = self._host_buffer(tensor)
-        host.copy_(tensor, non_blocking=True)  # stream-ordered: the block is reused only after the copy ran
+        compute, copy = torch.cuda.current_stream(tensor.device), self._stream(tensor.device)
+        copy.wait_stream(compute)  # the tensor has been written
+        with torch.cuda.stream(copy):
+            host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy)
+        self._to_host.append((done, tensor))  # its memory must not serve the compute stream before the copy ran
+        while len(self._to_host) > self.IN_FLIGHT:
+            self._release_oldest(compute)
         self.offloaded_bytes += host.numel() * host.element_size()
-        return tensor.device, host
+        self._last = _Saved(tensor.device, host, self._last)
+        return self._last
 
-    @staticmethod
-    def unpack(packed) -> torch.Tensor:
+    def _release_oldest(self, compute: torch.cuda.Stream) -> None:
+        done, _tensor = self._to_host.pop(0)
+        compute.wait_event(done)  # later work on the compute stream may reuse the tensor's memory
+
+    def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
-        return host.to(device, non_blocking=True)
+        compute = torch.cuda.current_stream(packed.device)
+        if self._fetching.pop(id(packed), None) is not None:
+            done, tensor = packed.fetched
+            compute.wait_event(done)
+        else:
+            tensor = packed.host.to(packed.device, non_blocking=True)
+        packed.fetched = None
+        self._fetch(packed.previous, compute)
+        return tensor
+
+    def _fetch(self, saved: _Saved | None, compute: torch.cuda.Stream) -> None:
+        """Starts copying `saved` back, overlapping the compute queued before its turn."""
+        if saved is None or saved.fetched is not None:
+            return
+        tensor = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)  # compute stream's
+        copy = self._stream(saved.device)
+        copy.wait_stream(compute)  # the memory may have served kernels still queued there
+        with torch.cuda.stream(copy):
+            tensor.copy_(saved.host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy)
+        saved.fetched = (done, tensor)
+        self._fetching[id(saved)] = saved
+
+    def finish(self) -> None:
+        """After backward (or a failed pass): the compute stream waits for every copy (capture needs the copy
+        stream joined), then copies back that backward never asked for are dropped."""
+        if self._copy_stream is not None and (self._to_host or self._fetching or self._last is not None):
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+        for saved in self._fetching.values():
+            saved.fetched = None
+        self._to_host, self._fetching, self._last = [], {}, None
 
     @contextlib.contextmanager
     def saving(self, record: bool = False) -> Iterator[None]:
         """Offloads what the forward pass inside saves. record=True notes the host buffers it needed."""
+        self.finish()  # whatever an interrupted pass left in flight
         self.offloaded_bytes = 0
         if record:
             self.recorded = []
@@ -70,6 +138,8 @@ class ActivationOffload:
                 yield
         finally:
             self._recording = False
+            while self._to_host:  # the pass is over: its saved tensors' memory may be reused once copied
+                self._release_oldest(torch.cuda.current_stream(self._to_host[0][1].device))
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[list[torch.Tensor]]:

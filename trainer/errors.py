@@ -13,3 +13,12 @@ class TrainingCancelled(Exception):
 def is_out_of_memory(error: BaseException) -> bool:
     """CUDA's OOM error, or another allocator's (bitsandbytes, other backends) saying the same in words."""
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """Errors of dynamo (tracing) and of the compiler backends it wraps (BackendCompilerFailed)."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return isinstance(error, TorchDynamoException)

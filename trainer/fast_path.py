@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .activation_offload import ActivationOffload
-from .errors import is_out_of_memory
+from .errors import is_compile_error, is_out_of_memory
 from .precision import Precision
 from .vram import device_memory_bytes
 
@@ -74,6 +74,8 @@ class EagerMicroStep:
         with self.precision.autocast(cache_enabled=not self.graphed), saving:
             loss = self.compute_loss(inputs) / accumulation
         self.precision.backward(loss)
+        if self.offload:
+            self.offload.finish()
         return loss.detach()
 
     def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
@@ -296,15 +298,6 @@ class CompiledBlocks:
         wrapped it since, and must stay)."""
         self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
         self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
-
-
-def is_compile_error(error: BaseException) -> bool:
-    """Errors of dynamo (tracing) and of the compiler backends it wraps (BackendCompilerFailed)."""
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return False
-    return isinstance(error, TorchDynamoException)
 
 
 def compile_blocks(units: list[torch.nn.Module]) -> CompiledBlocks:

@@ -14,9 +14,9 @@ from .activation_offload import ActivationOffload
 from .allocator import apply_allocator_settings
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, uses_randomness
-from .errors import is_out_of_memory
+from .errors import is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
-from .fast_path import BatchStep, build_micro_step, compile_blocks, is_compile_error
+from .fast_path import BatchStep, build_micro_step, compile_blocks
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
 from .objective import denoising_loss, draw_noise

@@ -119,6 +119,8 @@ def test_activation_offload_keeps_saved_tensors_off_the_gpu_with_equal_gradients
             loss = net(x).square().mean()
         held = torch.cuda.memory_allocated() - start
         loss.backward()
+        if offload:
+            offload.finish()
         return held, [p.grad.clone() for p in net.parameters()]
 
     held_plain, grads_plain = after_forward(None)
@@ -126,6 +128,9 @@ def test_activation_offload_keeps_saved_tensors_off_the_gpu_with_equal_gradients
     held_offloaded, grads_offloaded = after_forward(offload)
     assert offload.offloaded_bytes >= 8 * 2048 * 256 * 4
     assert held_offloaded < held_plain / 4
+    # backward unpacks in reverse order: all but the first come back on the copy stream ahead of their turn
+    packs = offload.offloaded_bytes // (2048 * 256 * 4)  # Linear and GELU inputs, the loss's square input
+    assert packs >= 16 and (offload.fetched_on_demand, offload.fetched_ahead) == (1, packs - 1)
     for a, b in zip(grads_plain, grads_offloaded):
         assert torch.equal(a, b)
 

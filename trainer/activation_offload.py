@@ -25,11 +25,12 @@ MIN_BYTES = 1 << 20
 
 class _Saved:
     """A saved tensor waiting on the host; `previous` is the one saved before it (backward wants it next)."""
-    __slots__ = ("device", "host", "previous", "fetched")
+    __slots__ = ("device", "host", "previous", "fetched", "used")
 
     def __init__(self, device: torch.device, host: torch.Tensor, previous: "_Saved | None"):
         self.device, self.host, self.previous = device, host, previous
         self.fetched: tuple[torch.cuda.Event, torch.Tensor] | None = None  # a copy back already under way
+        self.used = False  # handed to backward (a second unpack copies again)
 
 
 class ActivationOffload:
@@ -46,6 +47,7 @@ class ActivationOffload:
         self._last: _Saved | None = None  # the latest tensor saved in this pass
         self._to_host: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # copies out whose source is still held
         self._fetching: dict[int, _Saved] = {}  # copies back not yet handed to backward
+        self.fetched_ahead = self.fetched_on_demand = 0  # unpacks of the latest pass: overlapped or waited for
 
     def _wants(self, tensor: torch.Tensor) -> bool:
         return (tensor.is_cuda and not isinstance(tensor, torch.nn.Parameter)
@@ -93,19 +95,26 @@ class ActivationOffload:
         if isinstance(packed, torch.Tensor):
             return packed
         compute = torch.cuda.current_stream(packed.device)
-        if self._fetching.pop(id(packed), None) is not None:
+        if packed.fetched is not None:
             done, tensor = packed.fetched
             compute.wait_event(done)
+            del self._fetching[id(packed)]
+            self.fetched_ahead += 1
         else:
             tensor = packed.host.to(packed.device, non_blocking=True)
-        packed.fetched = None
-        self._fetch(packed.previous, compute)
+            self.fetched_on_demand += 1
+        packed.fetched, packed.used = None, True
+        # fetch the latest earlier tensor backward has not had yet (one node may unpack several in forward order)
+        earlier = packed.previous
+        while earlier is not None and earlier.used:
+            earlier = earlier.previous
+        packed.previous = earlier  # later unpacks skip the used ones at once
+        if earlier is not None and earlier.fetched is None:
+            self._fetch(earlier, compute)
         return tensor
 
-    def _fetch(self, saved: _Saved | None, compute: torch.cuda.Stream) -> None:
+    def _fetch(self, saved: _Saved, compute: torch.cuda.Stream) -> None:
         """Starts copying `saved` back, overlapping the compute queued before its turn."""
-        if saved is None or saved.fetched is not None:
-            return
         tensor = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)  # compute stream's
         copy = self._stream(saved.device)
         copy.wait_stream(compute)  # the memory may have served kernels still queued there
@@ -129,7 +138,7 @@ class ActivationOffload:
     def saving(self, record: bool = False) -> Iterator[None]:
         """Offloads what the forward pass inside saves. record=True notes the host buffers it needed."""
         self.finish()  # whatever an interrupted pass left in flight
-        self.offloaded_bytes = 0
+        self.offloaded_bytes = self.fetched_ahead = self.fetched_on_demand = 0
         if record:
             self.recorded = []
         self._recording = record

@@ -17,7 +17,7 @@ run() { local name="$1"; shift; timeout "${LIMIT:-150}" python3 -m bench.run --o
   python3 - "$OUT/$name/results.json" <<'PY' 2>/dev/null
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
-    keep = [n for n in r.get("notes", []) if any(k in n for k in ("fast path", "auto-fit", "memory estimate", "allocated", "offload"))]
+    keep = [n for n in r.get("notes", []) if any(k in n for k in ("fast path", "auto-fit", "memory estimate", "allocated", "offload", "retried"))]
     print("  ", r["config"], r["status"], r.get("where", ""), "|", " | ".join(keep)[:900])
 PY
 }

@@ -194,8 +194,12 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
 
     clock = StepClock(device)
     work.reset_peak()
+    retries = alloc_retries(device)
     clock.mark()
     result = loop(warmup + steps, session.step, clock.mark)  # the Train node's loop: loss read every N steps
+    retries = alloc_retries(device) - retries
+    if retries:  # each one frees the allocator's cache and synchronizes: a run at its cap's edge
+        notes.append(f"allocator: {retries} allocations retried after freeing cached memory during the timed steps")
     out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device),
            "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
     if count_flops:  # one extra, untimed step after the peak was read
@@ -210,6 +214,10 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     session.close()
     out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out
+
+
+def alloc_retries(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 def cached_conditioning(base, work: Workload) -> dict[str, torch.Tensor]:

@@ -19,7 +19,6 @@ import torch
 
 from .activation_offload import ActivationOffload
 from .errors import is_compile_error, is_out_of_memory
-from .frozen_weights import fused_dequantize
 from .precision import Precision
 from .vram import device_memory_bytes
 
@@ -173,7 +172,7 @@ class GraphedMicroStep(EagerMicroStep):
         side = _side_stream(device)  # warm-up and capture share it: each stream costs a cuBLAS workspace
         side.wait_stream(torch.cuda.current_stream())
         before = device_memory_bytes(device)
-        with torch.cuda.stream(side), fused_dequantize():  # compiles it before capture
+        with torch.cuda.stream(side):
             loss = self.forward_backward(inputs, accumulation, record=True)
         torch.cuda.current_stream().wait_stream(side)
         if len(self.graphs) >= MAX_GRAPHS:
@@ -206,8 +205,7 @@ class GraphedMicroStep(EagerMicroStep):
         # capture must neither break it nor fail themselves.
         try:
             with self.offload.capturing() if self.offload else contextlib.nullcontext([]) as host_buffers, \
-                    torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"), \
-                    fused_dequantize():
+                    torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 static_loss = self.forward_backward(static_inputs, accumulation)
         except self.passthrough_errors:
             raise

@@ -11,10 +11,6 @@ briefly held ~0.3 GiB of fp32 copies. fp8 Linear/Conv2d layers of the training c
 forward: one cast to the autocast dtype, the scale applied in place."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Iterator
-
 import torch
 
 from .errors import is_compile_error
@@ -65,32 +61,18 @@ def _dequantize_fused(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (weight.float() * scale).to(dtype)
 
 
-_fused_dequantize = None  # torch.compile'd on first use; False once it failed here
-_FUSED_WANTED = contextvars.ContextVar("leanlora_fused_dequantize", default=False)
-
-
-@contextlib.contextmanager
-def fused_dequantize() -> Iterator[None]:
-    """Steps inside use the fused (compiled) kernel: for CUDA-graph warm-up and capture, where only GPU time
-    counts. An eager step is bound by the host, and a compiled call costs it more than the two kernels it saves
-    (SDXL lean under a 3 GiB cap, eager: 0.91-1.11 s/step with it, 0.69 without)."""
-    token = _FUSED_WANTED.set(True)
-    try:
-        yield
-    finally:
-        _FUSED_WANTED.reset(token)
+_fused_dequantize = None  # torch.compile'd on first CUDA use; False once it failed here
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 weight * its scale, in `dtype`. Eager PyTorch takes two passes with slow kernels (an unvectorized
-    fp8 cast, a mixed-dtype multiply): 40 ms of GPU time in an SDXL step with checkpointing on an H200, a third
-    of it. Under `fused_dequantize()` on CUDA one compiled elementwise kernel does both (one for every shape:
-    flat, dynamic size); inside a compiled block inductor fuses it into the block. Without Triton (or where
-    compiling fails) it stays eager."""
+    fp8 cast, a mixed-dtype multiply): 40 ms of an SDXL step with checkpointing on an H200, a third of the step.
+    On CUDA one compiled elementwise kernel does both (one for every shape: flat, dynamic size). Inside a
+    compiled block inductor fuses it into the block; without Triton (or where compiling fails) it stays eager."""
     global _fused_dequantize
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
-    if not (weight.is_cuda and _FUSED_WANTED.get()) or _fused_dequantize is False:
+    if not weight.is_cuda or _fused_dequantize is False:
         return _dequantize_eager(weight, scale, dtype)
     if _fused_dequantize is None:
         _fused_dequantize = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)

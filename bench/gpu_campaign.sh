@@ -6,6 +6,7 @@
 #   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), with cuDNN autotune (ComfyUI's --fast autotune)
 #   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
 #   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
+#   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
 OUT="${1:?output folder}"; PART="${2:-table}"; STEPS="${STEPS:-27}"
@@ -22,6 +23,7 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 PY
 }
 case "$PART" in
+  setup) ;;
   caps)
     for row in ${ROWS:-sdxl:lean@3 sdxl:leanest@2 sd15:leanest@1 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8}; do
       LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3

@@ -56,13 +56,14 @@ class LeanLoRAMemorySettings:
                     "steps, saying why, where capture is not possible. off: plain PyTorch steps."}),
                 "activation_offload": ("BOOLEAN", {"default": False, "tooltip":
                     "Keep what the forward pass saves for backward (with checkpointing: each block's input) in "
-                    "pinned CPU RAM instead of VRAM. Saves ~0.5 GiB on SDXL at 1024, costs PCIe copies."}),
+                    "pinned CPU RAM instead of VRAM. Saves ~0.5 GiB on SDXL at 1024; the copies run beside the "
+                    "compute (~6 ms per SDXL step on an H200)."}),
                 "compile": ("BOOLEAN", {"default": False, "tooltip":
                     "torch.compile the diffusion model (fused kernels; needs a C++ compiler, and Triton on the "
                     "GPU). Each repeated block (ResBlock, attention, feed-forward) is compiled once per shape and "
                     "shared by its twins, before step 1, and the report says how long it took; where compiling "
-                    "fails the report says why and training runs uncompiled. Compiling the whole model instead "
-                    "did not finish within 9 minutes on SDXL."}),
+                    "fails the report says why and training runs uncompiled. Measured on SDXL 1024 batch 8 (H200): "
+                    "77 s of compiling, then 10% faster steps and 7 GiB less memory."}),
                 "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
                     "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
                     "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "

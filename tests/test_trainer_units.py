@@ -83,6 +83,34 @@ def test_lora_layers_under_autocast_keep_their_input_in_the_compute_dtype():
     assert peft_saved_bytes - saved_bytes >= 3 * x.numel() * x.element_size()
 
 
+def test_fp8_dequantize_falls_back_to_eager_when_compiling_fails_but_not_on_later_errors(monkeypatch):
+    from trainer import frozen_weights
+    weight = (torch.randn(8, 4) * 100).to(frozen_weights.FP8)
+    scale = torch.tensor(0.01)
+    eager = frozen_weights._dequantize_eager(weight, scale, torch.bfloat16)
+    monkeypatch.setattr(frozen_weights, "FUSED_DEVICES", ("cpu",))  # the CUDA-only path, driven on CPU
+    for name, value in (("_fused_dequantize", None), ("_fused_verified", False), ("fused_dequantize_failure", None)):
+        monkeypatch.setattr(frozen_weights, name, value)
+
+    def no_triton(*args):
+        raise RuntimeError("Cannot find a working triton installation")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: no_triton)
+    assert torch.equal(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager)
+    assert frozen_weights._fused_dequantize is False and "triton" in frozen_weights.fused_dequantize_failure
+
+    calls = []
+    def compiled(*args):  # compiles fine, then the GPU runs out of memory in a later step
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return frozen_weights._dequantize_fused(*args)
+    monkeypatch.setattr(frozen_weights, "_fused_dequantize", None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled)
+    assert torch.allclose(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager, rtol=2 ** -7, atol=0)
+    with pytest.raises(torch.OutOfMemoryError):  # OOM recovery needs it, not a silent switch to eager
+        frozen_weights.dequantize(weight, scale, torch.bfloat16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
     from trainer import frozen_weights

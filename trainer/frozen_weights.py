@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import is_compile_error
+from .errors import is_out_of_memory
 from .layer_patch import mix_into
 
 FP8 = torch.float8_e4m3fn
@@ -61,28 +61,36 @@ def _dequantize_fused(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (weight.float() * scale).to(dtype)
 
 
-_fused_dequantize = None  # torch.compile'd on first CUDA use; False once it failed here
+FUSED_DEVICES = ("cuda",)  # on CPU the eager form is as good
+_fused_dequantize = None  # torch.compile'd on first use; False once it failed here
+_fused_verified = False  # the compiled kernel ran once: later errors are the step's own (out of memory, ...)
+fused_dequantize_failure: str | None = None  # why the compiled kernel is unavailable here, for the report
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 weight * its scale, in `dtype`. Eager PyTorch takes two passes with slow kernels (an unvectorized
     fp8 cast, a mixed-dtype multiply): 40 ms of an SDXL step with checkpointing on an H200, a third of the step.
     On CUDA one compiled elementwise kernel does both (one for every shape: flat, dynamic size). Inside a
-    compiled block inductor fuses it into the block; without Triton (or where compiling fails) it stays eager."""
-    global _fused_dequantize
+    compiled block inductor fuses it into the block. Where compiling fails (no Triton, e.g. many Windows
+    installs) the upcasts stay eager and the report says so."""
+    global _fused_dequantize, _fused_verified, fused_dequantize_failure
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
-    if not weight.is_cuda or _fused_dequantize is False:
+    if weight.device.type not in FUSED_DEVICES or _fused_dequantize is False:
         return _dequantize_eager(weight, scale, dtype)
     if _fused_dequantize is None:
         _fused_dequantize = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
     try:
-        return _fused_dequantize(weight.reshape(-1), scale, dtype).view(weight.shape)
-    except Exception as error:  # no Triton/compiler here: a compile error surfaces before any kernel ran
-        if not is_compile_error(error):
+        fused = _fused_dequantize(weight.reshape(-1), scale, dtype).view(weight.shape)
+    except Exception as error:
+        if _fused_verified or is_out_of_memory(error):
             raise
+        # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here"
         _fused_dequantize = False
+        fused_dequantize_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
         return _dequantize_eager(weight, scale, dtype)
+    _fused_verified = True
+    return fused
 
 
 def _castable_layers(module: torch.nn.Module, min_dim: int = 2):

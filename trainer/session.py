@@ -17,6 +17,7 @@ from .checkpointing import checkpoint_blocks, uses_randomness
 from .errors import is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks
+from . import frozen_weights
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
 from .objective import denoising_loss, draw_noise
@@ -215,6 +216,9 @@ class TrainingSession:
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
             (self.compiled.notes if self.compiled is not None else [])
+        if frozen_weights.fused_dequantize_failure and self.memory.base_weights != "as loaded":
+            extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
+                         f"({frozen_weights.fused_dequantize_failure}); upcasts run as two eager kernels (slower)")
         graphs = len(getattr(self.micro_step, "graphs", {}))
         if graphs:
             extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "

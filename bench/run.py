@@ -362,7 +362,8 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
         if _is_oom(error):
             row.update(status="OOM", reason=str(error).splitlines()[0][:300], where=_where(error))
         else:
-            row.update(status="error", reason=f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
+            from trainer.errors import one_line
+            row.update(status="error", reason=one_line(error, 300))
     finally:
         torch.backends.cudnn.benchmark = autotune_before
         peak = read_peak(device)

@@ -22,3 +22,9 @@ def is_compile_error(error: BaseException) -> bool:
     except ImportError:  # pragma: no cover - torch without dynamo
         return False
     return isinstance(error, TorchDynamoException)
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, for reports and notes."""
+    message = str(error).strip()
+    return f"{type(error).__name__}: {message.splitlines()[0][:limit] if message else ''}"

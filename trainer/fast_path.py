@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .activation_offload import ActivationOffload
-from .errors import is_compile_error, is_out_of_memory
+from .errors import is_compile_error, is_out_of_memory, one_line
 from .precision import Precision
 from .vram import device_memory_bytes
 
@@ -213,7 +213,7 @@ class GraphedMicroStep(EagerMicroStep):
             # Capture records kernels without running them, so the gradients of the eager step above are intact.
             # Out of memory here means the graph's pool does not fit next to what is already held: eager steps
             # need no extra pool, so they go on (and OOM recovery still handles a real shortage later).
-            self.disabled = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+            self.disabled = one_line(error, 300)
             why = "it needs more memory than is left" if is_out_of_memory(error) else self.disabled
             self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
@@ -296,7 +296,7 @@ class CompiledBlocks:
     def fall_back(self, error: BaseException) -> None:
         """From now on every block runs its eager forward (through the same wrapper: checkpointing may have
         wrapped it since, and must stay)."""
-        self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        self.failed = one_line(error)
         self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
 
 

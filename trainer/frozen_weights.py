@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import is_out_of_memory
+from .errors import is_out_of_memory, one_line
 from .layer_patch import mix_into
 
 FP8 = torch.float8_e4m3fn
@@ -87,7 +87,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
             raise
         # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here"
         _fused_dequantize = False
-        fused_dequantize_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        fused_dequantize_failure = one_line(error)
         return _dequantize_eager(weight, scale, dtype)
     _fused_verified = True
     return fused

@@ -210,7 +210,8 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     offload = session.micro_step.offload
     if offload:  # the latest recorded/captured pass (a replayed graph runs no hooks)
         notes.append(f"activation offload: {offload.offloaded_bytes / GIB:.2f} GiB per pass; "
-                     f"{offload.fetched_ahead} tensors fetched back ahead, {offload.fetched_on_demand} on demand")
+                     f"{offload.fetched_ahead} tensors fetched back ahead, {offload.fetched_on_demand} on demand, "
+                     f"{offload.fetched_unused} fetched but never used")
     session.close()
     out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out

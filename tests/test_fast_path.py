@@ -135,6 +135,87 @@ def test_activation_offload_keeps_saved_tensors_off_the_gpu_with_equal_gradients
         assert torch.equal(a, b)
 
 
+class _SavesTwo(torch.autograd.Function):
+    """Saves two tensors in one node, as checkpoint's input saver does (a block's input and its context): backward
+    unpacks them in forward order, while nodes come in reverse."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * y, grad * x
+
+
+class _Recorder:
+    """Stands in for a CUDA stream or event on CPU: the offload's bookkeeping (what is held, fetched, in which
+    order) runs unchanged; that the copies really overlap is the CUDA tests' and the GPU bench's job."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, *args, **kwargs):
+        self.calls = []
+
+    def wait_stream(self, other):
+        self.calls.append("wait_stream")
+
+    def wait_event(self, event):
+        assert event.calls == ["record"], "waited for an event that was never recorded"
+        self.calls.append("wait_event")
+
+    def record(self, stream=None):
+        self.calls.append("record")
+
+
+@pytest.mark.parametrize("saves_per_node", [1, 2])
+def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(monkeypatch, saves_per_node):
+    import contextlib
+    from trainer.activation_offload import ActivationOffload
+    compute, copy = _Recorder(), _Recorder()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: copy)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Recorder)
+    monkeypatch.setattr(ActivationOffload, "_wants", lambda self, t: not isinstance(t, torch.nn.Parameter)
+                        and t.numel() * t.element_size() >= self.min_bytes)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    factors = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
+
+    def loss_of():
+        h = x
+        for factor in factors:
+            h = _SavesTwo.apply(h, factor) if saves_per_node == 2 else torch.nn.functional.gelu(h * 1.0)
+        return h.square().mean()
+
+    loss_of().backward()
+    expected = [t.grad.clone() for t in (x, *factors) if t.grad is not None]
+    for t in (x, *factors):
+        t.grad = None
+    offload = ActivationOffload(min_bytes=1)
+    for attempt in ("first pass: guesses reverse pack order", "second pass: the order backward asked in before"):
+        for t in (x, *factors):
+            t.grad = None
+        with offload.saving():
+            loss = loss_of()
+            assert len(offload._to_host) <= ActivationOffload.IN_FLIGHT  # device memory held for copies in flight
+        assert not offload._to_host  # released once the pass is over
+        packs = offload.offloaded_bytes // (64 * 64 * 4)
+        loss.backward()
+        offload.finish()
+        grads = [t.grad for t in (x, *factors) if t.grad is not None]
+        assert len(grads) == len(expected) and all(torch.equal(a, b) for a, b in zip(grads, expected))
+        # every saved tensor came back exactly once; none was fetched for nothing (a tensor backward already had)
+        assert offload.fetched_ahead + offload.fetched_on_demand == packs and offload.fetched_unused == 0, attempt
+        if saves_per_node == 1 or attempt.startswith("second"):
+            assert offload.fetched_on_demand == 1, attempt  # only the very first one backward needs
+        else:
+            assert offload.fetched_ahead >= packs // 2 - 1, attempt  # each node's second tensor was on its way
+
+
 @cuda
 def test_graphed_steps_with_activation_offload_train_like_eager_steps():
     from trainer.activation_offload import ActivationOffload

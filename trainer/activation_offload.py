@@ -6,9 +6,10 @@ blocks: ~0.5 GiB on SDXL at 1024². Copying them to the host after the forward p
 backward reaches them trades PCIe traffic for that memory. Small tensors (< 1 MiB) and parameters stay put.
 
 The copies run on their own stream so they overlap compute (on the compute stream they cost an SDXL step 20 ms
-on an H200): a saved tensor's device memory is released to the compute stream only once its copy has run, a
-few saved tensors later, and backward, which unpacks in reverse order, fetches the next one back while the
-current block recomputes. `finish()` after backward joins the copy stream again.
+on an H200): a saved tensor's device memory is released to the compute stream only once its copy has run, two
+saved tensors later, and backward fetches the tensor it will ask for next while the current block recomputes
+(the order of the previous pass with the same saved shapes; the first pass guesses reverse pack order).
+`finish()` after backward joins the copy stream again.
 
 CUDA graphs: a captured copy writes to the host buffer it was captured with, forever. The eager warm-up step
 records which buffers the forward pass needs; capture then takes preallocated buffers in the same order and
@@ -24,11 +25,11 @@ MIN_BYTES = 1 << 20
 
 
 class _Saved:
-    """A saved tensor waiting on the host; `previous` is the one saved before it (backward wants it next)."""
-    __slots__ = ("device", "host", "previous", "fetched", "used")
+    """A saved tensor waiting on the host, with its position in the pass's pack order."""
+    __slots__ = ("index", "device", "host", "fetched", "used")
 
-    def __init__(self, device: torch.device, host: torch.Tensor, previous: "_Saved | None"):
-        self.device, self.host, self.previous = device, host, previous
+    def __init__(self, index: int, device: torch.device, host: torch.Tensor):
+        self.index, self.device, self.host = index, device, host
         self.fetched: tuple[torch.cuda.Event, torch.Tensor] | None = None  # a copy back already under way
         self.used = False  # handed to backward (a second unpack copies again)
 
@@ -44,10 +45,14 @@ class ActivationOffload:
         self._next = 0
         self.offloaded_bytes = 0  # of the latest forward pass
         self._copy_stream: torch.cuda.Stream | None = None
-        self._last: _Saved | None = None  # the latest tensor saved in this pass
+        self._saved: list[_Saved] = []  # this pass's, in pack order
+        self._unpacked: list[int] = []  # this pass's, in the order backward asked for them
+        self._learned: tuple[list, list[int]] | None = None  # an earlier pass: (what it saved, its unpack order)
+        self._next_wanted: dict[int, int] = {}  # for this pass, from a learned order: index -> the next one
         self._to_host: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # copies out whose source is still held
         self._fetching: dict[int, _Saved] = {}  # copies back not yet handed to backward
-        self.fetched_ahead = self.fetched_on_demand = 0  # unpacks of the latest pass: overlapped or waited for
+        # the latest pass's unpacks: fetched ahead (overlapped), on demand (waited for); fetches never used
+        self.fetched_ahead = self.fetched_on_demand = self.fetched_unused = 0
 
     def _wants(self, tensor: torch.Tensor) -> bool:
         return (tensor.is_cuda and not isinstance(tensor, torch.nn.Parameter)
@@ -63,7 +68,7 @@ class ActivationOffload:
             return buffer
         if self._recording:
             self.recorded.append((tensor.shape, tensor.dtype))
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._copy_stream is None:
@@ -84,8 +89,8 @@ class ActivationOffload:
         while len(self._to_host) > self.IN_FLIGHT:
             self._release_oldest(compute)
         self.offloaded_bytes += host.numel() * host.element_size()
-        self._last = _Saved(tensor.device, host, self._last)
-        return self._last
+        self._saved.append(_Saved(len(self._saved), tensor.device, host))
+        return self._saved[-1]
 
     def _release_oldest(self, compute: torch.cuda.Stream) -> None:
         done, _tensor = self._to_host.pop(0)
@@ -104,14 +109,23 @@ class ActivationOffload:
             tensor = packed.host.to(packed.device, non_blocking=True)
             self.fetched_on_demand += 1
         packed.fetched, packed.used = None, True
-        # fetch the latest earlier tensor backward has not had yet (one node may unpack several in forward order)
-        earlier = packed.previous
-        while earlier is not None and earlier.used:
-            earlier = earlier.previous
-        packed.previous = earlier  # later unpacks skip the used ones at once
-        if earlier is not None and earlier.fetched is None:
-            self._fetch(earlier, compute)
+        self._unpacked.append(packed.index)
+        upcoming = self._upcoming(packed)
+        if upcoming is not None and upcoming.fetched is None:
+            self._fetch(upcoming, compute)
         return tensor
+
+    def _upcoming(self, unpacked: _Saved) -> _Saved | None:
+        """The saved tensor backward will most likely ask for next: the one that followed in an earlier pass's
+        unpack order (same saved shapes), else the latest earlier one not handed out yet (nodes come in reverse
+        order, but one node unpacks its several tensors in forward order)."""
+        if unpacked.index in self._next_wanted:
+            candidate = self._saved[self._next_wanted[unpacked.index]]
+            return None if candidate.used else candidate
+        for index in range(unpacked.index - 1, -1, -1):
+            if not self._saved[index].used:
+                return self._saved[index]
+        return None
 
     def _fetch(self, saved: _Saved, compute: torch.cuda.Stream) -> None:
         """Starts copying `saved` back, overlapping the compute queued before its turn."""
@@ -127,18 +141,25 @@ class ActivationOffload:
 
     def finish(self) -> None:
         """After backward (or a failed pass): the compute stream waits for every copy (capture needs the copy
-        stream joined), then copies back that backward never asked for are dropped."""
-        if self._copy_stream is not None and (self._to_host or self._fetching or self._last is not None):
+        stream joined), copies back that backward never asked for are dropped, and the order backward asked
+        in is kept for the next pass's fetches."""
+        if self._copy_stream is not None and (self._to_host or self._fetching or self._saved):
             torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
         for saved in self._fetching.values():
             saved.fetched = None
-        self._to_host, self._fetching, self._last = [], {}, None
+        self.fetched_unused += len(self._fetching)
+        if self._unpacked:
+            self._learned = (self._signature(), list(dict.fromkeys(self._unpacked)))
+        self._to_host, self._fetching, self._saved, self._unpacked, self._next_wanted = [], {}, [], [], {}
+
+    def _signature(self) -> list:
+        return [(saved.host.shape, saved.host.dtype) for saved in self._saved]
 
     @contextlib.contextmanager
     def saving(self, record: bool = False) -> Iterator[None]:
         """Offloads what the forward pass inside saves. record=True notes the host buffers it needed."""
         self.finish()  # whatever an interrupted pass left in flight
-        self.offloaded_bytes = self.fetched_ahead = self.fetched_on_demand = 0
+        self.offloaded_bytes = self.fetched_ahead = self.fetched_on_demand = self.fetched_unused = 0
         if record:
             self.recorded = []
         self._recording = record
@@ -149,6 +170,9 @@ class ActivationOffload:
             self._recording = False
             while self._to_host:  # the pass is over: its saved tensors' memory may be reused once copied
                 self._release_oldest(torch.cuda.current_stream(self._to_host[0][1].device))
+            if self._learned is not None and self._learned[0] == self._signature():
+                order = self._learned[1]
+                self._next_wanted = dict(zip(order, order[1:]))
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[list[torch.Tensor]]:

@@ -6,6 +6,7 @@
 #   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), with cuDNN autotune (ComfyUI's --fast autotune)
 #   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
 #   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
+#   bash bench/gpu_campaign.sh OUT issue4  # issue 4's "Done when" rows in one bench run: both models, both peers, bs8, compile
 #   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
@@ -24,6 +25,10 @@ PY
 }
 case "$PART" in
   setup) ;;
+  issue4)  # compile last: the bench's budget estimates each row from the slowest so far
+    LIMIT=${LIMIT:-570} run issue4 --models sd15,sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-550}" --configs \
+      "${CONFIGS:-fast,lean,diffusers,comfyui,sdxl/fast:bs8,sdxl/diffusers:bs8,sdxl/comfyui:bs8,sdxl/fast+compile:bs8}"
+    cat "$OUT/issue4/table.txt" 2>/dev/null | tail -14 ;;
   caps)
     for row in ${ROWS:-sdxl:lean@3 sdxl:leanest@2 sd15:leanest@1 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8}; do
       LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3

@@ -18,7 +18,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -120,7 +120,6 @@ def make_workload(spec: ModelSpec, batch: int, device: torch.device) -> Workload
 def presets() -> dict:
     """Our presets as the MemorySettings a user picks in LeanLoRA Memory Settings (batch comes from the row)."""
     from trainer.settings import MemorySettings as M
-    from dataclasses import replace
     base = {"fast": M("bf16", False, 1, 1, "AdamW"),
             "balanced": M("bf16", True, 1, 1, "AdamW"),
             "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True),
@@ -172,7 +171,6 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
 
 def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
-    from dataclasses import replace
 
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -239,6 +237,10 @@ class RowConfig:
     cap_gib: float | None
     batch: int
     autotune: bool = False  # cuDNN autotune for the row, as ComfyUI's `--fast autotune` sets it process-wide
+    model: str | None = None  # `sdxl/fast:bs8`: this model only (its family in --tiny mode)
+
+    def applies_to(self, spec: "ModelSpec") -> bool:
+        return self.model is None or self.model in (spec.name, spec.family)
 
 
 DEFAULT_CONFIGS = "fast,balanced,lean,leanest,diffusers,comfyui,autofit@2,autofit@3,autofit@4,autofit@6,autofit@8"
@@ -246,8 +248,17 @@ PEERS = ("diffusers", "comfyui")
 
 
 def parse_config(token: str) -> RowConfig:
-    """`name[:bsN][:autotune]`: a preset, `<preset>@N` (under an N GiB cap), `autofit@N` or a peer."""
-    name, *suffixes = token.strip().split(":")
+    """`[model/]name[:bsN][:autotune]`: a preset, `<preset>@N` (under an N GiB cap), `autofit@N` or a peer, for
+    every model of --models or only `model` (sd15, sdxl)."""
+    model, _, rest = token.strip().rpartition("/")
+    if model and model not in ("sd15", "sdxl"):
+        raise SystemExit(f"bench: bad config {token!r}; a model prefix is sd15/ or sdxl/")
+    row = _parse_row(rest, token.strip())
+    return replace(row, model=model) if model else row
+
+
+def _parse_row(spec: str, token: str) -> RowConfig:
+    name, *suffixes = spec.split(":")
     batch, autotune = 1, False
     for suffix in suffixes:
         if suffix == "autotune":
@@ -604,7 +615,7 @@ def _run(args, argv: list[str], device: torch.device, started: float) -> dict:
                "flops": {}, "rows": [], "complete": False}
     rows, flops = payload["rows"], payload["flops"]
     row_seconds: dict[str, float] = {}  # slowest finished row per model: the estimate for the next one
-    for spec, config in ((s, c) for s in specs for c in configs):
+    for spec, config in ((s, c) for s in specs for c in configs if c.applies_to(s)):
         elapsed = time.perf_counter() - started
         # A model's first row is estimated from the slowest row so far (SDXL rows follow the cheaper SD1.5 ones).
         estimate = row_seconds.get(spec.name, max(row_seconds.values(), default=0.0))

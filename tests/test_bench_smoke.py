@@ -76,3 +76,16 @@ def test_leak_report_names_the_chain_that_holds_a_tensor():
     assert report.startswith("1 tensors alive")
     assert re.search(r"\(1234567,\) torch\.float32 <- list( \(\+\d+\))? <- dict\{params\}( \(\+\d+\))? <- Keeper", report), report
     assert keeper.stash["params"][0] is leaked
+
+
+def test_config_tokens_can_name_one_model():
+    """`sdxl/fast+compile:bs8` runs on SDXL only, so one command can mix SD1.5 and SDXL rows (campaign part issue4)."""
+    import pytest
+    from bench.run import SPECS, parse_config
+    row = parse_config("sdxl/fast+compile:bs8")
+    assert (row.name, row.preset, row.batch, row.model) == ("sdxl/fast+compile:bs8", "fast+compile", 8, "sdxl")
+    assert row.applies_to(SPECS["sdxl"]) and not row.applies_to(SPECS["sd15"])
+    assert parse_config("sd15/comfyui").applies_to(SPECS["sd15-tiny"])  # its family in --tiny mode
+    assert parse_config("lean").applies_to(SPECS["sdxl"]) and parse_config("lean").model is None
+    with pytest.raises(SystemExit, match="model prefix"):
+        parse_config("sd3/fast")

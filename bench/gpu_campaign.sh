@@ -7,6 +7,7 @@
 #   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
 #   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
 #   bash bench/gpu_campaign.sh OUT issue4  # issue 4's "Done when" rows in one bench run: both models, both peers, bs8, compile
+#   bash bench/gpu_campaign.sh OUT compile # compile warm-up cold and again with inductor's on-disk caches
 #   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
@@ -25,6 +26,10 @@ PY
 }
 case "$PART" in
   setup) ;;
+  compile)  # compile warm-up cold, then in a new process that finds inductor's on-disk caches (a re-queued run)
+    for pass in cold cached; do
+      LIMIT=280 run "compile_$pass" --models sdxl --steps 4 --warmup 1 --configs "${CONFIGS:-fast+compile:bs8}"
+    done ;;
   issue4)  # compile last: the bench's budget estimates each row from the slowest so far
     LIMIT=${LIMIT:-570} run issue4 --models sd15,sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-550}" --configs \
       "${CONFIGS:-fast,lean,diffusers,comfyui,sdxl/fast:bs8,sdxl/diffusers:bs8,sdxl/comfyui:bs8,sdxl/fast+compile:bs8}"

@@ -26,10 +26,11 @@ MIN_BYTES = 1 << 20
 
 class _Saved:
     """A saved tensor waiting on the host, with its position in the pass's pack order."""
-    __slots__ = ("index", "device", "host", "fetched", "used")
+    __slots__ = ("index", "device", "host", "fetched", "used", "pass_number")
 
-    def __init__(self, index: int, device: torch.device, host: torch.Tensor):
+    def __init__(self, index: int, device: torch.device, host: torch.Tensor, pass_number: int):
         self.index, self.device, self.host = index, device, host
+        self.pass_number = pass_number  # a later pass's bookkeeping must not take it for one of its own
         self.fetched: tuple[torch.cuda.Event, torch.Tensor] | None = None  # a copy back already under way
         self.used = False  # handed to backward (a second unpack copies again)
 
@@ -46,6 +47,7 @@ class ActivationOffload:
         self.offloaded_bytes = 0  # of the latest forward pass
         self._copy_stream: torch.cuda.Stream | None = None
         self._saved: list[_Saved] = []  # this pass's, in pack order
+        self._pass_number = 0  # counts finished passes
         self._unpacked: list[int] = []  # this pass's, in the order backward asked for them
         self._learned: tuple[list, list[int]] | None = None  # an earlier pass: (what it saved, its unpack order)
         self._next_wanted: dict[int, int] = {}  # for this pass, from a learned order: index -> the next one
@@ -89,7 +91,7 @@ class ActivationOffload:
         while len(self._to_host) > self.IN_FLIGHT:
             self._release_oldest(compute)
         self.offloaded_bytes += host.numel() * host.element_size()
-        self._saved.append(_Saved(len(self._saved), tensor.device, host))
+        self._saved.append(_Saved(len(self._saved), tensor.device, host, self._pass_number))
         return self._saved[-1]
 
     def _release_oldest(self, compute: torch.cuda.Stream) -> None:
@@ -109,6 +111,8 @@ class ActivationOffload:
             tensor = packed.host.to(packed.device, non_blocking=True)
             self.fetched_on_demand += 1
         packed.fetched, packed.used = None, True
+        if packed.pass_number != self._pass_number:  # a pass that ended without its backward: no bookkeeping
+            return tensor
         self._unpacked.append(packed.index)
         upcoming = self._upcoming(packed)
         if upcoming is not None and upcoming.fetched is None:
@@ -151,6 +155,7 @@ class ActivationOffload:
         if self._unpacked:
             self._learned = (self._signature(), list(dict.fromkeys(self._unpacked)))
         self._to_host, self._fetching, self._saved, self._unpacked, self._next_wanted = [], {}, [], [], {}
+        self._pass_number += 1
 
     def _signature(self) -> list:
         return [(saved.host.shape, saved.host.dtype) for saved in self._saved]

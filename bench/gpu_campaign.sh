@@ -27,6 +27,7 @@ PY
 case "$PART" in
   setup) ;;
   compile)  # compile warm-up cold, then in a new process that finds inductor's on-disk caches (a re-queued run)
+    export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # empty: earlier parts on this machine must not warm it
     for pass in cold cached; do
       LIMIT=280 run "compile_$pass" --models sdxl --steps 4 --warmup 1 --configs "${CONFIGS:-fast+compile:bs8}"
     done ;;

@@ -152,35 +152,115 @@ class _SavesTwo(torch.autograd.Function):
 
 class _Recorder:
     """Stands in for a CUDA stream or event on CPU: the offload's bookkeeping (what is held, fetched, in which
-    order) runs unchanged; that the copies really overlap is the CUDA tests' and the GPU bench's job."""
+    order, which waits come first) runs unchanged; that the copies really overlap is the CUDA tests' and the
+    GPU bench's job. Waits of the compute stream go to `log`."""
 
     device = torch.device("cpu")
 
-    def __init__(self, *args, **kwargs):
-        self.calls = []
+    def __init__(self, log=None, name="event"):
+        self.log, self.name, self.recorded = log, name, False
 
     def wait_stream(self, other):
-        self.calls.append("wait_stream")
+        pass
 
     def wait_event(self, event):
-        assert event.calls == ["record"], "waited for an event that was never recorded"
-        self.calls.append("wait_event")
+        assert event.recorded, "waited for an event that was never recorded"
+        if self.name == "compute":
+            self.log.append(("compute waited", id(event)))
 
     def record(self, stream=None):
-        self.calls.append("record")
+        self.recorded = True
 
 
-@pytest.mark.parametrize("saves_per_node", [1, 2])
-def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(monkeypatch, saves_per_node):
+@pytest.fixture
+def stand_in_streams(monkeypatch):
     import contextlib
     from trainer.activation_offload import ActivationOffload
-    compute, copy = _Recorder(), _Recorder()
+    log = []
+    compute, copy = _Recorder(log, "compute"), _Recorder(log, "copy")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: copy)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Recorder)
     monkeypatch.setattr(ActivationOffload, "_wants", lambda self, t: not isinstance(t, torch.nn.Parameter)
                         and t.numel() * t.element_size() >= self.min_bytes)
+    return log
+
+
+def test_offload_waits_for_each_copy_before_its_memory_is_reused_or_its_tensor_used(stand_in_streams, monkeypatch):
+    """The compute stream must wait for a copy to the host before the saved tensor's memory can serve it again,
+    and for a copy back before backward gets the tensor: without those waits the GPU races silently."""
+    import weakref
+    from trainer.activation_offload import ActivationOffload, _Saved
+    log = stand_in_streams
+    pack, unpack = ActivationOffload.pack, ActivationOffload.unpack
+
+    def logged_pack(self, tensor):
+        packed = pack(self, tensor)
+        if isinstance(packed, _Saved):
+            done, source = self._to_host[-1]
+            weakref.finalize(source, log.append, ("memory freed", id(done)))
+        return packed
+
+    def logged_unpack(self, packed):
+        fetched = getattr(packed, "fetched", None)
+        tensor = unpack(self, packed)
+        if fetched is not None:
+            log.append(("handed to backward", id(fetched[0])))
+        return tensor
+    monkeypatch.setattr(ActivationOffload, "pack", logged_pack)
+    monkeypatch.setattr(ActivationOffload, "unpack", logged_unpack)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    offload = ActivationOffload(min_bytes=1)
+    for _ in range(2):
+        with offload.saving():
+            h = x
+            for _ in range(8):
+                h = torch.nn.functional.gelu(h * 1.0)
+            loss = h.square().mean()
+        del h
+        loss.backward()
+        offload.finish()
+    events = [entry for entry in log if entry[0] != "compute waited"]
+    assert sum(e[0] == "memory freed" for e in events) >= 8 and sum(e[0] == "handed to backward" for e in events) >= 8
+    for position, (what, event) in enumerate(log):
+        if what != "compute waited":
+            assert ("compute waited", event) in log[:position], f"{what} before the compute stream waited"
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated, mid-backward)")
+
+
+def test_a_backward_that_fails_still_joins_the_copy_stream_and_drops_fetched_tensors(stand_in_streams):
+    """Graph capture needs the copy stream joined even when backward raises (else CUDA's "unjoined" error hides
+    the OOM or Cancel), and OOM recovery needs the tensors fetched back released."""
+    from trainer.activation_offload import ActivationOffload
+    x = torch.randn(64, 64, requires_grad=True)
+    offload = ActivationOffload(min_bytes=1)
+
+    def loss_of(inputs):
+        h = _FailsInBackward.apply(x)  # runs last in backward: every other saved tensor was fetched by then
+        for _ in range(4):
+            h = torch.nn.functional.gelu(h * 1.0)
+        return h.square().mean()
+    micro = EagerMicroStep(loss_of, Precision("no", torch.device("cpu")), offload)
+    with pytest.raises(torch.OutOfMemoryError):
+        micro({}, 1)
+    assert offload.fetched_ahead > 0  # prefetches were under way when backward failed
+    assert not offload._fetching and not offload._saved and not offload._to_host
+
+
+@pytest.mark.parametrize("saves_per_node", [1, 2])
+def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_streams, saves_per_node):
+    from trainer.activation_offload import ActivationOffload
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
     factors = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]

@@ -98,17 +98,21 @@ def test_fp8_dequantize_falls_back_to_eager_when_compiling_fails_but_not_on_late
     assert torch.equal(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager)
     assert frozen_weights._fused_dequantize is False and "triton" in frozen_weights.fused_dequantize_failure
 
-    calls = []
-    def compiled(*args):  # compiles fine, then the GPU runs out of memory in a later step
-        calls.append(1)
-        if len(calls) > 1:
-            raise torch.OutOfMemoryError("CUDA out of memory")
+    from torch._dynamo.exc import TorchRuntimeError
+    later_errors = [torch.OutOfMemoryError("CUDA out of memory"), TorchRuntimeError("recompiling for fp16 failed")]
+    def compiled(*args):  # compiles and runs fine once, then the later errors
+        if frozen_weights._fused_verified:
+            raise later_errors.pop(0)
         return frozen_weights._dequantize_fused(*args)
     monkeypatch.setattr(frozen_weights, "_fused_dequantize", None)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled)
     assert torch.allclose(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager, rtol=2 ** -7, atol=0)
     with pytest.raises(torch.OutOfMemoryError):  # OOM recovery needs it, not a silent switch to eager
         frozen_weights.dequantize(weight, scale, torch.bfloat16)
+    assert frozen_weights._fused_dequantize is compiled
+    # a compile error after it once ran (a new dtype or device recompiles): eager from now on, not a crash
+    assert torch.equal(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager)
+    assert frozen_weights._fused_dequantize is False and "recompiling" in frozen_weights.fused_dequantize_failure
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")

@@ -73,9 +73,11 @@ class EagerMicroStep:
         # Autocast's weight-cast cache must be off under capture: its cached copies would outlive the graph.
         with self.precision.autocast(cache_enabled=not self.graphed), saving:
             loss = self.compute_loss(inputs) / accumulation
-        self.precision.backward(loss)
-        if self.offload:
-            self.offload.finish()
+        try:
+            self.precision.backward(loss)
+        finally:  # also when backward fails: capture needs the copy stream joined, recovery the fetched memory
+            if self.offload:
+                self.offload.finish()
         return loss.detach()
 
     def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import is_out_of_memory, one_line
+from .errors import is_compile_error, is_out_of_memory, one_line
 from .layer_patch import mix_into
 
 FP8 = torch.float8_e4m3fn
@@ -63,7 +63,7 @@ def _dequantize_fused(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 
 FUSED_DEVICES = ("cuda",)  # on CPU the eager form is as good
 _fused_dequantize = None  # torch.compile'd on first use; False once it failed here
-_fused_verified = False  # the compiled kernel ran once: later errors are the step's own (out of memory, ...)
+_fused_verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
 fused_dequantize_failure: str | None = None  # why the compiled kernel is unavailable here, for the report
 
 
@@ -83,9 +83,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     try:
         fused = _fused_dequantize(weight.reshape(-1), scale, dtype).view(weight.shape)
     except Exception as error:
-        if _fused_verified or is_out_of_memory(error):
+        if is_out_of_memory(error) or (_fused_verified and not is_compile_error(error)):
             raise
-        # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here"
+        # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here";
+        # so does a compile error later (a new dtype or device recompiles)
         _fused_dequantize = False
         fused_dequantize_failure = one_line(error)
         return _dequantize_eager(weight, scale, dtype)

@@ -51,6 +51,7 @@ COMFYUI_PATH = _put_comfyui_first()
 from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_ALPHA, LORA_RANK,  # noqa: E402
                          PeerUnavailable, StepClock, Workload, _is_oom, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
+from trainer.errors import one_line  # noqa: E402
 
 
 # --- models ---
@@ -374,7 +375,6 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
         if _is_oom(error):
             row.update(status="OOM", reason=str(error).splitlines()[0][:300], where=_where(error))
         else:
-            from trainer.errors import one_line
             row.update(status="error", reason=one_line(error, 300))
     finally:
         torch.backends.cudnn.benchmark = autotune_before

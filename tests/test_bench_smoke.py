@@ -89,3 +89,16 @@ def test_config_tokens_can_name_one_model():
     assert parse_config("lean").applies_to(SPECS["sdxl"]) and parse_config("lean").model is None
     with pytest.raises(SystemExit, match="model prefix"):
         parse_config("sd3/fast")
+
+
+def test_throwaway_steps_leave_the_runs_noise_and_gradients_alone():
+    """The estimate's probes and the compile step are throwaway steps: training must draw the same noise and
+    start from zero gradients whether or not they ran."""
+    import torch
+    from bench.run import SPECS, make_workload, presets, start_session
+    session, _, _ = start_session(make_workload(SPECS["sd15-tiny"], 1, torch.device("cpu")), presets()["fast"], 2)
+    rng = session.generator.get_state()
+    session.throwaway_step(session.largest_batch())
+    assert torch.equal(session.generator.get_state(), rng)
+    assert all(p.grad is None for p in session.params)
+    session.close()

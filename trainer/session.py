@@ -133,7 +133,6 @@ class TrainingSession:
         if self.compiled is None or self.compiled.failed:
             return []
         started = time.perf_counter()
-        rng = self.generator.get_state()
         try:
             self.throwaway_step(self.largest_batch())
         except Exception as error:
@@ -143,19 +142,16 @@ class TrainingSession:
             if not is_compile_error(error):
                 raise
             self.compiled.fall_back(error)
-        finally:
-            self.generator.set_state(rng)
         if self.compiled.failed:
             return []
         return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
                 f"{time.perf_counter() - started:.1f} s"]
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
-        """Exact static terms, plus probed activations on CUDA; the run's RNG stream is left untouched."""
+        """Exact static terms, plus probed activations on CUDA (throwaway steps: the run's RNG stream is untouched)."""
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=flat.state_shapes() if flat is not None else None)
-        rng = self.generator.get_state()
         try:
             return probe_activations(estimate, self.throwaway_step, self.largest_batch(), self.memory.batch_size,
                                      self.adapter.device, *self.held_between_steps())
@@ -165,8 +161,6 @@ class TrainingSession:
             self.optimizer.zero_grad(set_to_none=True)
             self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
             return estimate
-        finally:
-            self.generator.set_state(rng)
 
     def held_between_steps(self) -> tuple[int, int]:
         """Bytes of LoRA gradients kept allocated between steps (flat ones are) and of optimizer state now."""
@@ -181,8 +175,13 @@ class TrainingSession:
         return collate([max(self.cache, key=lambda sample: sample.latent.numel())])
 
     def throwaway_step(self, batch) -> None:
-        """Forward + backward (eager, with the run's precision and activation offload), gradients discarded."""
-        self.micro_step.forward_backward(self.inputs(batch), 1)
+        """Forward + backward (eager, with the run's precision and activation offload), gradients discarded and
+        the run's RNG stream untouched (the training steps draw the same noise with or without it)."""
+        rng = self.generator.get_state()
+        try:
+            self.micro_step.forward_backward(self.inputs(batch), 1)
+        finally:
+            self.generator.set_state(rng)
         self.optimizer.zero_grad(set_to_none=True)
 
     def inputs(self, batch) -> dict[str, torch.Tensor]:

@@ -30,6 +30,12 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise LeanLoRAError(f"{field}: {message}")
 
 
+def _require_choice(settings, field: str, choices) -> None:
+    """`settings.<field>` must be one of `choices` (the node's dropdown; a hand-edited workflow may not be)."""
+    value = getattr(settings, field)
+    _require(value in choices, field, f"got {value!r}; choose one of {', '.join(choices)}")
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     mixed_precision: str = "bf16"
@@ -49,24 +55,18 @@ class MemorySettings:
     checkpoint_depth: str = "per layer"
 
     def __post_init__(self):
-        _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision",
-                 f"got {self.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}")
-        _require(self.optimizer in OPTIMIZERS, "optimizer",
-                 f"got {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        _require(self.base_weights in BASE_WEIGHTS, "base_weights",
-                 f"got {self.base_weights!r}; choose one of {', '.join(BASE_WEIGHTS)}")
-        _require(self.auto_fit in AUTO_FIT, "auto_fit", f"got {self.auto_fit!r}; choose one of {', '.join(AUTO_FIT)}")
-        _require(self.latent_cache in LATENT_CACHE, "latent_cache",
-                 f"got {self.latent_cache!r}; choose one of {', '.join(LATENT_CACHE)}")
-        _require(self.attention in ATTENTION, "attention", f"got {self.attention!r}; choose one of {', '.join(ATTENTION)}")
-        _require(self.fast_path in FAST_PATH, "fast_path", f"got {self.fast_path!r}; choose one of {', '.join(FAST_PATH)}")
-        _require(self.allocator in ALLOCATOR, "allocator", f"got {self.allocator!r}; choose one of {', '.join(ALLOCATOR)}")
-        _require(self.lora_weights in LORA_WEIGHTS, "lora_weights",
-                 f"got {self.lora_weights!r}; choose one of {', '.join(LORA_WEIGHTS)}")
+        _require_choice(self, "mixed_precision", MIXED_PRECISION)
+        _require_choice(self, "optimizer", OPTIMIZERS)
+        _require_choice(self, "base_weights", BASE_WEIGHTS)
+        _require_choice(self, "auto_fit", AUTO_FIT)
+        _require_choice(self, "latent_cache", LATENT_CACHE)
+        _require_choice(self, "attention", ATTENTION)
+        _require_choice(self, "fast_path", FAST_PATH)
+        _require_choice(self, "allocator", ALLOCATOR)
+        _require_choice(self, "lora_weights", LORA_WEIGHTS)
         _require(self.lora_weights == "fp32" or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
-        _require(self.checkpoint_depth in CHECKPOINT_DEPTH, "checkpoint_depth",
-                 f"got {self.checkpoint_depth!r}; choose one of {', '.join(CHECKPOINT_DEPTH)}")
+        _require_choice(self, "checkpoint_depth", CHECKPOINT_DEPTH)
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -98,8 +98,7 @@ class LoraSettings:
         _require(1 <= self.rank <= 1024, "rank", f"got {self.rank}; use 1..1024 (4-32 is typical)")
         _require(self.alpha > 0, "alpha", f"got {self.alpha}; use a positive number (often equal to rank)")
         _require(0.0 <= self.dropout < 1.0, "dropout", f"got {self.dropout}; use 0 <= dropout < 1")
-        _require(self.targets in LORA_TARGETS, "targets",
-                 f"got {self.targets!r}; choose one of {', '.join(LORA_TARGETS)}")
+        _require_choice(self, "targets", LORA_TARGETS)
 
     @property
     def target_modules(self) -> tuple[str, ...]:
@@ -120,8 +119,7 @@ class TrainSettings:
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
-        _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
-                 f"got {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+        _require_choice(self, "lr_schedule", LR_SCHEDULES)
         _require(0 <= self.warmup_steps < self.steps, "warmup_steps",
                  f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")
         _require(0 < self.learning_rate < 1, "learning_rate",

@@ -207,6 +207,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
             whys.setdefault(missing.why, []).append(candidate)
             if missing.todo and missing.todo not in todos:
                 todos.append(missing.todo)
+    flat_params = None
     if bf16_weights and params:
         flat_params = BF16Weights(params)
         optimizer = _build(candidate, flat_params.proxies, lr, weight_decay, device)
@@ -214,7 +215,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
     elif flat and candidate in _BITSANDBYTES and params:
         flat_params = FlatParameters(params)
         optimizer = _build(candidate, [flat_params.param], lr, weight_decay, device)
-    if (bf16_weights or (flat and candidate in _BITSANDBYTES)) and params:
+    if flat_params is not None:
         optimizer.leanlora_flat = flat_params
         optimizer.zero_grad = flat_params.zero_grad  # this instance only: gradients stay views of the flat one
     if candidate == name:

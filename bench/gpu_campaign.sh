@@ -20,17 +20,22 @@ run() { local name="$1"; shift; timeout "${LIMIT:-150}" python3 -m bench.run --o
   python3 - "$OUT/$name/results.json" <<'PY' 2>/dev/null
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
-    keep = [n for n in r.get("notes", []) if any(k in n for k in ("fast path", "auto-fit", "memory estimate", "allocated", "offload", "retried"))]
+    keep = [n for n in r.get("notes", []) if any(k in n for k in ("fast path", "auto-fit", "memory estimate", "allocated", "offload", "retried", "torch.compile"))]
     print("  ", r["config"], r["status"], r.get("where", ""), "|", " | ".join(keep)[:900])
 PY
 }
 case "$PART" in
   setup) ;;
-  compile)  # compile warm-up cold, then in a new process that finds inductor's on-disk caches (a re-queued run)
-    export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # empty: earlier parts on this machine must not warm it
-    for pass in cold cached; do
-      LIMIT=280 run "compile_$pass" --models sdxl --steps 4 --warmup 1 --configs "${CONFIGS:-fast+compile:bs8}"
-    done ;;
+  compile)  # warm-up cold (each row from an empty inductor cache), then a new process finding the first row's caches
+    # (a restarted ComfyUI) running it twice: the second time in the same process is a re-queued run (with autotune)
+    rows=(${ROWS:-fast+compile:bs8 fast+compile-attn:bs8}); first=""
+    for row in "${rows[@]}"; do
+      export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"; first="${first:-$TORCHINDUCTOR_CACHE_DIR}"
+      LIMIT=200 run "cold_${row//[:+]/_}" --models sdxl --steps 4 --warmup 1 --configs "$row"
+    done
+    TORCHINDUCTOR_CACHE_DIR="$first" LIMIT=200 run cached --models sdxl --steps 6 --warmup 1 \
+      --configs "${rows[0]},${rows[0]}:autotune"
+    for name in "$OUT"/cold_* "$OUT"/cached; do tail -n +3 "$name/table.txt" 2>/dev/null | head -2; done ;;
   issue4)  # compile last: the bench's budget estimates each row from the slowest so far
     LIMIT=${LIMIT:-570} run issue4 --models sd15,sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-550}" --configs \
       "${CONFIGS:-fast,lean,diffusers,comfyui,sdxl/fast:bs8,sdxl/diffusers:bs8,sdxl/comfyui:bs8,sdxl/fast+compile:bs8}"

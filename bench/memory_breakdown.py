@@ -18,7 +18,7 @@ from bench.run import GIB, SPECS, free_device_memory, make_workload, presets, st
 
 def breakdown(spec, preset: str, device: torch.device) -> None:
     work = make_workload(spec, 1, device)
-    session, estimate, _ = start_session(work, replace(presets()[preset], fast_path="off"), 10, start_on_cpu=True)
+    session, estimate, _, _ = start_session(work, replace(presets()[preset], fast_path="off"), 10, start_on_cpu=True)
     torch.cuda.synchronize()
     static = torch.cuda.memory_allocated(device)
     saved = Counter()

@@ -70,7 +70,7 @@ def profile(spec, preset: str, batch: int, steps: int, device: torch.device) -> 
 
     work = make_workload(spec, batch, device)
     memory = replace(presets()[preset], batch_size=batch, fast_path="off")
-    session, _, _ = start_session(work, memory, steps + 1)
+    session, _, _, _ = start_session(work, memory, steps + 1)
 
     def run(n: int) -> None:
         train_loop(session.params, session.step, session.data, session.optimizer, session.precision, n,

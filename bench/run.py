@@ -130,6 +130,8 @@ def presets() -> dict:
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
              "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
              "fast+compile": replace(base["fast"], compile=True),
+             # an experiment, bench only: compile attention and feed-forward modules, not ResBlocks (fewer graphs)
+             "fast+compile-attn": replace(base["fast"], compile=True),
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding")}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
@@ -138,10 +140,12 @@ def presets() -> dict:
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
-def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False):
-    """The Train node's TrainingSession on a bench model, started (auto-fit, estimate): (session, estimate,
-    fit lines). With a cap (or start_on_cpu) the checkpoint waits in CPU memory, as in ComfyUI, and the session
-    places only what it decided to; the cap then counts everything training puts on the GPU."""
+def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
+                  compile_attention_only: bool = False):
+    """The Train node's TrainingSession on a bench model, started (compile, auto-fit, estimate): (session,
+    estimate, fit lines, seconds the start took). With a cap (or start_on_cpu) the checkpoint waits in CPU memory,
+    as in ComfyUI, and the session places only what it decided to; the cap then counts everything training puts
+    on the GPU."""
     import comfy.model_patcher
 
     from trainer.cache import CachedSample
@@ -159,6 +163,10 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
+    if compile_attention_only:
+        from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
+        adapter.compile_units = lambda unet: [m for m in ComfyAdapter.compile_units(adapter, unet)
+                                              if not isinstance(m, ResBlock)]
     unet = base.diffusion_model
     unet.requires_grad_(False)
     params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
@@ -166,8 +174,9 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
     session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(steps, 1e-4, 0, "bench"))
+    started = time.perf_counter()
     estimate, fit_lines = session.start(memory)
-    return session, estimate, fit_lines
+    return session, estimate, fit_lines, time.perf_counter() - started
 
 
 def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
@@ -182,9 +191,11 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
     if preset == "autofit":
         memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
-    session, estimate, fit_lines = start_session(work, memory, warmup + steps, cap_gib)
+    session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
+                                                          compile_attention_only=preset.startswith("fast+compile-attn"))
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
+    graphs_before = _compiled_graphs()
 
     def loop(n, step_fn, after_step=lambda: None):
         return train_loop(params, step_fn, session.data, session.optimizer, session.precision, n,
@@ -199,7 +210,9 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     retries = alloc_retries(device) - retries
     if retries:  # each one frees the allocator's cache and synchronizes: a run at its cap's edge
         notes.append(f"allocator: {retries} allocations retried after freeing cached memory during the timed steps")
-    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device),
+    if session.is_compiled:
+        notes.append(_compile_note(graphs_before))
+    out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "start_s": start_s,
            "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
     if count_flops:  # one extra, untimed step after the peak was read
         with FlopCounterMode(display=False) as counter:
@@ -214,6 +227,22 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     session.close()
     out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def _compile_note(graphs_before: int) -> str:
+    """What dynamo and inductor did in this process so far: graphs compiled (and how many during the steps after
+    the session's start, which should be none), and how many graphs inductor's on-disk caches served."""
+    from torch._dynamo.utils import counters
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return (f"torch.compile: {_compiled_graphs()} graphs in this process, {_compiled_graphs() - graphs_before} "
+            f"compiled during the steps; inductor cache {inductor['fxgraph_cache_hit']} hits / "
+            f"{inductor['fxgraph_cache_miss']} misses, autograd cache {aot['autograd_cache_hit']} hits / "
+            f"{aot['autograd_cache_miss']} misses")
 
 
 def alloc_retries(device: torch.device) -> int:
@@ -413,6 +442,7 @@ def _measurements(result: dict, warmup: int, batch: int) -> dict:
     intervals, losses = result["intervals"], result["losses"]
     timed = intervals[warmup:]
     out = {"warmup_steps": warmup, "warmup_s": sum(intervals[:warmup]), "timed_steps": len(timed),
+           "start_s": result.get("start_s"),
            "step_s": timed, "notes": result.get("notes", [])}
     if result.get("setup_in_first_step"):
         out["notes"] = out["notes"] + ["warm-up time includes the peer's own setup"]
@@ -482,8 +512,10 @@ def _fmt(value, spec=".2f", missing="-"):
     return missing if value is None else format(value, spec)
 
 
+# start s: the session's start before step 1 (compile, memory estimate, auto-fit); warm-up s: the warm-up steps
+# (the first step of a shape runs eagerly, then its CUDA graph is captured)
 TABLE_COLUMNS = ("model", "config", "status", "peak alloc GiB", "peak resv GiB", "est GiB", "est err %", "s/step",
-                 "warm-up s", "img/s",
+                 "start s", "warm-up s", "img/s",
                  "MFU %", "loss Δ eager %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
 
 
@@ -503,7 +535,8 @@ def format_table(rows: list[dict], cuda: bool) -> str:
             f"{r['model']}@{r['resolution']}", r["config"], r["status"],
             _fmt(r.get("peak_alloc_gib"), missing=mem_missing), _fmt(r.get("peak_reserved_gib"), missing=mem_missing),
             _fmt(r.get("estimate_gib")), _fmt(_estimate_error(r), "+.1f"),
-            _fmt(r.get("s_per_step"), ".4f"), _fmt(r.get("warmup_s"), ".2f"), _fmt(r.get("images_per_s"), ".2f"),
+            _fmt(r.get("s_per_step"), ".4f"), _fmt(r.get("start_s"), ".1f"), _fmt(r.get("warmup_s"), ".2f"),
+            _fmt(r.get("images_per_s"), ".2f"),
             _fmt(r["mfu"] * 100 if r.get("mfu") else None, ".2f"),
             _fmt(r["loss_vs_eager_max_rel"] * 100 if "loss_vs_eager_max_rel" in r else None, ".2f"),
             *(_fmt(ratio.get(p, {}).get(k), ".2f") for p in PEERS for k in ("s_per_step", "peak_alloc"))))

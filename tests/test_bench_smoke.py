@@ -96,9 +96,10 @@ def test_throwaway_steps_leave_the_runs_noise_and_gradients_alone():
     start from zero gradients whether or not they ran."""
     import torch
     from bench.run import SPECS, make_workload, presets, start_session
-    session, _, _ = start_session(make_workload(SPECS["sd15-tiny"], 1, torch.device("cpu")), presets()["fast"], 2)
+    session, _, _, _ = start_session(make_workload(SPECS["sd15-tiny"], 1, torch.device("cpu")), presets()["fast"], 2)
     rng = session.generator.get_state()
     session.throwaway_step(session.largest_batch())
     assert torch.equal(session.generator.get_state(), rng)
     assert all(p.grad is None for p in session.params)
     session.close()
+

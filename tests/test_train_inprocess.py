@@ -254,6 +254,30 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     torch._dynamo.reset()
 
 
+def test_the_compile_step_compiles_the_batch_shape_the_run_steps_with(adapter, dataset, tmp_path, monkeypatch):
+    """Compiled blocks are specialized to shapes: the compile step before step 1 must use the run's batch size,
+    else step 1 compiles everything again (campaign 6, SDXL batch 8: 64 s compiling batch 1, then 77 s more)."""
+    from torch._dynamo.utils import counters
+    from trainer.session import TrainingSession
+    graphs_after_compile_step = []
+    compile_now = TrainingSession.compile_now
+
+    def counted(session):
+        lines = compile_now(session)
+        graphs_after_compile_step.append(counters["stats"]["unique_graphs"])
+        return lines
+    monkeypatch.setattr(TrainingSession, "compile_now", counted)
+    torch._dynamo.reset()
+    counters.clear()
+    # two images, batch 2: every step has the compile step's shape
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 2, 1, attention="pytorch SDPA", compile=True),
+                   tmp_path, steps=2, name="compiled_batch2")
+    assert len(outcome.losses) == 2 and "blocks compiled in" in outcome.report
+    assert graphs_after_compile_step[0] > 0
+    assert counters["stats"]["unique_graphs"] == graphs_after_compile_step[0]  # no recompile at step 1
+    torch._dynamo.reset()
+
+
 def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset, tmp_path, monkeypatch):
     """A real compile failure: inductor's C++ backend pointed at a compiler that does not exist."""
     import torch._inductor.config as inductor_config

@@ -429,6 +429,39 @@ def test_estimate_probes_separate_activations_workspace_and_memory_held_outside_
         assert estimate.total == weights + lora + grads + state + per_pixel * 64 * 48 * 2 + fixed + library + 7 * mib
 
 
+def test_a_compiled_run_is_probed_once_at_its_own_batch_shape(monkeypatch):
+    """Compiled blocks are specialized to shapes: the estimate probes only the run's batch at full size (a smaller
+    probe would cost a second full compile) and gets the same total as the two-probe line, with activations and
+    workspace measured together."""
+    from trainer.estimate import MemoryEstimate, probe_activations
+    mib = 2 ** 20
+    weights, lora, grads, fixed, per_pixel = 900 * mib, 20 * mib, 20 * mib, 30 * mib, 5000
+    ledger = {"alloc": weights + lora, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: ledger["alloc"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: ledger["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: ledger.update(peak=ledger["alloc"]))
+    shapes = []
+
+    def step(batch):
+        shapes.append(tuple(batch[0].shape))
+        batch_size, area = batch[0].shape[0], batch[0].shape[-2] * batch[0].shape[-1]
+        ledger["peak"] = max(ledger["peak"], ledger["alloc"] + grads + fixed + per_pixel * area * batch_size)
+
+    line = probe_activations(MemoryEstimate(weights, lora, grads, 0), step, (torch.zeros(1, 4, 64, 48), {}), 3,
+                             torch.device("cuda"))
+    assert shapes == [(1, 4, 32, 24), (1, 4, 64, 48)]
+    shapes.clear()
+    once = probe_activations(MemoryEstimate(weights, lora, grads, 0), step, (torch.zeros(3, 4, 64, 48), {}), 3,
+                             torch.device("cuda"), at_run_shape=True)
+    assert shapes == [(3, 4, 64, 48)]
+    assert once.activations == fixed + per_pixel * 64 * 48 * 3 and once.workspace == 0
+    assert once.total == line.total
+    assert "activations + workspace" in once.format() and "activations + workspace" not in line.format()
+
+
 def test_norms_stay_in_the_compute_dtype_under_autocast():
     from trainer.precision import norms_in_compute_dtype
     torch.manual_seed(0)

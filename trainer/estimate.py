@@ -4,7 +4,9 @@ Weights, LoRA parameters, gradients and optimizer state are counted exactly from
 workspace are measured, not guessed: on CUDA two probe steps (1/4 of the latent area and the full size, at
 batch 1) run with the real settings; the peak grows linearly in batch x latent area (SDPA attention is linear in
 tokens), so the line through them gives the real batch. (Probing at 1/16 and 1/4 and extrapolating came out
-10-25% low: workspaces of the full-size kernels do not scale down.) On CPU there is no VRAM to plan, and no probe runs."""
+10-25% low: workspaces of the full-size kernels do not scale down.) A compiled model is probed once, at the run's
+own batch shape: compiled graphs are specialized to shapes, and another probe shape would cost a full compile.
+On CPU there is no VRAM to plan, and no probe runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ class MemoryEstimate:
     # Held on the device by the process but by none of the above: cuBLAS/cuDNN workspaces (one per stream),
     # tensors ComfyUI keeps loaded. It counts against the same VRAM and caps.
     other: int = 0
+    workspace_in_activations: bool = False  # probed once at the run's shape: the two are not told apart
 
     @property
     def total(self) -> int | None:
@@ -40,9 +43,10 @@ class MemoryEstimate:
                 + self.activations + self.workspace + self.other)
 
     def format(self) -> str:
+        transient = [("activations + workspace", self.activations)] if self.workspace_in_activations else \
+            [("activations", self.activations), ("workspace", self.workspace)]
         rows = [("frozen weights", self.frozen_weights), ("LoRA parameters", self.lora_parameters),
-                ("gradients", self.gradients), ("optimizer state", self.optimizer_state),
-                ("activations", self.activations), ("workspace", self.workspace),
+                ("gradients", self.gradients), ("optimizer state", self.optimizer_state), *transient,
                 ("other (CUDA libraries, loaded models)", self.other)]
         text = ", ".join(f"{name} {value / GIB:.2f}" if value is not None else f"{name} n/a (not measured)"
                          for name, value in rows)
@@ -79,17 +83,19 @@ def _probe_sizes(height: int, width: int, multiple: int = 8) -> list[tuple[int, 
 
 def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Tensor], sample: tuple,
                       batch_size: int, device: torch.device, gradients_kept: int = 0,
-                      state_held: int = 0) -> MemoryEstimate:
+                      state_held: int = 0, at_run_shape: bool = False) -> MemoryEstimate:
     """Runs forward+backward at a quarter of the area and at full size (`step(batch)`; gradients are cleared by
     the caller) and fills in activations and workspace for the real batch and latent size, and `other`: what the
     process holds beyond the estimate's terms. `gradients_kept` / `state_held`: bytes of gradients kept between
-    steps (a flat gradient) and of optimizer state already allocated, both part of the probes' baseline."""
+    steps (a flat gradient) and of optimizer state already allocated, both part of the probes' baseline.
+    `at_run_shape`: `sample` is already the run's batch; one probe at full size measures activations and
+    workspace together."""
     if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
         return estimate
     latent, cond = sample
     height, width = latent.shape[-2:]
     points = []
-    for h, w in _probe_sizes(height, width):
+    for h, w in [(height, width)] if at_run_shape else _probe_sizes(height, width):
         small = F.interpolate(latent, size=(h, w), mode="nearest")
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
@@ -100,10 +106,15 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         stayed = max(0, torch.cuda.memory_allocated(device) - baseline)
         points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline - stayed))
     torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
-    intercept, slope = fit_line(points)
     # The probe's delta holds the LoRA gradients (when backward allocates them), activations and workspace.
-    estimate.activations = max(0, int(slope * height * width * batch_size))
-    estimate.workspace = max(0, int(intercept) - (estimate.gradients - gradients_kept))
+    new_gradients = estimate.gradients - gradients_kept
+    if at_run_shape:
+        estimate.activations, estimate.workspace = max(0, int(points[0][1]) - new_gradients), 0
+        estimate.workspace_in_activations = True
+    else:
+        intercept, slope = fit_line(points)
+        estimate.activations = max(0, int(slope * height * width * batch_size))
+        estimate.workspace = max(0, int(intercept) - new_gradients)
     resident = estimate.frozen_weights + estimate.lora_parameters + gradients_kept + state_held
     estimate.other = max(0, torch.cuda.memory_allocated(device) - resident)
     return estimate

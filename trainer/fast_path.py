@@ -279,6 +279,10 @@ class CompiledBlocks:
         self.failed: str | None = None
         self.notes: list[str] = []
         for unit in units:
+            # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
+            # sizes symbolic after the second block shape (slower kernels for every later shape) without saving a
+            # compile (parameter shapes stay specialized). Each new batch shape (another aspect bucket, a bucket's
+            # smaller remainder) costs one compile, once per process; compile_now compiles the run's own.
             unit.forward = self._guarded(torch.compile(unit.forward, dynamic=False), unit.forward)
 
     def _guarded(self, compiled, eager):

@@ -130,11 +130,13 @@ class TrainingSession:
     def compile_now(self) -> list[str]:
         """With compile on: compiles before step 1 with one forward+backward on the largest sample (gradients
         discarded), so compile time is reported on its own and a compiler failing in backward is caught here."""
-        if self.compiled is None or self.compiled.failed:
+        if not self.is_compiled:
             return []
         started = time.perf_counter()
         try:
-            self.throwaway_step(self.largest_batch())
+            # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
+            # would be compiled, then thrown away at step 1 by a second full compile).
+            self.throwaway_step(self.largest_batch(self.memory.batch_size))
         except Exception as error:
             self.optimizer.zero_grad(set_to_none=True)  # a failed step may have left gradients behind
             if is_out_of_memory(error):
@@ -152,9 +154,14 @@ class TrainingSession:
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=flat.state_shapes() if flat is not None else None)
+        # Compiled blocks: probe the run's own batch shape only, which compile_now compiled (the smaller probe
+        # shape would cost a second full compile).
+        at_run_shape = self.is_compiled
         try:
-            return probe_activations(estimate, self.throwaway_step, self.largest_batch(), self.memory.batch_size,
-                                     self.adapter.device, *self.held_between_steps())
+            return probe_activations(estimate, self.throwaway_step,
+                                     self.largest_batch(self.memory.batch_size if at_run_shape else 1),
+                                     self.memory.batch_size, self.adapter.device, *self.held_between_steps(),
+                                     at_run_shape=at_run_shape)
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise
@@ -170,9 +177,13 @@ class TrainingSession:
                     if isinstance(v, torch.Tensor) and v.device.type == self.adapter.device.type)
         return gradients, state
 
-    def largest_batch(self) -> tuple:
-        """The largest sample as a batch of one: the biggest bucket sets the peak."""
-        return collate([max(self.cache, key=lambda sample: sample.latent.numel())])
+    def largest_batch(self, batch_size: int = 1) -> tuple:
+        """The largest sample, `batch_size` times: the biggest bucket sets the peak."""
+        return collate([max(self.cache, key=lambda sample: sample.latent.numel())] * batch_size)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled is not None and not self.compiled.failed
 
     def throwaway_step(self, batch) -> None:
         """Forward + backward (eager, with the run's precision and activation offload), gradients discarded and

@@ -130,8 +130,10 @@ def presets() -> dict:
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
              "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
              "fast+compile": replace(base["fast"], compile=True),
-             # an experiment, bench only: compile attention and feed-forward modules, not ResBlocks (fewer graphs)
+             # compile experiments (bench only): transformer layers without ResBlocks (fewer graphs, faster
+             # compile), and attention + feed-forward modules instead of whole layers (the campaign-6 product)
              "fast+compile-attn": replace(base["fast"], compile=True),
+             "fast+compile-modules": replace(base["fast"], compile=True),
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding")}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
@@ -141,7 +143,7 @@ _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached l
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
-                  compile_attention_only: bool = False):
+                  compile_variant: str | None = None):
     """The Train node's TrainingSession on a bench model, started (compile, auto-fit, estimate): (session,
     estimate, fit lines, seconds the start took). With a cap (or start_on_cpu) the checkpoint waits in CPU memory,
     as in ComfyUI, and the session places only what it decided to; the cap then counts everything training puts
@@ -163,10 +165,12 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
-    if compile_attention_only:
+    if compile_variant == "attn":
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
         adapter.compile_units = lambda unet: [m for m in ComfyAdapter.compile_units(adapter, unet)
                                               if not isinstance(m, ResBlock)]
+    elif compile_variant == "modules":
+        adapter.compile_units = lambda unet: ComfyAdapter.compile_units(adapter, unet, scope="modules")
     unet = base.diffusion_model
     unet.requires_grad_(False)
     params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
@@ -192,7 +196,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     if preset == "autofit":
         memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
     session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
-                                                          compile_attention_only=preset.startswith("fast+compile-attn"))
+                                                          compile_variant=preset.partition("fast+compile-")[2] or None)
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
     graphs_before = _compiled_graphs()
@@ -215,7 +219,8 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "start_s": start_s,
            "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
     if count_flops:  # one extra, untimed step after the peak was read
-        with FlopCounterMode(display=False) as counter:
+        # eager: dynamo would give up on compiled blocks under the counter's dispatch mode, for the whole process
+        with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
             loop(1, session.loss)  # eager: a replayed graph dispatches nothing to count
         out["flops"] = counter.get_total_flops()
         out["flops_include_recompute"] = session.memory.gradient_checkpointing
@@ -237,12 +242,15 @@ def _compiled_graphs() -> int:
 def _compile_note(graphs_before: int) -> str:
     """What dynamo and inductor did in this process so far: graphs compiled (and how many during the steps after
     the session's start, which should be none), and how many graphs inductor's on-disk caches served."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
     inductor, aot = counters["inductor"], counters["aot_autograd"]
+    # where compile time went, by phase (nested phases: an outer one includes its inner ones)
+    phases = sorted(compilation_time_metrics.items(), key=lambda item: -sum(item[1]))[:10]
     return (f"torch.compile: {_compiled_graphs()} graphs in this process, {_compiled_graphs() - graphs_before} "
             f"compiled during the steps; inductor cache {inductor['fxgraph_cache_hit']} hits / "
             f"{inductor['fxgraph_cache_miss']} misses, autograd cache {aot['autograd_cache_hit']} hits / "
-            f"{aot['autograd_cache_miss']} misses")
+            f"{aot['autograd_cache_miss']} misses; phases (s): "
+            + ", ".join(f"{name} {sum(times):.1f}" for name, times in phases))
 
 
 def alloc_retries(device: torch.device) -> int:

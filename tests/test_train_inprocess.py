@@ -251,6 +251,13 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     assert f"torch.compile: the diffusion model's {blocks} blocks compiled in" in compiled.report, compiled.report
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-3)
     assert 0 < counters["stats"]["unique_graphs"] < blocks  # reused across blocks, not one graph per block
+    # transformer layers at different places in the UNet share graphs: their position is not part of the trace
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    from trainer.comfy_adapter import _position_free_forward
+    layers = sum(isinstance(m, BasicTransformerBlock) for m in adapter.training_unet().modules())
+    layer_graphs = len(_debug_get_cache_entry_list(_position_free_forward.__code__))
+    assert 0 < layer_graphs < layers, (layer_graphs, layers)
     torch._dynamo.reset()
 
 

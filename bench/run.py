@@ -52,6 +52,7 @@ from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_AL
                          PeerUnavailable, StepClock, Workload, _is_oom, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
 from trainer.errors import one_line  # noqa: E402
+from trainer.fast_path import compiled_graph_count  # noqa: E402
 
 
 # --- models ---
@@ -199,7 +200,6 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
                                                           compile_variant=preset.partition("fast+compile-")[2] or None)
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
-    graphs_before = _compiled_graphs()
 
     def loop(n, step_fn, after_step=lambda: None):
         return train_loop(params, step_fn, session.data, session.optimizer, session.precision, n,
@@ -215,7 +215,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     if retries:  # each one frees the allocator's cache and synchronizes: a run at its cap's edge
         notes.append(f"allocator: {retries} allocations retried after freeing cached memory during the timed steps")
     if session.is_compiled:
-        notes.append(_compile_note(graphs_before))
+        notes.append(_compile_note())
     out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "start_s": start_s,
            "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
     if count_flops:  # one extra, untimed step after the peak was read
@@ -234,22 +234,16 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     return out
 
 
-def _compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
-
-def _compile_note(graphs_before: int) -> str:
-    """What dynamo and inductor did in this process so far: graphs compiled (and how many during the steps after
-    the session's start, which should be none), and how many graphs inductor's on-disk caches served."""
+def _compile_note() -> str:
+    """What dynamo and inductor did in this process so far: graphs compiled, how many of them inductor's on-disk
+    caches served, and where compile time went (graphs compiled after step 1 are the product report's own note)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
     inductor, aot = counters["inductor"], counters["aot_autograd"]
-    # where compile time went, by phase (nested phases: an outer one includes its inner ones)
+    # nested phases: an outer one includes its inner ones
     phases = sorted(compilation_time_metrics.items(), key=lambda item: -sum(item[1]))[:10]
-    return (f"torch.compile: {_compiled_graphs()} graphs in this process, {_compiled_graphs() - graphs_before} "
-            f"compiled during the steps; inductor cache {inductor['fxgraph_cache_hit']} hits / "
-            f"{inductor['fxgraph_cache_miss']} misses, autograd cache {aot['autograd_cache_hit']} hits / "
-            f"{aot['autograd_cache_miss']} misses; phases (s): "
+    return (f"torch.compile: {compiled_graph_count()} graphs in this process; inductor cache "
+            f"{inductor['fxgraph_cache_hit']} hits / {inductor['fxgraph_cache_miss']} misses, autograd cache "
+            f"{aot['autograd_cache_hit']} hits / {aot['autograd_cache_miss']} misses; phases (s): "
             + ", ".join(f"{name} {sum(times):.1f}" for name, times in phases))
 
 

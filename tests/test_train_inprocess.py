@@ -282,6 +282,20 @@ def test_the_compile_step_compiles_the_batch_shape_the_run_steps_with(adapter, d
     assert len(outcome.losses) == 2 and "blocks compiled in" in outcome.report
     assert graphs_after_compile_step[0] > 0
     assert counters["stats"]["unique_graphs"] == graphs_after_compile_step[0]  # no recompile at step 1
+    assert "compiled during training" not in outcome.report
+    torch._dynamo.reset()
+
+
+def test_a_batch_shape_first_seen_during_training_is_reported(adapter, tmp_path_factory, tmp_path):
+    """Three images at batch 2: the last batch of each epoch has one image, a shape the compile step did not
+    compile, so training pauses to compile it; the report says so."""
+    import tiny_assets
+    dataset = scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("three"), n=3), 64)
+    torch._dynamo.reset()
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 2, 1, attention="pytorch SDPA", compile=True),
+                   tmp_path, steps=3, name="compiled_remainder")
+    assert len(outcome.losses) == 3
+    assert "more graphs compiled during training for batch shapes the compile step had not seen" in outcome.report
     torch._dynamo.reset()
 
 

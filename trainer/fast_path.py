@@ -285,6 +285,7 @@ class CompiledBlocks:
         self.units = units
         self.failed: str | None = None
         self.notes: list[str] = []
+        self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
         for unit in units:
             # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
             # sizes symbolic after the second block shape (slower kernels for every later shape) without saving a
@@ -306,11 +307,30 @@ class CompiledBlocks:
         forward.leanlora_compiled = True
         return forward
 
+    def training_starts(self) -> None:
+        self.graphs_at_start = compiled_graph_count()
+
+    def report(self) -> list[str]:
+        """The notes, and how many graphs compiled after step 1 began: batch shapes the compile step had not seen
+        (another image size, a smaller last batch, a batch halved by OOM recovery), each a pause in training."""
+        more = compiled_graph_count() - self.graphs_at_start if self.graphs_at_start is not None else 0
+        if more <= 0 or self.failed:
+            return self.notes
+        return self.notes + [f"torch.compile: {more} more graph{'s' if more > 1 else ''} compiled during training "
+                             "for batch shapes the compile step had not seen (another image size, a smaller last "
+                             "batch); training paused while they compiled"]
+
     def fall_back(self, error: BaseException) -> None:
         """From now on every block runs its eager forward (through the same wrapper: checkpointing may have
         wrapped it since, and must stay)."""
         self.failed = one_line(error)
         self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def compile_blocks(units: list[torch.nn.Module]) -> CompiledBlocks:

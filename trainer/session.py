@@ -125,6 +125,8 @@ class TrainingSession:
             estimate, more_lines = fit_to_budget(self, budget)
             lines += more_lines
         self.micro_step.check_headroom(estimate)
+        if self.is_compiled:
+            self.compiled.training_starts()
         return estimate, lines
 
     def compile_now(self) -> list[str]:
@@ -225,7 +227,7 @@ class TrainingSession:
 
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
-            (self.compiled.notes if self.compiled is not None else [])
+            (self.compiled.report() if self.compiled is not None else [])
         if frozen_weights.fused_dequantize_failure and self.memory.base_weights != "as loaded":
             extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
                          f"({frozen_weights.fused_dequantize_failure}); upcasts run as two eager kernels (slower)")

@@ -397,6 +397,16 @@ def test_allocators_without_peak_statistics_skip_measurements_instead_of_failing
     assert device_memory_gib(torch.device("cuda")) is None
 
 
+def _simulate_cuda_allocator(monkeypatch, ledger: dict) -> None:
+    """torch.cuda's memory statistics read from `ledger` ("alloc", "peak"), which the test's step updates."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: ledger["alloc"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: ledger["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: ledger.update(peak=ledger["alloc"]))
+
+
 def test_estimate_probes_separate_activations_workspace_and_memory_held_outside_training(monkeypatch):
     """The probe arithmetic against a simulated allocator: the first step allocates a library workspace that
     stays (cuBLAS does), each step's transient memory is gradients + fixed workspace + a per-pixel activation
@@ -406,12 +416,7 @@ def test_estimate_probes_separate_activations_workspace_and_memory_held_outside_
     weights, lora, grads, state, library, fixed, per_pixel = 900 * mib, 20 * mib, 20 * mib, 0, 64 * mib, 30 * mib, 5000
     for kept in (0, grads):
         ledger = {"alloc": weights + lora + kept + 7 * mib, "peak": 0, "steps": 0}  # 7 MiB held by others
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: ledger["alloc"])
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: ledger["peak"])
-        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: ledger.update(peak=ledger["alloc"]))
+        _simulate_cuda_allocator(monkeypatch, ledger)
 
         def step(batch):
             if ledger["steps"] == 0:
@@ -437,12 +442,7 @@ def test_a_compiled_run_is_probed_once_at_its_own_batch_shape(monkeypatch):
     mib = 2 ** 20
     weights, lora, grads, fixed, per_pixel = 900 * mib, 20 * mib, 20 * mib, 30 * mib, 5000
     ledger = {"alloc": weights + lora, "peak": 0}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: ledger["alloc"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: ledger["peak"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: ledger.update(peak=ledger["alloc"]))
+    _simulate_cuda_allocator(monkeypatch, ledger)
     shapes = []
 
     def step(batch):

@@ -28,7 +28,7 @@ case "$PART" in
   setup) ;;
   compile)  # warm-up cold (each row from an empty inductor cache), then a new process finding the first row's caches
     # (a restarted ComfyUI) running it twice: the second time in the same process is a re-queued run (with autotune)
-    rows=(${ROWS:-fast+compile:bs8 fast+compile-attn:bs8}); first=""
+    rows=(${ROWS:-fast+compile:bs8 fast+compile-no-resblocks:bs8}); first=""
     for row in "${rows[@]}"; do
       export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"; first="${first:-$TORCHINDUCTOR_CACHE_DIR}"
       LIMIT=200 run "cold_${row//[:+]/_}" --models sdxl --steps 4 --warmup 1 --configs "$row"

@@ -131,15 +131,16 @@ def presets() -> dict:
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
              "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
              "fast+compile": replace(base["fast"], compile=True),
-             # compile experiments (bench only): transformer layers without ResBlocks (fewer graphs, faster
-             # compile), and attention + feed-forward modules instead of whole layers (the campaign-6 product)
-             "fast+compile-attn": replace(base["fast"], compile=True),
-             "fast+compile-modules": replace(base["fast"], compile=True),
+             # compile experiments (bench only, see COMPILE_VARIANTS)
+             **{name: replace(base["fast"], compile=True) for name in COMPILE_VARIANTS},
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding")}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 
 
+# compile experiments: preset -> what compiles instead of the product's units (ResBlocks + transformer layers)
+COMPILE_VARIANTS = {"fast+compile-no-resblocks": "transformer layers only: fewer graphs, faster compile",
+                    "fast+compile-modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)"}
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
@@ -166,12 +167,14 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
-    if compile_variant == "attn":
+    if compile_variant == "fast+compile-no-resblocks":
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
         adapter.compile_units = lambda unet: [m for m in ComfyAdapter.compile_units(adapter, unet)
                                               if not isinstance(m, ResBlock)]
-    elif compile_variant == "modules":
+    elif compile_variant == "fast+compile-modules":
         adapter.compile_units = lambda unet: ComfyAdapter.compile_units(adapter, unet, scope="modules")
+    elif compile_variant is not None:
+        raise ValueError(f"bench: unknown compile variant {compile_variant!r}")
     unet = base.diffusion_model
     unet.requires_grad_(False)
     params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
@@ -197,7 +200,7 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     if preset == "autofit":
         memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
     session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
-                                                          compile_variant=preset.partition("fast+compile-")[2] or None)
+                                                          compile_variant=_compile_variant(preset))
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
 
@@ -232,6 +235,11 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     session.close()
     out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out
+
+
+def _compile_variant(preset: str) -> str | None:
+    name = preset.removesuffix("-eager")
+    return name if name in COMPILE_VARIANTS else None
 
 
 def _compile_note() -> str:

@@ -102,4 +102,3 @@ def test_throwaway_steps_leave_the_runs_noise_and_gradients_alone():
     assert torch.equal(session.generator.get_state(), rng)
     assert all(p.grad is None for p in session.params)
     session.close()
-

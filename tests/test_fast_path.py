@@ -366,8 +366,7 @@ def test_the_graph_pool_is_planned_next_to_what_stays_allocated_not_the_warm_ups
     (0.65 GiB) ran the whole run eagerly. The pool replaces the cached blocks, which are released before capture."""
     from trainer.fast_path import graph_pool_fits
     gib = 2 ** 30
-    held, transient, reserved_after_warm_up = int(2.71 * gib), int(0.65 * gib), int(3.98 * gib)
+    held, transient = int(2.71 * gib), int(0.65 * gib)
     assert graph_pool_fits(held, transient, 4 * gib)
-    assert reserved_after_warm_up + 1.25 * transient > 4 * gib  # what the old check compared
     assert not graph_pool_fits(held, transient, int(3.4 * gib))  # a pool that really does not fit
     assert graph_pool_fits(held, transient, None)  # no cap, no budget

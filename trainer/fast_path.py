@@ -60,10 +60,10 @@ def _memory_limit(device: torch.device, budget: int | None) -> int | None:
 
 def graph_pool_fits(held: int, transient: int, limit: int | None) -> bool:
     """Whether a graph's private memory pool, which holds the step's transient memory (the peak seen above what
-    was held), fits under the limit next to what stays allocated between steps. Not next to what is reserved
-    after the eager warm-up: its cached blocks are released before capture, and counting them counted the
-    activations twice (campaign 7: auto-fit under 4 GiB planned 3.54 GiB with the graph, and then ran eagerly,
-    7x slower). The margin covers the pool's block rounding."""
+    was held), fits under the limit next to `held`: what stays reserved once the eager warm-up's cached blocks
+    are released (what is allocated, plus fragments the allocator cannot give back). Counting the warm-up's
+    cached blocks counted the activations twice (campaign 7: auto-fit under 4 GiB planned 3.54 GiB with the
+    graph, and then ran eagerly, 9x slower). The margin covers the pool's block rounding."""
     return limit is None or held + int(1.25 * transient) <= limit
 
 
@@ -120,6 +120,7 @@ class GraphedMicroStep(EagerMicroStep):
         self.pool = None  # graphs of different shapes share one memory pool (they never run at the same time)
         self.grads: list[torch.Tensor] | None = None  # the tensors the graphs add into
         self.disabled: str | None = None
+        self.eager_keys: set[tuple] = set()  # batch shapes whose graph would not fit next to the others
 
     @staticmethod
     def key(inputs: dict[str, torch.Tensor], accumulation: int) -> tuple:
@@ -130,6 +131,8 @@ class GraphedMicroStep(EagerMicroStep):
             return self.forward_backward(inputs, accumulation)
         self._attach_grads()
         key = self.key(inputs, accumulation)
+        if key in self.eager_keys:
+            return self.forward_backward(inputs, accumulation)
         entry = self.graphs.get(key)
         if entry is None:
             return self._warm_up_and_capture(key, inputs, accumulation)
@@ -188,15 +191,9 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.current_stream().wait_stream(side)
         if len(self.graphs) >= MAX_GRAPHS:
             return loss  # this shape stays eager
-        limit, after = _memory_limit(device, self.budget), device_memory_bytes(device)
+        after = device_memory_bytes(device)
         # unknown (0) without allocator statistics
         transient = after["peak_allocated"] - before["allocated"] if before and after else 0
-        if after and not graph_pool_fits(after["allocated"], transient, limit):
-            self.disabled = "memory limit"
-            self.notes.append(f"fast path: CUDA graphs skipped: the graph's own memory pool "
-                              f"(~{transient / 2 ** 30:.2f} GiB) does not fit the {limit / 2 ** 30:.2f} GiB limit; "
-                              "steps run eagerly")
-            return loss
         if self.grads is None:
             # Backward must add into existing tensors: with .grad None a captured backward would hand the
             # parameters fresh tensors from the graph's private pool.
@@ -208,6 +205,17 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
+        limit, now = _memory_limit(device, self.budget), device_memory_bytes(device)
+        if now and not graph_pool_fits(now["reserved"], transient, limit):
+            note = (f"fast path: CUDA graphs skipped: the graph's own memory pool (~{transient / 2 ** 30:.2f} GiB) "
+                    f"does not fit the {limit / 2 ** 30:.2f} GiB limit; ")
+            if self.graphs:  # the shapes already captured keep their graphs
+                self.eager_keys.add(key)
+                self.notes.append(note + "this batch shape runs eagerly")
+            else:
+                self.disabled = "memory limit"
+                self.notes.append(note + "steps run eagerly")
+            return loss
         graph = torch.cuda.CUDAGraph()
         host_buffers: list = []
         # thread_local: training runs in its own thread; CUDA calls ComfyUI's other threads might make during the
@@ -311,14 +319,16 @@ class CompiledBlocks:
         self.graphs_at_start = compiled_graph_count()
 
     def report(self) -> list[str]:
-        """The notes, and how many graphs compiled after step 1 began: batch shapes the compile step had not seen
-        (another image size, a smaller last batch, a batch halved by OOM recovery), each a pause in training."""
+        """The notes, and how many graphs dynamo compiled in this process after step 1 began: mostly batch shapes
+        the compile step had not seen (another image size, a smaller last batch) or settings changed by OOM
+        recovery, each a pause in training."""
         more = compiled_graph_count() - self.graphs_at_start if self.graphs_at_start is not None else 0
         if more <= 0 or self.failed:
             return self.notes
-        return self.notes + [f"torch.compile: {more} more graph{'s' if more > 1 else ''} compiled during training "
-                             "for batch shapes the compile step had not seen (another image size, a smaller last "
-                             "batch); training paused while they compiled"]
+        return self.notes + [f"torch.compile: {more} more graph{'s' if more > 1 else ''} compiled after step 1 "
+                             "began (a batch shape the compile step had not seen, such as another image size or "
+                             "a smaller last batch, or settings changed by OOM recovery); training paused while "
+                             "they compiled"]
 
     def fall_back(self, error: BaseException) -> None:
         """From now on every block runs its eager forward (through the same wrapper: checkpointing may have

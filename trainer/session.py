@@ -3,6 +3,7 @@ optimizer and batches. `configure` moves between settings mid-run (OOM recovery,
 where memory goes; `fit` walks the memory ladder until the estimate fits a budget."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -45,6 +46,7 @@ class TrainingSession:
         self.restore_allocator = lambda: None
         self.micro_step = self.step = None
         self.compiled = None  # the CompiledBlocks, once compile is asked for
+        self.compiled_batch: int | None = None  # the batch size the compile step compiled
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
@@ -119,35 +121,46 @@ class TrainingSession:
             lines = self.compile_now()
             estimate = self.estimate()
         else:
+            # The ladder's probes run uncompiled (each rung's shapes and dtypes would be a full compile of their
+            # own); compiled code needs less memory than they measure. Then the fitted settings compile.
             memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device)
             self.configure(memory)
-            lines += self.compile_now()
             estimate, more_lines = fit_to_budget(self, budget)
             lines += more_lines
+            compile_lines = self.compile_now()
+            if compile_lines and self.compiled_batch:
+                estimate = self.estimate()  # the compiled run's own, for the report
+            lines += compile_lines
         self.micro_step.check_headroom(estimate)
         if self.is_compiled:
             self.compiled.training_starts()
         return estimate, lines
 
     def compile_now(self) -> list[str]:
-        """With compile on: compiles before step 1 with one forward+backward on the largest sample (gradients
-        discarded), so compile time is reported on its own and a compiler failing in backward is caught here."""
+        """With compile on: compiles before step 1 with one forward+backward on the largest bucket's batch
+        (gradients discarded), so compile time is reported on its own and a compiler failing in backward is
+        caught here."""
         if not self.is_compiled:
             return []
         started = time.perf_counter()
         try:
             # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
             # would be compiled, then thrown away at step 1 by a second full compile).
-            self.throwaway_step(self.largest_batch(self.memory.batch_size))
+            self.throwaway_step(self.largest_batch(self.run_batch_size()))
         except Exception as error:
             self.optimizer.zero_grad(set_to_none=True)  # a failed step may have left gradients behind
             if is_out_of_memory(error):
-                return ["torch.compile: the compile step ran out of memory; compiling happens at step 1"]
+                gc.collect()
+                if self.adapter.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
+                        "memory estimate probes uncompiled steps)"]
             if not is_compile_error(error):
                 raise
             self.compiled.fall_back(error)
         if self.compiled.failed:
             return []
+        self.compiled_batch = self.run_batch_size()
         return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
                 f"{time.perf_counter() - started:.1f} s"]
 
@@ -156,14 +169,17 @@ class TrainingSession:
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=flat.state_shapes() if flat is not None else None)
-        # Compiled blocks: probe the run's own batch shape only, which compile_now compiled (the smaller probe
-        # shape would cost a second full compile).
-        at_run_shape = self.is_compiled
+        # Compiled blocks: probe the shape compile_now compiled, once (another probe shape would cost a full
+        # compile); before or without a compile step, probe uncompiled.
+        at_run_shape = self.is_compiled and self.compiled_batch == self.run_batch_size()
+        uncompiled = torch.compiler.set_stance("force_eager") if self.is_compiled and not at_run_shape \
+            else contextlib.nullcontext()
         try:
-            return probe_activations(estimate, self.throwaway_step,
-                                     self.largest_batch(self.memory.batch_size if at_run_shape else 1),
-                                     self.memory.batch_size, self.adapter.device, *self.held_between_steps(),
-                                     at_run_shape=at_run_shape)
+            with uncompiled:
+                return probe_activations(estimate, self.throwaway_step,
+                                         self.largest_batch(self.compiled_batch if at_run_shape else 1),
+                                         self.memory.batch_size, self.adapter.device, *self.held_between_steps(),
+                                         at_run_shape=at_run_shape)
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise
@@ -181,7 +197,17 @@ class TrainingSession:
 
     def largest_batch(self, batch_size: int = 1) -> tuple:
         """The largest sample, `batch_size` times: the biggest bucket sets the peak."""
-        return collate([max(self.cache, key=lambda sample: sample.latent.numel())] * batch_size)
+        return collate([self._largest_sample()] * batch_size)
+
+    def run_batch_size(self) -> int:
+        """How many images the largest bucket's batches hold: the batch size, or the whole bucket (with its
+        repeats) where that is smaller."""
+        shape = self._largest_sample().latent.shape
+        in_bucket = sum(sample.latent.shape == shape for sample in self.cache) * self.repeats
+        return min(self.memory.batch_size, in_bucket)
+
+    def _largest_sample(self) -> CachedSample:
+        return max(self.cache, key=lambda sample: sample.latent.numel())
 
     @property
     def is_compiled(self) -> bool:

@@ -8,6 +8,7 @@
 #   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
 #   bash bench/gpu_campaign.sh OUT issue4  # issue 4's "Done when" rows in one bench run: both models, both peers, bs8, compile
 #   bash bench/gpu_campaign.sh OUT compile # compile warm-up cold and again with inductor's on-disk caches
+#   bash bench/gpu_campaign.sh OUT kernels # GEGLU backward and fp8 upcast kernels alone, with alternatives (bench/kernels.py)
 #   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
 set -uo pipefail
@@ -61,6 +62,8 @@ case "$PART" in
       LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
     done
     timeout 120 python3 -m bench.product_path --out "$OUT/product" --steps 16 --only forced 2>&1 | grep -v "^{" | tail -3 ;;
+  kernels)  # GEGLU backward and the fp8 upcast against their memory-traffic floors and an alternative each
+    timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink
     for row in ${ROWS:-fast:8 lean:1 fast:1}; do
       timeout "${LIMIT:-150}" python3 -m bench.profile_step --models sdxl --configs "${row%%:*}" --batch "${row#*:}" \

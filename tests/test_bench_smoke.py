@@ -102,3 +102,11 @@ def test_throwaway_steps_leave_the_runs_noise_and_gradients_alone():
     assert torch.equal(session.generator.get_state(), rng)
     assert all(p.grad is None for p in session.params)
     session.close()
+
+
+def test_kernel_benchmarks_run():
+    """bench.kernels on the CPU (small shapes): the fp8 upcast part, one line of numbers for each variant."""
+    from bench.kernels import main
+    lines = main(["--only", "fp8"])
+    assert lines[0].startswith("cpu (smoke run")
+    assert "one kernel per weight" in lines[1] and "one per 12 weights" in lines[1] and "floor" in lines[1]

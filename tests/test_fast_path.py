@@ -370,3 +370,19 @@ def test_the_graph_pool_is_planned_next_to_what_stays_allocated_not_the_warm_ups
     assert graph_pool_fits(held, transient, 4 * gib)
     assert not graph_pool_fits(held, transient, int(3.4 * gib))  # a pool that really does not fit
     assert graph_pool_fits(held, transient, None)  # no cap, no budget
+
+
+def test_paused_compiled_blocks_run_eagerly_without_compiling():
+    """Auto-fit's probes run uncompiled: a new shape inside `uncompiled()` compiles nothing, outside it compiles."""
+    from trainer.fast_path import CompiledBlocks, compiled_graph_count
+    torch._dynamo.reset()
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    compiled = CompiledBlocks([block])
+    before = compiled_graph_count()
+    x = torch.randn(3, 8)
+    with compiled.uncompiled():
+        torch.testing.assert_close(block(x), block[1](block[0](x)))
+    assert compiled_graph_count() == before and not compiled.paused
+    block(x)
+    assert compiled_graph_count() == before + 1
+    torch._dynamo.reset()

@@ -294,6 +294,7 @@ class CompiledBlocks:
         self.failed: str | None = None
         self.notes: list[str] = []
         self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
+        self.paused = False  # blocks run their eager forward meanwhile (see uncompiled)
         for unit in units:
             # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
             # sizes symbolic after the second block shape (slower kernels for every later shape) without saving a
@@ -303,7 +304,7 @@ class CompiledBlocks:
 
     def _guarded(self, compiled, eager):
         def forward(*args, **kwargs):
-            if self.failed:
+            if self.failed or self.paused:
                 return eager(*args, **kwargs)
             try:
                 return compiled(*args, **kwargs)
@@ -314,6 +315,15 @@ class CompiledBlocks:
                 return eager(*args, **kwargs)
         forward.leanlora_compiled = True
         return forward
+
+    @contextlib.contextmanager
+    def uncompiled(self):
+        """Blocks run eagerly inside: for steps whose shapes would each cost a compile (auto-fit's probes)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def training_starts(self) -> None:
         self.graphs_at_start = compiled_graph_count()

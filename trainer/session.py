@@ -172,8 +172,7 @@ class TrainingSession:
         # Compiled blocks: probe the shape compile_now compiled, once (another probe shape would cost a full
         # compile); before or without a compile step, probe uncompiled.
         at_run_shape = self.is_compiled and self.compiled_batch == self.run_batch_size()
-        uncompiled = torch.compiler.set_stance("force_eager") if self.is_compiled and not at_run_shape \
-            else contextlib.nullcontext()
+        uncompiled = self.compiled.uncompiled() if self.is_compiled and not at_run_shape else contextlib.nullcontext()
         try:
             with uncompiled:
                 return probe_activations(estimate, self.throwaway_step,

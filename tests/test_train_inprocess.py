@@ -39,9 +39,9 @@ def _oom_when(adapter, condition):
     return calls
 
 
-def _run(adapter, dataset, memory, tmp_path, steps=8, name="run"):
+def _run(adapter, dataset, memory, tmp_path, steps=8, name="run", emit=lambda **event: None):
     return train_lora(adapter, dataset, memory, LoraSettings(rank=4, alpha=4.0), TrainSettings(steps, 1e-3, 0, name),
-                      tmp_path, lambda **event: None, lambda: False)
+                      tmp_path, emit, lambda: False)
 
 
 def test_oom_on_step_k_recovers_and_finishes(adapter, dataset, tmp_path):
@@ -295,9 +295,12 @@ def test_a_batch_shape_first_seen_during_training_is_reported(adapter, tmp_path_
     import tiny_assets
     dataset = scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("three"), n=3), 64)
     torch._dynamo.reset()
+    phases = []
     outcome = _run(adapter, dataset, MemorySettings("no", False, 2, 1, attention="pytorch SDPA", compile=True),
-                   tmp_path, steps=3, name="compiled_remainder")
+                   tmp_path, steps=3, name="compiled_remainder",
+                   emit=lambda **event: phases.append(event.get("text")) if event["kind"] == "phase" else None)
     assert len(outcome.losses) == 3
+    assert any(text.startswith("compiling the diffusion model") for text in phases), phases  # the UI is not silent
     assert "more graphs compiled after step 1 began (a batch shape the compile step had not seen" in outcome.report
     torch._dynamo.reset()
 

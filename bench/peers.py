@@ -106,11 +106,6 @@ DIFFUSERS_TINY = dict(
 )
 
 
-def _is_oom(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "alloc_failed" in text
-
-
 # --- peer (a): diffusers + peft, as in diffusers' examples/text_to_image/train_text_to_image_lora(_sdxl).py ---
 
 def run_diffusers_peer(work: Workload, warmup: int, steps: int) -> dict:

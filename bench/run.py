@@ -49,9 +49,9 @@ def _put_comfyui_first() -> Path:
 COMFYUI_PATH = _put_comfyui_first()
 
 from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_ALPHA, LORA_RANK,  # noqa: E402
-                         PeerUnavailable, StepClock, Workload, _is_oom, random_init_, run_comfyui_peer,
+                         PeerUnavailable, StepClock, Workload, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
-from trainer.errors import one_line  # noqa: E402
+from trainer.errors import is_out_of_memory, one_line  # noqa: E402
 from trainer.fast_path import compiled_graph_count  # noqa: E402
 
 
@@ -411,7 +411,7 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
     except PeerUnavailable as error:
         row.update(status="unavailable", reason=str(error))
     except Exception as error:  # an OOM (or any failure) becomes a row; the run goes on
-        if _is_oom(error):
+        if is_out_of_memory(error):
             row.update(status="OOM", reason=str(error).splitlines()[0][:300], where=_where(error))
         else:
             row.update(status="error", reason=one_line(error, 300))

@@ -56,6 +56,21 @@ def test_oom_on_step_k_recovers_and_finishes(adapter, dataset, tmp_path):
     assert "out-of-memory recoveries (2)" in outcome.report and "effective batch 2" in outcome.report
 
 
+def test_cublas_failing_to_allocate_is_recovered_like_out_of_memory(adapter, dataset, tmp_path):
+    predict, calls = adapter.predict, {"n": 0}
+
+    def flaky(unet, x, t, cond):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return predict(unet, x, t, cond)
+    adapter.predict = flaky
+    outcome = _run(adapter, dataset, MemorySettings("no", False, batch_size=2, gradient_accumulation=1), tmp_path,
+                   steps=4, name="cublas")
+    assert len(outcome.losses) == 4 and not outcome.partial
+    assert outcome.recoveries[0].startswith("step 3: out of memory -> batch 2 -> 1")
+
+
 def test_oom_with_no_rung_left_keeps_a_partial_lora(adapter, dataset, tmp_path):
     _oom_when(adapter, lambda c, x, unet: c["n"] > 3)
     lean = MemorySettings("bf16", True, 1, 1, optimizer="AdamW8bit", base_weights="fp8")

@@ -479,3 +479,13 @@ def test_norms_stay_in_the_compute_dtype_under_autocast():
     assert halved.dtype == torch.bfloat16
     assert torch.allclose(out.float(), reference, atol=5e-2, rtol=5e-2)
     assert torch.equal(net(x), reference) or torch.allclose(net(x), reference)  # outside autocast: unchanged
+
+
+def test_out_of_memory_is_recognized_in_each_form_a_training_step_meets():
+    from trainer.errors import is_out_of_memory
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("Error: out of memory (bitsandbytes paged optimizer)"))
+    # cuBLAS creating a handle or workspace on a full card: freeing memory and retrying works
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_out_of_memory(ValueError("mat1 and mat2 shapes cannot be multiplied"))

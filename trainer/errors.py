@@ -11,8 +11,11 @@ class TrainingCancelled(Exception):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's OOM error, or another allocator's (bitsandbytes, other backends) saying the same in words."""
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    """CUDA's OOM error, or another allocator saying the same in words: bitsandbytes and other backends ("out of
+    memory"), cuBLAS failing to allocate its handle or workspace (CUBLAS_STATUS_ALLOC_FAILED: not a sticky CUDA
+    error, so freeing memory and retrying can succeed)."""
+    text = str(error).lower()
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "alloc_failed" in text
 
 
 def is_compile_error(error: BaseException) -> bool:

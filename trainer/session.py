@@ -127,10 +127,9 @@ class TrainingSession:
             self.configure(memory)
             estimate, more_lines = fit_to_budget(self, budget)
             lines += more_lines
-            compile_lines = self.compile_now()
-            if compile_lines and self.compiled_batch:
+            lines += self.compile_now()
+            if self.compiled_batch:
                 estimate = self.estimate()  # the compiled run's own, for the report
-            lines += compile_lines
         self.micro_step.check_headroom(estimate)
         if self.is_compiled:
             self.compiled.training_starts()
@@ -150,9 +149,7 @@ class TrainingSession:
         except Exception as error:
             self.optimizer.zero_grad(set_to_none=True)  # a failed step may have left gradients behind
             if is_out_of_memory(error):
-                gc.collect()
-                if self.adapter.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                self.free_failed_step(error)
                 return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
                         "memory estimate probes uncompiled steps)"]
             if not is_compile_error(error):
@@ -185,6 +182,15 @@ class TrainingSession:
             self.optimizer.zero_grad(set_to_none=True)
             self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
             return estimate
+
+    def free_failed_step(self, error: BaseException) -> None:
+        """After a step that ran out of memory: its gradients go, and the memory its frames held (pinned by the
+        error's traceback) goes back to the driver."""
+        self.optimizer.zero_grad(set_to_none=True)
+        error.__traceback__ = None
+        gc.collect()
+        if self.adapter.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def held_between_steps(self) -> tuple[int, int]:
         """Bytes of LoRA gradients kept allocated between steps (flat ones are) and of optimizer state now."""
@@ -265,11 +271,7 @@ class TrainingSession:
 
 def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
     """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom)."""
-    session.optimizer.zero_grad(set_to_none=True)
-    error.__traceback__ = None  # the traceback pins the failed step's tensors
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    session.free_failed_step(error)
     rung = next_rung(session.memory, device)
     if rung is None:
         raise error

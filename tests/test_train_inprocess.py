@@ -320,13 +320,14 @@ def test_a_batch_shape_first_seen_during_training_is_reported(adapter, tmp_path_
     torch._dynamo.reset()
 
 
-def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset, tmp_path, monkeypatch):
-    """A real compile failure: inductor's C++ backend pointed at a compiler that does not exist."""
+def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset, tmp_path):
+    """A real compile failure: inductor's C++ backend pointed at a compiler that does not exist. (Through the
+    config's own patch: monkeypatch's restore left `cpp.cxx` missing, failing every later compile in the process.)"""
     import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/leanlora-no-compiler",))
     torch._dynamo.reset()
-    outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=2,
-                   name="nocompiler")
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/leanlora-no-compiler",)}):
+        outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=2,
+                       name="nocompiler")
     assert "torch.compile failed here" in outcome.report and "runs eagerly" in outcome.report
     assert len(outcome.losses) == 2
     torch._dynamo.reset()

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.run import SPECS  # noqa: F401  (puts ComfyUI first on sys.path)
+from bench.run import SPECS  # importing bench.run also puts ComfyUI first on sys.path
 from trainer.frozen_weights import FP8, _castable_layers, dequantize
 
 # SDXL at 1024², batch 8: tokens per layer and GEGLU width (half the projection), and how many layers of each

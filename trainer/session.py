@@ -141,11 +141,11 @@ class TrainingSession:
         caught here."""
         if not self.is_compiled:
             return []
-        started = time.perf_counter()
+        started, batch = time.perf_counter(), self.run_batch_size()
         try:
             # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
             # would be compiled, then thrown away at step 1 by a second full compile).
-            self.throwaway_step(self.largest_batch(self.run_batch_size()))
+            self.throwaway_step(self.largest_batch(batch))
         except Exception as error:
             self.optimizer.zero_grad(set_to_none=True)  # a failed step may have left gradients behind
             if is_out_of_memory(error):
@@ -157,7 +157,7 @@ class TrainingSession:
             self.compiled.fall_back(error)
         if self.compiled.failed:
             return []
-        self.compiled_batch = self.run_batch_size()
+        self.compiled_batch = batch
         return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
                 f"{time.perf_counter() - started:.1f} s"]
 

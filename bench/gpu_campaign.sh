@@ -63,11 +63,11 @@ case "$PART" in
     done
     timeout 120 python3 -m bench.product_path --out "$OUT/product" --steps 16 --only forced 2>&1 | grep -v "^{" | tail -3 ;;
   kernels)  # GEGLU backward and the fp8 upcast against their memory-traffic floors and an alternative each
-    timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" ;;
+    timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" | tee "$OUT/kernels.txt" ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink
     for row in ${ROWS:-fast:8 lean:1 fast:1}; do
-      timeout "${LIMIT:-150}" python3 -m bench.profile_step --models sdxl --configs "${row%%:*}" --batch "${row#*:}" \
-        --steps 2 2>&1 | grep "^\[profile\]"
+      timeout "${LIMIT:-150}" python3 -m bench.profile_step --models "${MODELS:-sdxl}" --configs "${row%%:*}" --batch "${row#*:}" \
+        --steps 2 2>&1 | grep "^\[profile\]" | tee -a "$OUT/profile.txt"
     done ;;
 esac
 # the device tool returns a limited number of files: one archive

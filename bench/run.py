@@ -133,7 +133,9 @@ def presets() -> dict:
              "fast+compile": replace(base["fast"], compile=True),
              # compile experiments (bench only, see COMPILE_VARIANTS)
              **{name: replace(base["fast"], compile=True) for name in COMPILE_VARIANTS},
-             "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding")}
+             "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
+             # experiment: convolution weights channels-last (bench only, see start_session)
+             "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"]}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 
@@ -145,7 +147,7 @@ _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached l
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
-                  compile_variant: str | None = None):
+                  compile_variant: str | None = None, channels_last: bool = False):
     """The Train node's TrainingSession on a bench model, started (compile, auto-fit, estimate): (session,
     estimate, fit lines, seconds the start took). With a cap (or start_on_cpu) the checkpoint waits in CPU memory,
     as in ComfyUI, and the session places only what it decided to; the cap then counts everything training puts
@@ -177,6 +179,10 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         raise ValueError(f"bench: unknown compile variant {compile_variant!r}")
     unet = base.diffusion_model
     unet.requires_grad_(False)
+    if channels_last:  # experiment: convolution weights stored NHWC (cuDNN's bf16 kernels on Hopper are NHWC)
+        for module in unet.modules():
+            if isinstance(module, torch.nn.Conv2d):
+                module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
     params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
     unet.train()
     cond = cached_conditioning(base, work)
@@ -200,7 +206,8 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     if preset == "autofit":
         memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
     session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
-                                                          compile_variant=_compile_variant(preset))
+                                                          compile_variant=_compile_variant(preset),
+                                                          channels_last=preset.removesuffix("-eager").endswith("+cl"))
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
 

@@ -386,3 +386,33 @@ def test_paused_compiled_blocks_run_eagerly_without_compiling():
     block(x)
     assert compiled_graph_count() == before + 1
     torch._dynamo.reset()
+
+
+def test_offload_keeps_channels_last_activations_channels_last(stand_in_streams):
+    """Conv activations are NHWC once conv weights are (SD1.5 on CUDA): an NCHW host buffer would transpose each
+    copy, and the tensor would come back in the layout its convolution must convert again."""
+    from trainer.activation_offload import ActivationOffload
+    layouts_in_backward = []
+
+    class _SavesInput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            layouts_in_backward.append(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous())
+            return grad * 2
+
+    x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
+    offload = ActivationOffload(min_bytes=1)
+    with offload.saving(record=True):
+        y = _SavesInput.apply(x * 1.0)
+        assert [s.host.is_contiguous(memory_format=torch.channels_last) for s in offload._saved] == [True]
+    y.sum().backward()
+    offload.finish()
+    assert layouts_in_backward == [True]
+    assert [layout for _shape, _dtype, layout in offload.recorded] == [torch.channels_last]  # capture's buffers too
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))

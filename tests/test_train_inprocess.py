@@ -331,3 +331,23 @@ def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset
     assert "torch.compile failed here" in outcome.report and "runs eagerly" in outcome.report
     assert len(outcome.losses) == 2
     torch._dynamo.reset()
+
+
+def test_sd15_conv_weights_go_channels_last_on_cuda_and_compute_the_same(adapter):
+    """cuDNN computes bf16 convolutions NHWC: the training copy's frozen conv weights are stored that way on
+    CUDA (SD1.5-type UNets, where it measured faster), with the same outputs; the user's model keeps its layout."""
+    unet = adapter.training_unet()
+    convs = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d)]
+    x = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    assert adapter.set_conv_layout(unet, torch.device("cpu")) is None  # not measured on CPUs: unchanged
+    assert all(conv.weight.is_contiguous() for conv in convs)
+    with torch.no_grad():
+        before = adapter.predict(unet, x, torch.tensor([300.0]), cond)
+        note = adapter.set_conv_layout(unet, torch.device("cuda"))  # the tensors stay where they are (CPU here)
+        after = adapter.predict(unet, x, torch.tensor([300.0]), cond)
+    assert note and f"{len(convs)} frozen conv weights stored channels-last" in note
+    assert all(conv.weight.is_contiguous(memory_format=torch.channels_last) for conv in convs if conv.weight.shape[-1] > 1)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    base_convs = [m for m in adapter.base.diffusion_model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(conv.weight.is_contiguous() for conv in base_convs)

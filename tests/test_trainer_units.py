@@ -115,6 +115,23 @@ def test_fp8_dequantize_falls_back_to_eager_when_compiling_fails_but_not_on_late
     assert frozen_weights._fused_dequantize is False and "recompiling" in frozen_weights.fused_dequantize_failure
 
 
+def test_fused_fp8_dequantize_keeps_a_channels_last_conv_weight_channels_last(monkeypatch):
+    """The fused kernel sees each weight flat: in memory order, so a channels-last (NHWC) conv weight is neither
+    copied to flatten it nor handed back NCHW for cuDNN to transpose again."""
+    from trainer import frozen_weights
+    weight = (torch.randn(8, 4, 3, 3) * 100).to(frozen_weights.FP8).contiguous(memory_format=torch.channels_last)
+    scale = torch.tensor(0.01)
+    monkeypatch.setattr(frozen_weights, "FUSED_DEVICES", ("cpu",))
+    flats = []  # the fused kernel's input; the math runs uncompiled
+    monkeypatch.setattr(frozen_weights, "_fused_dequantize",
+                        lambda flat, *args: flats.append(flat) or frozen_weights._dequantize_fused(flat, *args))
+    upcast = frozen_weights.dequantize(weight, scale, torch.bfloat16)
+    assert flats[0].data_ptr() == weight.data_ptr()  # a view, not a copy
+    assert upcast.is_contiguous(memory_format=torch.channels_last) and not upcast.is_contiguous()
+    torch.testing.assert_close(upcast, frozen_weights._dequantize_eager(weight.contiguous(), scale, torch.bfloat16),
+                               rtol=2 ** -7, atol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
     from trainer import frozen_weights
@@ -489,3 +506,30 @@ def test_out_of_memory_is_recognized_in_each_form_a_training_step_meets():
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_out_of_memory(ValueError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_split_geglu_computes_comfyuis_geglu_and_leaves_per_call_cast_projections_alone(monkeypatch):
+    """The compiled layers' GEGLU projects value and gate with two matmuls on slices of the same frozen weight
+    (backward then needs no concatenation): same output and input gradient as ComfyUI's GEGLU; a projection whose
+    weight is computed per call (fp8, LoRA patches) keeps ComfyUI's forward."""
+    from comfy.ldm.modules.attention import GEGLU
+    from trainer.comfy_adapter import _split_geglu_forward
+    g = torch.Generator().manual_seed(0)
+    geglu = GEGLU(16, 24)
+    geglu.proj.weight.data = torch.randn(48, 16, generator=g) / 4
+    geglu.proj.bias.data = torch.randn(48, generator=g)
+    geglu.requires_grad_(False)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    expected = GEGLU.forward(geglu, x)
+    expected_grad, = torch.autograd.grad(expected.square().sum(), x)
+    calls = []
+    original = GEGLU.forward
+    monkeypatch.setattr(GEGLU, "forward", lambda self, x: calls.append(1) or original(self, x))
+    split = _split_geglu_forward(geglu, x)
+    split_grad, = torch.autograd.grad(split.square().sum(), x)
+    assert not calls
+    torch.testing.assert_close(split, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split_grad, expected_grad, rtol=1e-5, atol=1e-5)
+    geglu.proj.comfy_cast_weights = True  # e.g. fp8 storage: the weight is made per call
+    torch.testing.assert_close(_split_geglu_forward(geglu, x), expected)
+    assert calls == [1]

@@ -24,6 +24,14 @@ import torch
 MIN_BYTES = 1 << 20
 
 
+def _layout(tensor: torch.Tensor) -> torch.memory_format:
+    """The saved tensor's memory layout, kept on the host and back: a channels-last activation copied into an
+    NCHW buffer would be transposed twice and come back in the layout its convolution must convert again."""
+    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 class _Saved:
     """A saved tensor waiting on the host, with its position in the pass's pack order."""
     __slots__ = ("index", "device", "host", "fetched", "used", "pass_number")
@@ -61,16 +69,17 @@ class ActivationOffload:
                 and tensor.numel() * tensor.element_size() >= self.min_bytes)
 
     def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        layout = _layout(tensor)
         if self._static is not None:  # capturing: the buffer recorded for this position
             if self._next >= len(self._static) or self._static[self._next].shape != tensor.shape \
-                    or self._static[self._next].dtype != tensor.dtype:
+                    or self._static[self._next].dtype != tensor.dtype or _layout(self._static[self._next]) != layout:
                 raise RuntimeError("activation offload: the captured pass saves other tensors than the warm-up did")
             buffer = self._static[self._next]
             self._next += 1
             return buffer
         if self._recording:
-            self.recorded.append((tensor.shape, tensor.dtype))
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+            self.recorded.append((tensor.shape, tensor.dtype, layout))
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available(), memory_format=layout)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._copy_stream is None:
@@ -108,7 +117,7 @@ class ActivationOffload:
             del self._fetching[id(packed)]
             self.fetched_ahead += 1
         else:
-            tensor = packed.host.to(packed.device, non_blocking=True)
+            tensor = packed.host.to(packed.device, non_blocking=True)  # keeps the layout
             self.fetched_on_demand += 1
         packed.fetched, packed.used = None, True
         if packed.pass_number != self._pass_number:  # a pass that ended without its backward: no bookkeeping
@@ -133,7 +142,7 @@ class ActivationOffload:
 
     def _fetch(self, saved: _Saved, compute: torch.cuda.Stream) -> None:
         """Starts copying `saved` back, overlapping the compute queued before its turn."""
-        tensor = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)  # compute stream's
+        tensor = torch.empty_like(saved.host, device=saved.device)  # the compute stream's; same layout
         copy = self._stream(saved.device)
         copy.wait_stream(compute)  # the memory may have served kernels still queued there
         with torch.cuda.stream(copy):
@@ -158,7 +167,7 @@ class ActivationOffload:
         self._pass_number += 1
 
     def _signature(self) -> list:
-        return [(saved.host.shape, saved.host.dtype) for saved in self._saved]
+        return [(saved.host.shape, saved.host.dtype, _layout(saved.host)) for saved in self._saved]
 
     @contextlib.contextmanager
     def saving(self, record: bool = False) -> Iterator[None]:
@@ -183,7 +192,8 @@ class ActivationOffload:
     def capturing(self) -> Iterator[list[torch.Tensor]]:
         """For CUDA-graph capture (around a `saving()` pass): host buffers like the recorded pass's,
         preallocated; the caller keeps the yielded list alive as long as the graph."""
-        buffers = [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in self.recorded]
+        buffers = [torch.empty(shape, dtype=dtype, pin_memory=True, memory_format=layout)
+                   for shape, dtype, layout in self.recorded]
         self._static, self._next = buffers, 0
         try:
             yield buffers

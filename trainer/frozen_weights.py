@@ -80,8 +80,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
         return _dequantize_eager(weight, scale, dtype)
     if _fused_dequantize is None:
         _fused_dequantize = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
+    flat, shape_like_weight = _memory_order_view(weight)
     try:
-        fused = _fused_dequantize(weight.reshape(-1), scale, dtype).view(weight.shape)
+        fused = shape_like_weight(_fused_dequantize(flat, scale, dtype))
     except Exception as error:
         if is_out_of_memory(error) or (_fused_verified and not is_compile_error(error)):
             raise
@@ -92,6 +93,15 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
         return _dequantize_eager(weight, scale, dtype)
     _fused_verified = True
     return fused
+
+
+def _memory_order_view(weight: torch.Tensor):
+    """The weight as a flat view in memory order, and how to give a flat result the weight's shape and layout
+    (a channels-last conv weight stays channels-last: reshaping it would copy, and cuDNN convert it back)."""
+    if weight.dim() == 4 and not weight.is_contiguous() and weight.is_contiguous(memory_format=torch.channels_last):
+        n, c, h, w = weight.shape
+        return weight.permute(0, 2, 3, 1).reshape(-1), lambda flat: flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return weight.reshape(-1), lambda flat: flat.view(weight.shape)
 
 
 def _castable_layers(module: torch.nn.Module, min_dim: int = 2):

@@ -135,7 +135,9 @@ def presets() -> dict:
              **{name: replace(base["fast"], compile=True) for name in COMPILE_VARIANTS},
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
              # experiment: convolution weights channels-last (bench only, see start_session)
-             "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"]}
+             "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"],
+             # experiment: activation offload's overlap (bench only, see OFFLOAD_VARIANTS)
+             **{name: base["lean"] for name in OFFLOAD_VARIANTS}}
     # <preset>-eager: the same settings without the fast path (CUDA graphs), to show what it buys
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 
@@ -143,6 +145,9 @@ def presets() -> dict:
 # compile experiments: preset -> what compiles instead of the product's units (ResBlocks + transformer layers)
 COMPILE_VARIANTS = {"fast+compile-no-resblocks": "transformer layers only: fewer graphs, faster compile",
                     "fast+compile-modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)"}
+# offload experiments: preset -> ActivationOffload class settings for that row
+OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
+                    "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
@@ -195,7 +200,19 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
 
 def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
+    from trainer.activation_offload import ActivationOffload
+    overrides = OFFLOAD_VARIANTS.get(preset.removesuffix("-eager"), {})
+    defaults = {name: getattr(ActivationOffload, name) for name in overrides}
+    try:
+        for name, value in overrides.items():
+            setattr(ActivationOffload, name, value)
+        return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
+    finally:
+        for name, value in defaults.items():
+            setattr(ActivationOffload, name, value)
 
+
+def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.loop import train_loop

@@ -258,9 +258,12 @@ def test_a_backward_that_fails_still_joins_the_copy_stream_and_drops_fetched_ten
     assert not offload._fetching and not offload._saved and not offload._to_host
 
 
+@pytest.mark.parametrize("fetch_ahead", [1, 3])
 @pytest.mark.parametrize("saves_per_node", [1, 2])
-def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_streams, saves_per_node):
+def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_streams, saves_per_node, fetch_ahead,
+                                                                      monkeypatch):
     from trainer.activation_offload import ActivationOffload
+    monkeypatch.setattr(ActivationOffload, "FETCH_AHEAD", fetch_ahead)
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
     factors = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]

@@ -45,6 +45,7 @@ class _Saved:
 
 class ActivationOffload:
     IN_FLIGHT = 2  # saved tensors whose device memory waits for their copy to the host: overlap vs. memory
+    FETCH_AHEAD = 1  # saved tensors on their way back while backward works on the current one
 
     def __init__(self, min_bytes: int = MIN_BYTES):
         self.min_bytes = min_bytes
@@ -123,9 +124,13 @@ class ActivationOffload:
         if packed.pass_number != self._pass_number:  # a pass that ended without its backward: no bookkeeping
             return tensor
         self._unpacked.append(packed.index)
-        upcoming = self._upcoming(packed)
-        if upcoming is not None and upcoming.fetched is None:
-            self._fetch(upcoming, compute)
+        upcoming = packed
+        for _ in range(self.FETCH_AHEAD):
+            upcoming = self._upcoming(upcoming)
+            if upcoming is None:
+                break
+            if upcoming.fetched is None:
+                self._fetch(upcoming, compute)
         return tensor
 
     def _upcoming(self, unpacked: _Saved) -> _Saved | None:

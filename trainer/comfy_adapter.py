@@ -200,9 +200,10 @@ class ComfyAdapter:
         convolutions on recent NVIDIA GPUs run NHWC: with NCHW weights every call first transposes its operands
         (on an SD1.5 step at 512², 8 ms of transposes for 4 ms of convolution). With NHWC weights PyTorch hands
         cuDNN NHWC tensors and conv outputs stay NHWC. H200, CUDA graphs, batch 1: SD1.5 512² 0.0248 -> 0.0204
-        s/step (fast), 0.0333 -> 0.0270 (checkpointing); SDXL 1024² 1% slower (its GroupNorms at 128² convert
-        back), so SDXL keeps NCHW. Returns a note for the report, or None."""
-        if device.type != "cuda" or isinstance(self.base, comfy.model_base.SDXL):
+        s/step (fast), 0.0333 -> 0.0270 (checkpointing); SDXL 1024² 1% slower, so SDXL keeps NCHW, and so does
+        every family not measured (only SD1.5/SD2's BaseModel goes channels-last). Returns a note for the report,
+        or None."""
+        if device.type != "cuda" or type(self.base) is not comfy.model_base.BaseModel:
             return None
         convs = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and not m.weight.requires_grad]
         for conv in convs:

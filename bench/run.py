@@ -176,10 +176,10 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
     if compile_variant == "fast+compile-no-resblocks":
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
-        adapter.compile_units = lambda unet: [m for m in ComfyAdapter.compile_units(adapter, unet)
-                                              if not isinstance(m, ResBlock)]
+        prepare = ComfyAdapter.prepare_compile_units
+        adapter.prepare_compile_units = lambda unet: [m for m in prepare(adapter, unet) if not isinstance(m, ResBlock)]
     elif compile_variant == "fast+compile-modules":
-        adapter.compile_units = lambda unet: ComfyAdapter.compile_units(adapter, unet, scope="modules")
+        adapter.prepare_compile_units = lambda unet: ComfyAdapter.prepare_compile_units(adapter, unet, scope="modules")
     elif compile_variant is not None:
         raise ValueError(f"bench: unknown compile variant {compile_variant!r}")
     unet = base.diffusion_model

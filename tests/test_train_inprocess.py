@@ -262,7 +262,7 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     torch._dynamo.reset()
     counters.clear()
     compiled = _run(adapter, dataset, replace(settings, compile=True), tmp_path, steps=3, name="compiled")
-    blocks = len(adapter.compile_units(adapter.training_unet()))
+    blocks = len(adapter.prepare_compile_units(adapter.training_unet()))
     assert f"torch.compile: the diffusion model's {blocks} blocks compiled in" in compiled.report, compiled.report
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-3)
     assert 0 < counters["stats"]["unique_graphs"] < blocks  # reused across blocks, not one graph per block

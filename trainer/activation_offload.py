@@ -21,15 +21,9 @@ from typing import Iterator
 
 import torch
 
+from .layout import memory_format_of
+
 MIN_BYTES = 1 << 20
-
-
-def _layout(tensor: torch.Tensor) -> torch.memory_format:
-    """The saved tensor's memory layout, kept on the host and back: a channels-last activation copied into an
-    NCHW buffer would be transposed twice and come back in the layout its convolution must convert again."""
-    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
 
 
 class _Saved:
@@ -70,10 +64,11 @@ class ActivationOffload:
                 and tensor.numel() * tensor.element_size() >= self.min_bytes)
 
     def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        layout = _layout(tensor)
+        layout = memory_format_of(tensor)  # kept on the host and back: a channels-last activation in an NCHW
+        # buffer would be transposed by both copies and come back in the layout its convolution converts again
         if self._static is not None:  # capturing: the buffer recorded for this position
             if self._next >= len(self._static) or self._static[self._next].shape != tensor.shape \
-                    or self._static[self._next].dtype != tensor.dtype or _layout(self._static[self._next]) != layout:
+                    or self._static[self._next].dtype != tensor.dtype or memory_format_of(self._static[self._next]) != layout:
                 raise RuntimeError("activation offload: the captured pass saves other tensors than the warm-up did")
             buffer = self._static[self._next]
             self._next += 1
@@ -172,7 +167,7 @@ class ActivationOffload:
         self._pass_number += 1
 
     def _signature(self) -> list:
-        return [(saved.host.shape, saved.host.dtype, _layout(saved.host)) for saved in self._saved]
+        return [(saved.host.shape, saved.host.dtype, memory_format_of(saved.host)) for saved in self._saved]
 
     @contextlib.contextmanager
     def saving(self, record: bool = False) -> Iterator[None]:

@@ -19,6 +19,7 @@ from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, TimestepBlo
 
 from .errors import LeanLoRAError
 from .frozen_weights import cast_frozen_weights
+from .layout import store_frozen_convs_channels_last
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -158,14 +159,14 @@ class ComfyAdapter:
                     units.append(layer)
         return units
 
-    def compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
-        """What torch.compile compiles, each module on its own: ResBlocks, plus whole transformer layers
-        ("layers": their norms and residual adds fuse with attention and feed-forward; SDXL batch 8 steps were
-        0.5-1.3% faster than with "modules" in two H200 runs, from fewer graphs) or only the layers' attention and
-        feed-forward modules ("modules"). For "layers" it installs a position-free forward on each layer:
-        ComfyUI's layer forward reads its position in the UNet from transformer_options, which would make every
-        layer a compile of its own (SDXL: 70); see _position_free_forward. Their feed-forward's GEGLU projects in
-        two matmuls (_split_geglu_forward)."""
+    def prepare_compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
+        """Makes the training copy ready for torch.compile and returns what compiles, each module on its own:
+        ResBlocks, plus whole transformer layers ("layers": their norms and residual adds fuse with attention and
+        feed-forward; SDXL batch 8 steps were 0.5-1.3% faster than with "modules" in two H200 runs, from fewer
+        graphs) or only the layers' attention and feed-forward modules ("modules"). For "layers" it installs two
+        forwards: a position-free one on each layer (ComfyUI's layer forward reads its position in the UNet from
+        transformer_options, which would make every layer a compile of its own, SDXL: 70; see
+        _position_free_forward) and a GEGLU in two matmuls on each feed-forward (_split_geglu_forward)."""
         if scope == "modules":
             kinds = (ResBlock, comfy_attention.CrossAttention, comfy_attention.FeedForward)
             return [module for module in unet.modules() if isinstance(module, kinds)]
@@ -196,19 +197,15 @@ class ComfyAdapter:
         unet.dtype = dtype  # ComfyUI's UNet casts its input to this; predict feeds it the same
 
     def set_conv_layout(self, unet: torch.nn.Module, device: torch.device) -> str | None:
-        """Stores the training copy's frozen conv weights channels-last where that measured faster. cuDNN's bf16
-        convolutions on recent NVIDIA GPUs run NHWC: with NCHW weights every call first transposes its operands
-        (on an SD1.5 step at 512², 8 ms of transposes for 4 ms of convolution). With NHWC weights PyTorch hands
-        cuDNN NHWC tensors and conv outputs stay NHWC. H200, CUDA graphs, batch 1: SD1.5 512² 0.0248 -> 0.0204
+        """Stores the training copy's frozen conv weights channels-last where that measured faster (trainer/layout:
+        with NCHW weights, an SD1.5 step at 512² spent 8 ms transposing for 4 ms of convolution). H200, CUDA graphs, batch 1: SD1.5 512² 0.0248 -> 0.0204
         s/step (fast), 0.0333 -> 0.0270 (checkpointing); SDXL 1024² 1% slower, so SDXL keeps NCHW, and so does
         every family not measured (only SD1.5/SD2's BaseModel goes channels-last). Returns a note for the report,
         or None."""
         if device.type != "cuda" or type(self.base) is not comfy.model_base.BaseModel:
             return None
-        convs = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and not m.weight.requires_grad]
-        for conv in convs:
-            conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
-        return f"convolutions: {len(convs)} frozen conv weights stored channels-last (NHWC), as cuDNN computes them"
+        count = store_frozen_convs_channels_last(unet)
+        return f"convolutions: {count} frozen conv weights stored channels-last (NHWC), as cuDNN computes them"
 
     def predict(self, unet: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from .errors import is_compile_error, is_out_of_memory, one_line
 from .layer_patch import mix_into
+from .layout import is_channels_last
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -98,7 +99,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def _memory_order_view(weight: torch.Tensor):
     """The weight as a flat view in memory order, and how to give a flat result the weight's shape and layout
     (a channels-last conv weight stays channels-last: reshaping it would copy, and cuDNN convert it back)."""
-    if weight.dim() == 4 and not weight.is_contiguous() and weight.is_contiguous(memory_format=torch.channels_last):
+    if is_channels_last(weight):
         n, c, h, w = weight.shape
         return weight.permute(0, 2, 3, 1).reshape(-1), lambda flat: flat.view(n, h, w, c).permute(0, 3, 1, 2)
     return weight.reshape(-1), lambda flat: flat.view(weight.shape)

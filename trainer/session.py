@@ -60,7 +60,7 @@ class TrainingSession:
         if memory.compile and self.compiled is None:
             # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
             # and every unit's compiled forward is the same code, shared by units of equal shapes.
-            self.compiled = compile_blocks(self.adapter.compile_units(self.unet))
+            self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet))
         if memory.gradient_checkpointing and not self.checkpointed:
             checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth),
                               preserve_rng_state=random_forward)

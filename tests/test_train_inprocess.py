@@ -351,3 +351,19 @@ def test_sd15_conv_weights_go_channels_last_on_cuda_and_compute_the_same(adapter
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     base_convs = [m for m in adapter.base.diffusion_model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert all(conv.weight.is_contiguous() for conv in base_convs)
+
+
+def test_auto_attention_under_compile_avoids_kernels_that_read_free_memory(adapter, dataset, tmp_path, monkeypatch):
+    """ComfyUI's CPU choice (sub-quadratic; split with --use-split-cross-attention) asks for free memory on every
+    call: dynamo guards on that number, so a compiled run compiled again at every step. Under compile, 'auto'
+    trains with PyTorch SDPA instead and says so; without compile, ComfyUI's choice stays."""
+    import comfy.ldm.modules.attention as comfy_attention
+    monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_sub_quad)
+    assert adapter.set_attention("auto") is None and adapter.transformer_options == {}
+    assert "attention_sub_quad" in adapter.set_attention("auto", compile=True)
+    assert "optimized_attention_override" in adapter.transformer_options
+    torch._dynamo.reset()
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=4, name="auto")
+    assert "training uses PyTorch SDPA" in outcome.report
+    assert "compiled after step 1" not in outcome.report, outcome.report  # each step compiled again before
+    torch._dynamo.reset()

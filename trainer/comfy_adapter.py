@@ -177,20 +177,30 @@ class ComfyAdapter:
             geglu.forward = types.MethodType(_split_geglu_forward, geglu)
         return [m for m in unet.modules() if isinstance(m, ResBlock)] + layers
 
-    def set_attention(self, backend: str) -> None:
+    def set_attention(self, backend: str, compile: bool = False) -> str | None:
         """Picks the attention kernel for training through ComfyUI's per-call override hook (the sampler's own
-        choice stays untouched). 'auto' keeps what ComfyUI chose at start-up."""
+        choice stays untouched). 'auto' keeps what ComfyUI chose at start-up, except under torch.compile where
+        that is the split or sub-quadratic kernel (CPUs, GPUs without SDPA support in ComfyUI's eyes): both ask
+        for free memory on every call, which dynamo guards on, so each step would compile again. Returns a note
+        for the report when 'auto' was overridden."""
         kernels = {"pytorch SDPA": comfy_attention.attention_pytorch,
                    "xformers": comfy_attention.attention_xformers,
                    "chunked (sub-quadratic)": comfy_attention.attention_sub_quad}
+        note = None
         if backend == "auto":
-            self.transformer_options = {}
-            return
+            memory_probing = (comfy_attention.attention_sub_quad, comfy_attention.attention_split)
+            if not (compile and comfy_attention.optimized_attention in memory_probing):
+                self.transformer_options = {}
+                return None
+            backend = "pytorch SDPA"
+            note = (f"attention: ComfyUI uses {comfy_attention.optimized_attention.__name__} here, which reads free "
+                    "memory on every call (torch.compile would compile again every step); training uses PyTorch SDPA")
         if backend == "xformers" and not comfy.model_management.xformers_enabled():
             raise LeanLoRAError("attention: xformers is not usable here (it needs an NVIDIA GPU and an importable "
                                 "xformers matching your torch); choose 'pytorch SDPA' or 'auto'")
         kernel = kernels[backend]
         self.transformer_options = {"optimized_attention_override": lambda default, *args, **kwargs: kernel(*args, **kwargs)}
+        return note
 
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)

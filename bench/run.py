@@ -134,6 +134,7 @@ def presets() -> dict:
              # compile experiments (bench only, see COMPILE_VARIANTS)
              **{name: replace(base["fast"], compile=True) for name in COMPILE_VARIANTS},
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
+             "lean+compile": replace(base["lean"], compile=True),
              # experiment: convolution weights channels-last (bench only, see start_session)
              "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"],
              # experiment: activation offload's overlap (bench only, see OFFLOAD_VARIANTS)
@@ -144,11 +145,36 @@ def presets() -> dict:
 
 # compile experiments: preset -> what compiles instead of the product's units (ResBlocks + transformer layers)
 COMPILE_VARIANTS = {"fast+compile-no-resblocks": "transformer layers only: fewer graphs, faster compile",
-                    "fast+compile-modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)"}
+                    "fast+compile-modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)",
+                    "fast+compile-normsilu": "transformer layers + one shape-generic GroupNorm+SiLU graph for all ResBlocks"}
 # offload experiments: preset -> ActivationOffload class settings for that row
 OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
                     "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
-_NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
+_NO_ENCODERS = "cached"
+
+
+def _group_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float):
+    return torch.nn.functional.silu(torch.nn.functional.group_norm(x, groups, weight, bias, eps))
+
+
+class _NormSiLU(torch.nn.Module):
+    """Compile experiment (fast+compile-normsilu): a ResBlock's GroupNorm + SiLU as one compiled function with
+    symbolic sizes, its weights passed as plain tensors, so every ResBlock shares one graph (instead of one
+    compile per ResBlock shape, 12 on SDXL); in the compute dtype, as trainer/precision's norms."""
+    compiled = None
+
+    def __init__(self, norm: torch.nn.GroupNorm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _NormSiLU.compiled is None:
+            _NormSiLU.compiled = torch.compile(_group_norm_silu, dynamic=True)
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        weight, bias = self.norm.weight.to(x.device, dtype), self.norm.bias.to(x.device, dtype)
+        with torch.autocast(device_type, enabled=False):
+            return _NormSiLU.compiled(x.to(dtype), weight, bias, self.norm.num_groups, self.norm.eps)  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
@@ -178,6 +204,17 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
         prepare = ComfyAdapter.prepare_compile_units
         adapter.prepare_compile_units = lambda unet: [m for m in prepare(adapter, unet) if not isinstance(m, ResBlock)]
+    elif compile_variant == "fast+compile-normsilu":
+        from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
+        prepare = ComfyAdapter.prepare_compile_units
+
+        def layers_and_fused_norms(unet):
+            units = [m for m in prepare(adapter, unet) if not isinstance(m, ResBlock)]
+            for block in (m for m in unet.modules() if isinstance(m, ResBlock)):
+                for sequence in (block.in_layers, block.out_layers):
+                    sequence[0], sequence[1] = _NormSiLU(sequence[0]), torch.nn.Identity()
+            return units
+        adapter.prepare_compile_units = layers_and_fused_norms
     elif compile_variant == "fast+compile-modules":
         adapter.prepare_compile_units = lambda unet: ComfyAdapter.prepare_compile_units(adapter, unet, scope="modules")
     elif compile_variant is not None:

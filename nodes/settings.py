@@ -64,7 +64,7 @@ class LeanLoRAMemorySettings:
                     "shared by its twins, before step 1, and the report says how long it took; another image size "
                     "(bucket) or a smaller last batch compiles once more when it first comes. Where compiling fails "
                     "the report says why and training runs uncompiled. Measured on SDXL 1024 batch 8 (H200): 70-100 "
-                    "s of compiling the first time (about 8 s after a restart, 2 s when re-queued), then 11% faster "
+                    "s of compiling the first time (about 9 s after a restart, 2 s when re-queued), then 15% faster "
                     "steps and 7 GiB less memory."}),
                 "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
                     "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "

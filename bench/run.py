@@ -135,7 +135,8 @@ def presets() -> dict:
              **{name: replace(base["fast"], compile=True) for name in COMPILE_VARIANTS},
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
              "lean+compile": replace(base["lean"], compile=True),
-             # experiment: convolution weights channels-last (bench only, see start_session)
+             # experiment: convolution weights forced channels-last (see start_session); the product already
+             # stores SD1.5's so on CUDA, so for SD1.5 these equal their base rows
              "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"],
              # experiment: activation offload's overlap (bench only, see OFFLOAD_VARIANTS)
              **{name: base["lean"] for name in OFFLOAD_VARIANTS}}
@@ -150,7 +151,7 @@ COMPILE_VARIANTS = {"fast+compile-no-resblocks": "transformer layers only: fewer
 # offload experiments: preset -> ActivationOffload class settings for that row
 OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
                     "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
-_NO_ENCODERS = "cached"
+_NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
 def _group_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float):
@@ -160,7 +161,8 @@ def _group_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
 class _NormSiLU(torch.nn.Module):
     """Compile experiment (fast+compile-normsilu): a ResBlock's GroupNorm + SiLU as one compiled function with
     symbolic sizes, its weights passed as plain tensors, so every ResBlock shares one graph (instead of one
-    compile per ResBlock shape, 12 on SDXL); in the compute dtype, as trainer/precision's norms."""
+    compile per ResBlock shape, 12 on SDXL); in the compute dtype, as trainer/precision's norms. SD1.5/SDXL
+    ResBlocks only: with use_scale_shift_norm the SiLU follows the scale and shift, not the norm."""
     compiled = None
 
     def __init__(self, norm: torch.nn.GroupNorm):
@@ -174,7 +176,7 @@ class _NormSiLU(torch.nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         weight, bias = self.norm.weight.to(x.device, dtype), self.norm.bias.to(x.device, dtype)
         with torch.autocast(device_type, enabled=False):
-            return _NormSiLU.compiled(x.to(dtype), weight, bias, self.norm.num_groups, self.norm.eps)  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
+            return _NormSiLU.compiled(x.to(dtype), weight, bias, self.norm.num_groups, self.norm.eps)
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,

@@ -264,6 +264,12 @@ def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_s
                                                                       monkeypatch):
     from trainer.activation_offload import ActivationOffload
     monkeypatch.setattr(ActivationOffload, "FETCH_AHEAD", fetch_ahead)
+    fetch, in_flight = ActivationOffload._fetch, []
+
+    def counted_fetch(self, saved, compute):
+        fetch(self, saved, compute)
+        in_flight.append(len(self._fetching))
+    monkeypatch.setattr(ActivationOffload, "_fetch", counted_fetch)
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
     factors = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
@@ -293,6 +299,11 @@ def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_s
         assert len(grads) == len(expected) and all(torch.equal(a, b) for a, b in zip(grads, expected))
         # every saved tensor came back exactly once; none was fetched for nothing (a tensor backward already had)
         assert offload.fetched_ahead + offload.fetched_on_demand == packs and offload.fetched_unused == 0, attempt
+        if saves_per_node == 1 or attempt.startswith("second"):
+            assert max(in_flight) == fetch_ahead, attempt  # copies back under way at once
+        else:  # a wrong guess stays fetched until backward asks for it, next to the next fetches
+            assert max(in_flight) >= fetch_ahead, attempt
+        in_flight.clear()
         if saves_per_node == 1 or attempt.startswith("second"):
             assert offload.fetched_on_demand == 1, attempt  # only the very first one backward needs
         else:
@@ -412,10 +423,11 @@ def test_offload_keeps_channels_last_activations_channels_last(stand_in_streams)
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
     offload = ActivationOffload(min_bytes=1)
     with offload.saving(record=True):
-        y = _SavesInput.apply(x * 1.0)
-        assert [s.host.is_contiguous(memory_format=torch.channels_last) for s in offload._saved] == [True]
+        y = _SavesInput.apply(_SavesInput.apply(x * 1.0))
+        assert [s.host.is_contiguous(memory_format=torch.channels_last) for s in offload._saved] == [True, True]
     y.sum().backward()
     offload.finish()
-    assert layouts_in_backward == [True]
-    assert [layout for _shape, _dtype, layout in offload.recorded] == [torch.channels_last]  # capture's buffers too
-    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    assert offload.fetched_ahead == 1  # the first saved tensor came back through a copy made ahead of its turn
+    assert layouts_in_backward == [True, True]
+    assert [layout for _shape, _dtype, layout in offload.recorded] == [torch.channels_last] * 2  # capture's buffers
+    torch.testing.assert_close(x.grad, torch.full_like(x, 4.0))

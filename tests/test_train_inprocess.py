@@ -333,37 +333,56 @@ def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset
     torch._dynamo.reset()
 
 
-def test_sd15_conv_weights_go_channels_last_on_cuda_and_compute_the_same(adapter):
-    """cuDNN computes bf16 convolutions NHWC: the training copy's frozen conv weights are stored that way on
-    CUDA (SD1.5-type UNets, where it measured faster), with the same outputs; the user's model keeps its layout."""
+def test_sd15_conv_weights_go_channels_last_on_cuda_and_compute_the_same(adapter, monkeypatch):
+    """cuDNN computes half-precision convolutions NHWC: the training copy's frozen conv weights are stored that
+    way where it was measured faster (SD1.5-type UNets, NVIDIA from Ampere on), with the same outputs; other
+    devices, dtypes and model families keep NCHW, and so does the user's model."""
+    import comfy.model_base
     unet = adapter.training_unet()
     convs = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d)]
+    spatial = [conv for conv in convs if conv.weight.shape[-1] > 1]  # 1x1 kernels are the same bytes either way
     x = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
-    assert adapter.set_conv_layout(unet, torch.device("cpu")) is None  # not measured on CPUs: unchanged
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16  # the tensors stay where they are (CPU here)
+    capability = {"value": (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    assert adapter.set_conv_layout(unet, torch.device("cpu"), bf16) is None
+    assert adapter.set_conv_layout(unet, cuda, bf16) is None  # Turing: not measured
+    capability["value"] = (9, 0)
+    assert adapter.set_conv_layout(unet, cuda, torch.float32) is None
+    with monkeypatch.context() as other_family:
+        other_family.setattr(comfy.model_base, "BaseModel", comfy.model_base.SDXL)
+        assert adapter.set_conv_layout(unet, cuda, bf16) is None
     assert all(conv.weight.is_contiguous() for conv in convs)
     with torch.no_grad():
         before = adapter.predict(unet, x, torch.tensor([300.0]), cond)
-        note = adapter.set_conv_layout(unet, torch.device("cuda"))  # the tensors stay where they are (CPU here)
+        note = adapter.set_conv_layout(unet, cuda, bf16)
         after = adapter.predict(unet, x, torch.tensor([300.0]), cond)
-    assert note and f"{len(convs)} frozen conv weights stored channels-last" in note
-    assert all(conv.weight.is_contiguous(memory_format=torch.channels_last) for conv in convs if conv.weight.shape[-1] > 1)
+    assert note and f"{len(spatial)} frozen conv weights stored channels-last" in note
+    assert all(conv.weight.is_contiguous(memory_format=torch.channels_last) for conv in convs)
+    assert not any(conv.weight.is_contiguous() for conv in spatial)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     base_convs = [m for m in adapter.base.diffusion_model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert all(conv.weight.is_contiguous() for conv in base_convs)
 
 
-def test_auto_attention_under_compile_avoids_kernels_that_read_free_memory(adapter, dataset, tmp_path, monkeypatch):
+def test_attention_kernels_that_read_free_memory_run_outside_compiled_graphs(adapter, dataset, tmp_path, monkeypatch):
     """ComfyUI's CPU choice (sub-quadratic; split with --use-split-cross-attention) asks for free memory on every
-    call: dynamo guards on that number, so a compiled run compiled again at every step. Under compile, 'auto'
-    trains with PyTorch SDPA instead and says so; without compile, ComfyUI's choice stays."""
+    call: dynamo guards on that number, so a compiled run compiled again at every step. Compiled runs call those
+    kernels outside the graphs (a graph break) and say so; the user's kernel choice stays."""
     import comfy.ldm.modules.attention as comfy_attention
-    monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_sub_quad)
+    calls = []
+    kernel = comfy_attention.attention_sub_quad
+    counting = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    monkeypatch.setattr(comfy_attention, "attention_sub_quad", counting)
+    monkeypatch.setattr(comfy_attention, "optimized_attention", counting)
     assert adapter.set_attention("auto") is None and adapter.transformer_options == {}
-    assert "attention_sub_quad" in adapter.set_attention("auto", compile=True)
-    assert "optimized_attention_override" in adapter.transformer_options
+    assert "outside the compiled graphs" in adapter.set_attention("chunked (sub-quadratic)", compiled=True)
+    assert "outside the compiled graphs" in adapter.set_attention("auto", compiled=True)
+    assert adapter.set_attention("pytorch SDPA", compiled=True) is None
     torch._dynamo.reset()
     outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=4, name="auto")
-    assert "training uses PyTorch SDPA" in outcome.report
+    assert "runs outside the compiled graphs" in outcome.report
     assert "compiled after step 1" not in outcome.report, outcome.report  # each step compiled again before
+    assert calls  # still the user's kernel
     torch._dynamo.reset()

@@ -532,4 +532,30 @@ def test_split_geglu_computes_comfyuis_geglu_and_leaves_per_call_cast_projection
     torch.testing.assert_close(split_grad, expected_grad, rtol=1e-5, atol=1e-5)
     geglu.proj.comfy_cast_weights = True  # e.g. fp8 storage: the weight is made per call
     torch.testing.assert_close(_split_geglu_forward(geglu, x), expected)
-    assert calls == [1]
+    geglu.proj.comfy_cast_weights = False
+    geglu.proj.weight_function = [lambda weight: weight * 2]  # e.g. a LoRA patch applied per call
+    _split_geglu_forward(geglu, x)
+    del geglu.proj.weight_function
+    assert calls == [1, 1]
+    holder = torch.nn.Module()  # a LoRA on the projection (targets "attention+feed-forward"): peft wraps it
+    holder.ff = torch.nn.Module()
+    holder.ff.net = torch.nn.Sequential(geglu)
+    inject_lora(holder, LoraSettings(rank=2, targets="attention+feed-forward"), seed=0)
+    assert not isinstance(geglu.proj, torch.nn.Linear)
+    _split_geglu_forward(geglu, x)
+    assert calls == [1, 1, 1]
+
+
+def test_compile_preparation_splits_geglus_only_for_whole_layers(comfy_objects):
+    """prepare_compile_units installs the split GEGLU with whole transformer layers, not with the older
+    "modules" scope (whose feed-forward modules compile as they are)."""
+    from comfy.ldm.modules.attention import GEGLU
+    from trainer.comfy_adapter import ComfyAdapter, _split_geglu_forward
+    adapter = ComfyAdapter(*comfy_objects)
+    for scope, split in (("modules", False), ("layers", True)):
+        unet = adapter.training_unet()
+        adapter.prepare_compile_units(unet, scope=scope)
+        geglus = [m for m in unet.modules() if isinstance(m, GEGLU)]
+        assert geglus and all((getattr(m.forward, "__func__", None) is _split_geglu_forward) == split for m in geglus)
+    assert not any(getattr(m.forward, "__func__", None) is _split_geglu_forward
+                   for m in adapter.base.diffusion_model.modules() if isinstance(m, GEGLU))  # the user's model

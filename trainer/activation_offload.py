@@ -43,7 +43,8 @@ class ActivationOffload:
 
     def __init__(self, min_bytes: int = MIN_BYTES):
         self.min_bytes = min_bytes
-        self.recorded: list[tuple[torch.Size, torch.dtype]] = []  # host buffers the last recorded pass needed
+        # host buffers the last recorded pass needed: (shape, dtype, memory format)
+        self.recorded: list[tuple[torch.Size, torch.dtype, torch.memory_format]] = []
         self._recording = False
         self._static: list[torch.Tensor] | None = None  # capture: buffers handed out in order
         self._next = 0

@@ -177,42 +177,47 @@ class ComfyAdapter:
             geglu.forward = types.MethodType(_split_geglu_forward, geglu)
         return [m for m in unet.modules() if isinstance(m, ResBlock)] + layers
 
-    def set_attention(self, backend: str, compile: bool = False) -> str | None:
+    def set_attention(self, backend: str, compiled: bool = False) -> str | None:
         """Picks the attention kernel for training through ComfyUI's per-call override hook (the sampler's own
-        choice stays untouched). 'auto' keeps what ComfyUI chose at start-up, except under torch.compile where
-        that is the split or sub-quadratic kernel (CPUs, GPUs without SDPA support in ComfyUI's eyes): both ask
-        for free memory on every call, which dynamo guards on, so each step would compile again. Returns a note
-        for the report when 'auto' was overridden."""
+        choice stays untouched). 'auto' keeps what ComfyUI chose at start-up. Returns a note for the report, or
+        None.
+
+        ComfyUI's split and sub-quadratic kernels (its choice on CPUs, or when started with
+        --use-split-cross-attention / --use-quad-cross-attention) ask for free memory on every call; dynamo
+        guards on that number, so under torch.compile every step would compile again. Compiled runs call them
+        outside the compiled graphs instead (a graph break), keeping the user's choice and its memory behaviour."""
         kernels = {"pytorch SDPA": comfy_attention.attention_pytorch,
                    "xformers": comfy_attention.attention_xformers,
                    "chunked (sub-quadratic)": comfy_attention.attention_sub_quad}
-        note = None
-        if backend == "auto":
-            memory_probing = (comfy_attention.attention_sub_quad, comfy_attention.attention_split)
-            if not (compile and comfy_attention.optimized_attention in memory_probing):
-                self.transformer_options = {}
-                return None
-            backend = "pytorch SDPA"
-            note = (f"attention: ComfyUI uses {comfy_attention.optimized_attention.__name__} here, which reads free "
-                    "memory on every call (torch.compile would compile again every step); training uses PyTorch SDPA")
         if backend == "xformers" and not comfy.model_management.xformers_enabled():
             raise LeanLoRAError("attention: xformers is not usable here (it needs an NVIDIA GPU and an importable "
                                 "xformers matching your torch); choose 'pytorch SDPA' or 'auto'")
-        kernel = kernels[backend]
-        self.transformer_options = {"optimized_attention_override": lambda default, *args, **kwargs: kernel(*args, **kwargs)}
-        return note
+        kernel = comfy_attention.optimized_attention if backend == "auto" else kernels[backend]
+        if compiled and kernel in (comfy_attention.attention_sub_quad, comfy_attention.attention_split):
+            uncompiled = torch.compiler.disable(kernel)
+            self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: uncompiled(*a, **k)}
+            return (f"attention: {kernel.__name__} reads free memory on every call, so it runs outside the compiled "
+                    "graphs (compiled, each step would compile again); 'pytorch SDPA' compiles into them")
+        if backend == "auto":
+            self.transformer_options = {}
+        else:
+            self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: kernel(*a, **k)}
+        return None
 
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)
         unet.dtype = dtype  # ComfyUI's UNet casts its input to this; predict feeds it the same
 
-    def set_conv_layout(self, unet: torch.nn.Module, device: torch.device) -> str | None:
+    def set_conv_layout(self, unet: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> str | None:
         """Stores the training copy's frozen conv weights channels-last where that measured faster (trainer/layout:
-        with NCHW weights, an SD1.5 step at 512² spent 8 ms transposing for 4 ms of convolution). H200, CUDA graphs, batch 1: SD1.5 512² 0.0248 -> 0.0204
-        s/step (fast), 0.0333 -> 0.0270 (checkpointing); SDXL 1024² 1% slower, so SDXL keeps NCHW, and so does
-        every family not measured (only SD1.5/SD2's BaseModel goes channels-last). Returns a note for the report,
-        or None."""
-        if device.type != "cuda" or type(self.base) is not comfy.model_base.BaseModel:
+        with NCHW weights, an SD1.5 step at 512² spent 8 ms transposing for 4 ms of convolution). H200, bf16, CUDA
+        graphs, batch 1: SD1.5 512² 0.0248 -> 0.0204 s/step (fast), 0.0333 -> 0.0270 (checkpointing); SDXL 1024²
+        1% slower. So only where it was measured, or where the same cuDNN NHWC kernels run: SD1.5/SD2's BaseModel,
+        half-precision compute, NVIDIA GPUs from Ampere on. Returns a note for the report, or None."""
+        nvidia_ampere_or_newer = device.type == "cuda" and torch.version.hip is None \
+            and torch.cuda.get_device_capability(device)[0] >= 8
+        if not nvidia_ampere_or_newer or compute_dtype not in (torch.bfloat16, torch.float16) \
+                or type(self.base) is not comfy.model_base.BaseModel:
             return None
         count = store_frozen_convs_channels_last(unet)
         return f"convolutions: {count} frozen conv weights stored channels-last (NHWC), as cuDNN computes them"
@@ -246,7 +251,8 @@ def _split_geglu_forward(self, x):
     same frozen weight: the same products, but backward needs no concatenation of the two halves' gradients.
     Compiled, an SDXL batch-8 step's 70 GEGLUs took 54.5 instead of 66.7 ms, forward and backward (H200,
     bench/kernels.py). A projection that computes its weight per call (fp8, LoRA patches, a LoRA on it) keeps
-    ComfyUI's forward."""
+    ComfyUI's forward. Where the compiled layers run eagerly (compiling failed, auto-fit's probes) this runs
+    eagerly too: the same math, its eager speed not measured."""
     proj = self.proj
     if not isinstance(proj, torch.nn.Linear) or proj.weight.requires_grad or getattr(proj, "comfy_cast_weights", False) \
             or getattr(proj, "weight_function", None) or getattr(proj, "bias_function", None):

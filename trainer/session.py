@@ -70,7 +70,7 @@ class TrainingSession:
             self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
             if old is None:
                 norms_in_compute_dtype(self.unet)  # a no-op outside autocast, so installed once
-                note = self.adapter.set_conv_layout(self.unet, device)
+                note = self.adapter.set_conv_layout(self.unet, device, self.precision.compute_dtype)
                 if note:
                     self.notes.append(note)
         if memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded"):

@@ -46,8 +46,9 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder)."""
     device = adapter.device
     memory, device_notes = resolve_for_device(memory, device)
-    attention_note = adapter.set_attention(memory.attention, memory.compile)  # an unusable backend fails here,
-    device_notes += [attention_note] if attention_note else []  # before any encoding
+    # an unusable attention backend fails here, before any encoding
+    attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
+    device_notes += [attention_note] if attention_note else []
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
               f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",

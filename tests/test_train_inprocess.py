@@ -1,5 +1,6 @@
 """train_lora with the real ComfyUI objects in this process (no server): OOM recovery and fp8 storage."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -264,6 +265,9 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     compiled = _run(adapter, dataset, replace(settings, compile=True), tmp_path, steps=3, name="compiled")
     blocks = len(adapter.prepare_compile_units(adapter.training_unet()))
     assert f"torch.compile: the diffusion model's {blocks} blocks compiled in" in compiled.report, compiled.report
+    built, loaded = map(int, re.search(r"\((\d+) graphs built, (\d+) loaded from inductor's disk cache",
+                                       compiled.report).groups())
+    assert built + loaded >= counters["stats"]["unique_graphs"] > 0  # every graph was built or came from the cache
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-3)
     assert 0 < counters["stats"]["unique_graphs"] < blocks  # reused across blocks, not one graph per block
     # transformer layers at different places in the UNet share graphs: their position is not part of the trace

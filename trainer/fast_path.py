@@ -353,6 +353,17 @@ def compiled_graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def inductor_cache_counts() -> tuple[int, int]:
+    """Graphs inductor loaded from its on-disk cache, and graphs it built, in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+def inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
+
+
 def compile_blocks(units: list[torch.nn.Module]) -> CompiledBlocks:
     """Installs compiled forwards on `units` (modules of the private training copy, not yet checkpointed)."""
     return CompiledBlocks(list(units))

@@ -17,7 +17,7 @@ from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, uses_randomness
 from .errors import is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
-from .fast_path import BatchStep, build_micro_step, compile_blocks
+from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
 from . import frozen_weights
 from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
@@ -144,7 +144,7 @@ class TrainingSession:
         caught here."""
         if not self.is_compiled:
             return []
-        started, batch = time.perf_counter(), self.run_batch_size()
+        started, batch, cached = time.perf_counter(), self.run_batch_size(), inductor_cache_counts()
         try:
             # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
             # would be compiled, then thrown away at step 1 by a second full compile).
@@ -161,8 +161,11 @@ class TrainingSession:
         if self.compiled.failed:
             return []
         self.compiled_batch = batch
+        hits, misses = (now - before for now, before in zip(inductor_cache_counts(), cached))
+        caching = (f" ({misses} graphs built, {hits} loaded from inductor's disk cache in {inductor_cache_dir()}; "
+                   "later runs load what was built, after a restart too)") if hits + misses else ""
         return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
-                f"{time.perf_counter() - started:.1f} s"]
+                f"{time.perf_counter() - started:.1f} s{caching}"]
 
     def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA (throwaway steps: the run's RNG stream is untouched)."""

@@ -202,6 +202,7 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
+    adapter.set_attention(memory.attention, compiled=memory.compile)  # as the Train node does
     if compile_variant == "fast+compile-no-resblocks":
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
         prepare = ComfyAdapter.prepare_compile_units

@@ -4,7 +4,7 @@
 #   bash bench/gpu_campaign.sh OUT caps    # 30-step rows under per-process caps, each in its own process; product path
 #   bash bench/gpu_campaign.sh OUT table   # ours vs both peers, same process, no cap (+ memory breakdown)
 #   bash bench/gpu_campaign.sh OUT bs8     # batch 8 (MFU), with cuDNN autotune (ComfyUI's --fast autotune)
-#   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py)
+#   bash bench/gpu_campaign.sh OUT profile # eager step time by kernel family (bench/profile_step.py; GRAPHS=1: replayed graphs)
 #   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
 #   bash bench/gpu_campaign.sh OUT issue4  # issue 4's "Done when" rows in one bench run: both models, both peers, bs8, compile
 #   bash bench/gpu_campaign.sh OUT compile # compile warm-up cold and again with inductor's on-disk caches
@@ -66,7 +66,7 @@ case "$PART" in
     timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" | tee "$OUT/kernels.txt" ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink
     for row in ${ROWS:-fast:8 lean:1 fast:1}; do
-      timeout "${LIMIT:-150}" python3 -m bench.profile_step --models "${MODELS:-sdxl}" --configs "${row%%:*}" --batch "${row#*:}" \
+      timeout "${LIMIT:-150}" python3 -m bench.profile_step --models "${MODELS:-sdxl}" --configs "${row%%:*}" --batch "${row#*:}" ${GRAPHS:+--graphs} \
         --steps 2 2>&1 | grep "^\[profile\]" | tee -a "$OUT/profile.txt"
     done ;;
 esac

@@ -1,13 +1,16 @@
 """Where a training step's GPU time goes, by kernel family, for one of our presets on a full-size model.
 
-    python -m bench.profile_step [--models sdxl] [--configs fast] [--batch 8] [--steps 2]
+    python -m bench.profile_step [--models sdxl] [--configs fast] [--batch 8] [--steps 2] [--graphs]
 
-Runs the preset's session (the Train node's code) with eager steps, so every kernel is visible to the profiler
-(a replayed CUDA graph is one opaque launch), and prints for the profiled steps: GPU busy time per kernel family
+Runs the preset's session (the Train node's code) with eager steps, so every kernel is visible to the profiler,
+and prints for the profiled steps: GPU busy time per kernel family
 (matmul, attention, convolution, normalization, elementwise, copies, optimizer, other) with its share, the
 largest kernels, and busy time against wall time (the gap is time the GPU waited for the host). The step-time
 targets are about what is left once CUDA graphs remove that gap, so this shows what a faster step must shrink.
-On CPU (`--tiny`) it profiles CPU operators instead: a smoke test of the script."""
+`--graphs` profiles replayed CUDA graphs instead (the preset's fast path, after its capture): what the steps as
+timed really run, for waits that eager steps hide, such as activation offload's copies against compute (CUPTI
+traces the kernels inside graphs on CUDA 12; where it does not, busy time reads near zero). On CPU (`--tiny`)
+it profiles CPU operators instead: a smoke test of the script."""
 from __future__ import annotations
 
 import argparse
@@ -62,21 +65,22 @@ def summarize(events, wall_s: float, steps: int, top: int = 12, cpu: bool = Fals
     return lines
 
 
-def profile(spec, preset: str, batch: int, steps: int, device: torch.device) -> list[str]:
+def profile(spec, preset: str, batch: int, steps: int, device: torch.device, graphs: bool = False) -> list[str]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from trainer.loop import train_loop
 
     work = make_workload(spec, batch, device)
-    memory = replace(presets()[preset], batch_size=batch, fast_path="off")
+    memory = replace(presets()[preset], batch_size=batch)
+    memory = memory if graphs else replace(memory, fast_path="off")
     session, _, _, _ = start_session(work, memory, steps + 1)
 
     def run(n: int) -> None:
         train_loop(session.params, session.step, session.data, session.optimizer, session.precision, n,
                    session.memory.gradient_accumulation, lambda: False, lr_schedule=session.lr_schedule)
 
-    run(1)  # warm-up: lazy initialisation and cuDNN/cuBLAS heuristics stay out of the profile
+    run(2 if graphs else 1)  # warm-up: lazy initialisation, cuDNN/cuBLAS heuristics and capture stay out
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with torch_profile(activities=activities) as prof:
@@ -86,7 +90,8 @@ def profile(spec, preset: str, batch: int, steps: int, device: torch.device) -> 
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - started
     events = prof.key_averages()
-    header = f"{spec.name}@{spec.resolution} {preset} batch {batch}, eager steps: {session.memory.describe()}"
+    kind = "replayed CUDA graphs" if getattr(session.micro_step, "graphs", None) else "eager steps"
+    header = f"{spec.name}@{spec.resolution} {preset} batch {batch}, {kind}: {session.memory.describe()}"
     session.close()
     free_device_memory(device)  # what the session still holds goes when this frame ends
     return [header, *summarize(events, wall, steps, cpu=not cuda)]
@@ -99,13 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="the CPU smoke model (sd15-tiny)")
+    parser.add_argument("--graphs", action="store_true", help="profile replayed CUDA graphs, not eager steps")
     args = parser.parse_args(argv)
     import comfy.model_management
     device = comfy.model_management.get_torch_device()
     models = ["sd15-tiny"] if args.tiny else args.models.split(",")
     for model in models:
         for preset in args.configs.split(","):
-            for line in profile(SPECS[model], preset, args.batch, args.steps, device):
+            for line in profile(SPECS[model], preset, args.batch, args.steps, device, args.graphs):
                 print(f"[profile] {line}", flush=True)
 
 

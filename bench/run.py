@@ -52,7 +52,7 @@ from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_AL
                          PeerUnavailable, StepClock, Workload, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
 from trainer.errors import is_out_of_memory, one_line  # noqa: E402
-from trainer.fast_path import compiled_graph_count  # noqa: E402
+from trainer.fast_path import compiled_graph_count, inductor_cache_counts  # noqa: E402
 
 
 # --- models ---
@@ -310,11 +310,11 @@ def _compile_note() -> str:
     """What dynamo and inductor did in this process so far: graphs compiled, how many of them inductor's on-disk
     caches served, and where compile time went (graphs compiled after step 1 are the product report's own note)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
-    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    aot, (hits, misses) = counters["aot_autograd"], inductor_cache_counts()
     # nested phases: an outer one includes its inner ones
     phases = sorted(compilation_time_metrics.items(), key=lambda item: -sum(item[1]))[:10]
     return (f"torch.compile: {compiled_graph_count()} graphs in this process; inductor cache "
-            f"{inductor['fxgraph_cache_hit']} hits / {inductor['fxgraph_cache_miss']} misses, autograd cache "
+            f"{hits} hits / {misses} misses, autograd cache "
             f"{aot['autograd_cache_hit']} hits / {aot['autograd_cache_miss']} misses; phases (s): "
             + ", ".join(f"{name} {sum(times):.1f}" for name, times in phases))
 

@@ -26,6 +26,12 @@ from .layout import memory_format_of
 MIN_BYTES = 1 << 20
 
 
+def _spec(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.memory_format]:
+    """What a host buffer for `tensor` must match. The layout too: a channels-last activation in an NCHW buffer
+    would be transposed by both copies and come back in the layout its convolution converts again."""
+    return tensor.shape, tensor.dtype, memory_format_of(tensor)
+
+
 class _Saved:
     """A saved tensor waiting on the host, with its position in the pass's pack order."""
     __slots__ = ("index", "device", "host", "fetched", "used", "pass_number")
@@ -65,18 +71,17 @@ class ActivationOffload:
                 and tensor.numel() * tensor.element_size() >= self.min_bytes)
 
     def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        layout = memory_format_of(tensor)  # kept on the host and back: a channels-last activation in an NCHW
-        # buffer would be transposed by both copies and come back in the layout its convolution converts again
+        spec = _spec(tensor)
         if self._static is not None:  # capturing: the buffer recorded for this position
-            if self._next >= len(self._static) or self._static[self._next].shape != tensor.shape \
-                    or self._static[self._next].dtype != tensor.dtype or memory_format_of(self._static[self._next]) != layout:
+            if self._next >= len(self._static) or _spec(self._static[self._next]) != spec:
                 raise RuntimeError("activation offload: the captured pass saves other tensors than the warm-up did")
             buffer = self._static[self._next]
             self._next += 1
             return buffer
         if self._recording:
-            self.recorded.append((tensor.shape, tensor.dtype, layout))
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available(), memory_format=layout)
+            self.recorded.append(spec)
+        shape, dtype, layout = spec
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available(), memory_format=layout)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._copy_stream is None:
@@ -168,7 +173,7 @@ class ActivationOffload:
         self._pass_number += 1
 
     def _signature(self) -> list:
-        return [(saved.host.shape, saved.host.dtype, memory_format_of(saved.host)) for saved in self._saved]
+        return [_spec(saved.host) for saved in self._saved]
 
     @contextlib.contextmanager
     def saving(self, record: bool = False) -> Iterator[None]:

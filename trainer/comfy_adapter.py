@@ -193,16 +193,16 @@ class ComfyAdapter:
             raise LeanLoRAError("attention: xformers is not usable here (it needs an NVIDIA GPU and an importable "
                                 "xformers matching your torch); choose 'pytorch SDPA' or 'auto'")
         kernel = comfy_attention.optimized_attention if backend == "auto" else kernels[backend]
+        note = None
         if compiled and kernel in (comfy_attention.attention_sub_quad, comfy_attention.attention_split):
-            uncompiled = torch.compiler.disable(kernel)
-            self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: uncompiled(*a, **k)}
-            return (f"attention: {kernel.__name__} reads free memory on every call, so it runs outside the compiled "
+            note = (f"attention: {kernel.__name__} reads free memory on every call, so it runs outside the compiled "
                     "graphs (compiled, each step would compile again); 'pytorch SDPA' compiles into them")
-        if backend == "auto":
+            kernel = torch.compiler.disable(kernel)
+        elif backend == "auto":
             self.transformer_options = {}
-        else:
-            self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: kernel(*a, **k)}
-        return None
+            return None
+        self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: kernel(*a, **k)}
+        return note
 
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)

@@ -150,7 +150,6 @@ class TrainingSession:
             # would be compiled, then thrown away at step 1 by a second full compile).
             self.throwaway_step(self.largest_batch(batch))
         except Exception as error:
-            self.optimizer.zero_grad(set_to_none=True)  # a failed step may have left gradients behind
             if is_out_of_memory(error):
                 self.free_failed_step(error)
                 return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
@@ -185,7 +184,6 @@ class TrainingSession:
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise
-            self.optimizer.zero_grad(set_to_none=True)
             self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
             return estimate
 
@@ -230,9 +228,9 @@ class TrainingSession:
         rng = self.generator.get_state()
         try:
             self.micro_step.forward_backward(self.inputs(batch), 1)
-        finally:
+        finally:  # also when it failed part-way (compile errors, out of memory): no gradients left behind
             self.generator.set_state(rng)
-        self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
 
     def inputs(self, batch) -> dict[str, torch.Tensor]:
         """One batch with its random draws, on the device. Copies go through pinned memory without blocking,
@@ -316,7 +314,6 @@ def fit_to_budget(session: TrainingSession, budget: int) -> tuple[MemoryEstimate
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            session.optimizer.zero_grad(set_to_none=True)
             estimate, total = None, None  # even the small probe did not fit
         # Losing CUDA graphs costs more speed (4-6x at batch 1) than any rung, so their pool counts in the fit.
         extra = session.micro_step.extra_memory(estimate) if total is not None else 0

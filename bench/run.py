@@ -131,8 +131,9 @@ def presets() -> dict:
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
              "gc+fp8+offload": M("bf16", True, 1, 1, "AdamW", "fp8", activation_offload=True),
              "fast+compile": replace(base["fast"], compile=True),
-             # compile experiments (bench only, see COMPILE_VARIANTS)
-             **{name: replace(base["fast"], compile=True) for name in COMPILE_VARIANTS},
+             # compile experiments (bench only, see COMPILE_VARIANTS): fast+compile-<variant>, lean+compile-<variant>
+             **{f"{preset}+compile-{variant}": replace(base[preset], compile=True)
+                for preset in ("fast", "lean") for variant in COMPILE_VARIANTS},
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
              "lean+compile": replace(base["lean"], compile=True),
              # experiment: convolution weights forced channels-last (see start_session); the product already
@@ -144,39 +145,15 @@ def presets() -> dict:
     return {**base, **parts, **{f"{name}-eager": replace(m, fast_path="off") for name, m in {**base, **parts}.items()}}
 
 
-# compile experiments: preset -> what compiles instead of the product's units (ResBlocks + transformer layers)
-COMPILE_VARIANTS = {"fast+compile-no-resblocks": "transformer layers only: fewer graphs, faster compile",
-                    "fast+compile-modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)",
-                    "fast+compile-normsilu": "transformer layers + one shape-generic GroupNorm+SiLU graph for all ResBlocks"}
+# compile experiments: variant -> what compiles instead of the product's units (ResBlocks + transformer layers)
+COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, faster compile",
+                    "modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)",
+                    "hires": "transformer layers + the ResBlocks outside the deepest level (SDXL: 8 of 13 shapes)",
+                    "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)"}
 # offload experiments: preset -> ActivationOffload class settings for that row
 OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
                     "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
-
-
-def _group_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float):
-    return torch.nn.functional.silu(torch.nn.functional.group_norm(x, groups, weight, bias, eps))
-
-
-class _NormSiLU(torch.nn.Module):
-    """Compile experiment (fast+compile-normsilu): a ResBlock's GroupNorm + SiLU as one compiled function with
-    symbolic sizes, its weights passed as plain tensors, so every ResBlock shares one graph (instead of one
-    compile per ResBlock shape, 12 on SDXL); in the compute dtype, as trainer/precision's norms. SD1.5/SDXL
-    ResBlocks only: with use_scale_shift_norm the SiLU follows the scale and shift, not the norm."""
-    compiled = None
-
-    def __init__(self, norm: torch.nn.GroupNorm):
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _NormSiLU.compiled is None:
-            _NormSiLU.compiled = torch.compile(_group_norm_silu, dynamic=True)
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        weight, bias = self.norm.weight.to(x.device, dtype), self.norm.bias.to(x.device, dtype)
-        with torch.autocast(device_type, enabled=False):
-            return _NormSiLU.compiled(x.to(dtype), weight, bias, self.norm.num_groups, self.norm.eps)
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
@@ -203,24 +180,19 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
     adapter.set_attention(memory.attention, compiled=memory.compile)  # as the Train node does
-    if compile_variant == "fast+compile-no-resblocks":
-        from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
-        prepare = ComfyAdapter.prepare_compile_units
-        adapter.prepare_compile_units = lambda unet: [m for m in prepare(adapter, unet) if not isinstance(m, ResBlock)]
-    elif compile_variant == "fast+compile-normsilu":
+    if compile_variant in ("no-resblocks", "hires"):
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
         prepare = ComfyAdapter.prepare_compile_units
 
-        def layers_and_fused_norms(unet):
-            units = [m for m in prepare(adapter, unet) if not isinstance(m, ResBlock)]
-            for block in (m for m in unet.modules() if isinstance(m, ResBlock)):
-                for sequence in (block.in_layers, block.out_layers):
-                    sequence[0], sequence[1] = _NormSiLU(sequence[0]), torch.nn.Identity()
-            return units
-        adapter.prepare_compile_units = layers_and_fused_norms
-    elif compile_variant == "fast+compile-modules":
+        def without_some_resblocks(unet):
+            units = prepare(adapter, unet)
+            deepest = max(m.out_channels for m in units if isinstance(m, ResBlock))
+            return [m for m in units if not isinstance(m, ResBlock)
+                    or (compile_variant == "hires" and m.out_channels < deepest)]
+        adapter.prepare_compile_units = without_some_resblocks
+    elif compile_variant == "modules":
         adapter.prepare_compile_units = lambda unet: ComfyAdapter.prepare_compile_units(adapter, unet, scope="modules")
-    elif compile_variant is not None:
+    elif compile_variant not in (None, "pw1"):
         raise ValueError(f"bench: unknown compile variant {compile_variant!r}")
     unet = base.diffusion_model
     unet.requires_grad_(False)
@@ -246,7 +218,11 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     try:
         for name, value in overrides.items():
             setattr(ActivationOffload, name, value)
-        return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
+        # compile experiment pw1: inductor's setting for every graph this row compiles
+        import torch._inductor.config as inductor_config
+        inductor = {"triton.autotune_pointwise": False} if _compile_variant(preset) == "pw1" else {}
+        with inductor_config.patch(inductor):
+            return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
     finally:
         for name, value in defaults.items():
             setattr(ActivationOffload, name, value)
@@ -302,8 +278,8 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
 
 
 def _compile_variant(preset: str) -> str | None:
-    name = preset.removesuffix("-eager")
-    return name if name in COMPILE_VARIANTS else None
+    variant = preset.removesuffix("-eager").partition("+compile-")[2]
+    return variant if variant in COMPILE_VARIANTS else None
 
 
 def _compile_note() -> str:

@@ -39,7 +39,7 @@ case "$PART" in
     for name in "$OUT"/cold_* "$OUT"/cached; do tail -n +3 "$name/table.txt" 2>/dev/null | head -2; done ;;
   issue4)  # compile last: the bench's budget estimates each row from the slowest so far
     LIMIT=${LIMIT:-570} run issue4 --models sd15,sdxl --steps 8 --warmup 2 --budget-s "${BUDGET:-550}" --configs \
-      "${CONFIGS:-fast,lean,diffusers,comfyui,sdxl/fast:bs8,sdxl/diffusers:bs8,sdxl/comfyui:bs8,sdxl/fast+compile:bs8,sdxl/fast+compile:bs8:autotune}"
+      "${CONFIGS:-fast,lean,diffusers,comfyui,sdxl/fast:bs8,sdxl/diffusers:bs8,sdxl/comfyui:bs8,sdxl/fast+compile:bs8,sdxl/fast+compile:bs8:autotune,sdxl/lean+compile,sdxl/fast+compile}"
     cat "$OUT/issue4/table.txt" 2>/dev/null | tail -14 ;;
   caps)
     for row in ${ROWS:-sdxl:lean@3 sdxl:leanest@2 sd15:leanest@1 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8}; do

@@ -148,7 +148,7 @@ def presets() -> dict:
 # compile experiments: variant -> what compiles instead of the product's units (ResBlocks + transformer layers)
 COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, faster compile",
                     "modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)",
-                    "hires": "transformer layers + the ResBlocks outside the deepest level (SDXL: 8 of 13 shapes)",
+                    "all-resblocks": "transformer layers + every ResBlock (the product's units before campaign 9)",
                     "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)"}
 # offload experiments: preset -> ActivationOffload class settings for that row
 OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
@@ -180,16 +180,15 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
     adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
     adapter.set_attention(memory.attention, compiled=memory.compile)  # as the Train node does
-    if compile_variant in ("no-resblocks", "hires"):
+    if compile_variant in ("no-resblocks", "all-resblocks"):
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
         prepare = ComfyAdapter.prepare_compile_units
 
-        def without_some_resblocks(unet):
-            units = prepare(adapter, unet)
-            deepest = max(m.out_channels for m in units if isinstance(m, ResBlock))
-            return [m for m in units if not isinstance(m, ResBlock)
-                    or (compile_variant == "hires" and m.out_channels < deepest)]
-        adapter.prepare_compile_units = without_some_resblocks
+        def other_resblocks(unet):
+            layers = [m for m in prepare(adapter, unet) if not isinstance(m, ResBlock)]
+            every = [m for m in unet.modules() if isinstance(m, ResBlock)]
+            return every + layers if compile_variant == "all-resblocks" else layers
+        adapter.prepare_compile_units = other_resblocks
     elif compile_variant == "modules":
         adapter.prepare_compile_units = lambda unet: ComfyAdapter.prepare_compile_units(adapter, unet, scope="modules")
     elif compile_variant not in (None, "pw1"):

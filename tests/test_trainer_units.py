@@ -546,6 +546,32 @@ def test_split_geglu_computes_comfyuis_geglu_and_leaves_per_call_cast_projection
     assert calls == [1, 1, 1]
 
 
+def test_compile_leaves_the_resblocks_of_the_widest_level_eager(comfy_objects):
+    """Every ResBlock shape costs a cold compile of its own; at the UNet's widest channel count (its smallest images)
+    compiling gains least (campaign 9, SDXL: 28 s of compiling for 1% of a batch-8 step). prepare_compile_units
+    leaves those ResBlocks out, keeps the others and every transformer layer, and keeps all ResBlocks of a
+    one-width UNet (the tiny checkpoint's)."""
+    import comfy.ops
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, UNetModel
+    from trainer.comfy_adapter import ComfyAdapter
+    adapter = ComfyAdapter(*comfy_objects)
+    two_widths = UNetModel(image_size=8, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1, 1],
+                           channel_mult=[1, 2], transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
+                           transformer_depth_middle=1, context_dim=16, num_head_channels=16,
+                           use_spatial_transformer=True, use_linear_in_transformer=True, adm_in_channels=None,
+                           operations=comfy.ops.disable_weight_init, device="cpu")
+    units = adapter.prepare_compile_units(two_widths)
+    resblocks = [m for m in two_widths.modules() if isinstance(m, ResBlock)]
+    assert {m.out_channels for m in resblocks} == {32, 64}
+    assert [m for m in units if isinstance(m, ResBlock)] == [m for m in resblocks if m.out_channels == 32]
+    layers = [m for m in two_widths.modules() if isinstance(m, BasicTransformerBlock)]
+    assert [m for m in units if isinstance(m, BasicTransformerBlock)] == layers and layers
+    one_width = adapter.training_unet()
+    assert {m for m in adapter.prepare_compile_units(one_width) if isinstance(m, ResBlock)} \
+        == {m for m in one_width.modules() if isinstance(m, ResBlock)} != set()
+
+
 def test_compile_preparation_splits_geglus_only_for_whole_layers(comfy_objects):
     """prepare_compile_units installs the split GEGLU with whole transformer layers, not with the older
     "modules" scope (whose feed-forward modules compile as they are)."""

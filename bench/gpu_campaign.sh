@@ -43,7 +43,7 @@ case "$PART" in
     cat "$OUT/issue4/table.txt" 2>/dev/null | tail -14 ;;
   caps)
     for row in ${ROWS:-sdxl:lean@3 sdxl:leanest@2 sd15:leanest@1 sdxl:autofit@4 sdxl:autofit@6 sdxl:autofit@8}; do
-      LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
+      LIMIT=${ROW_LIMIT:-75} run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
     done
     # the Train node's own path: estimate accuracy per setting, base MODEL unchanged
     [ "${PRODUCT:-1}" = 1 ] && timeout 200 python3 -m bench.product_path --out "$OUT/product" --steps 24 --budget-s 170 2>&1 | grep -v "^{" | tail -17 ;;

@@ -32,9 +32,9 @@ case "$PART" in
     rows=(${ROWS:-fast+compile:bs8 fast+compile-no-resblocks:bs8}); first=""
     for row in "${rows[@]}"; do
       export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"; first="${first:-$TORCHINDUCTOR_CACHE_DIR}"
-      LIMIT=200 run "cold_${row//[:+]/_}" --models sdxl --steps "${CSTEPS:-4}" --warmup 1 --configs "$row"
+      LIMIT=200 run "cold_${row//[:+]/_}" --models "${MODELS:-sdxl}" --steps "${CSTEPS:-4}" --warmup 1 --configs "$row"
     done
-    [ "${CACHED:-1}" = 1 ] && TORCHINDUCTOR_CACHE_DIR="$first" LIMIT=200 run cached --models sdxl --steps 6 --warmup 1 \
+    [ "${CACHED:-1}" = 1 ] && TORCHINDUCTOR_CACHE_DIR="$first" LIMIT=200 run cached --models "${MODELS:-sdxl}" --steps 6 --warmup 1 \
       --configs "${rows[0]},${rows[0]}:autotune"
     for name in "$OUT"/cold_* "$OUT"/cached; do tail -n +3 "$name/table.txt" 2>/dev/null | head -2; done ;;
   issue4)  # compile last: the bench's budget estimates each row from the slowest so far

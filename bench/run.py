@@ -136,6 +136,7 @@ def presets() -> dict:
                 for preset in ("fast", "lean") for variant in COMPILE_VARIANTS},
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
              "lean+compile": replace(base["lean"], compile=True),
+             "balanced+compile": replace(base["balanced"], compile=True),
              # experiment: convolution weights forced channels-last (see start_session); the product already
              # stores SD1.5's so on CUDA, so for SD1.5 these equal their base rows
              "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"],

@@ -60,8 +60,8 @@ class LeanLoRAMemorySettings:
                     "compute (~6 ms per SDXL step on an H200)."}),
                 "compile": ("BOOLEAN", {"default": False, "tooltip":
                     "torch.compile the diffusion model (fused kernels; needs a C++ compiler, and Triton on the "
-                    "GPU). Each repeated block (transformer layer, ResBlock outside the deepest level) is compiled "
-                    "once per batch shape and shared by its twins, before step 1, and the report says how long it "
+                    "GPU). Each repeated block (transformer layer; ResBlock, except at the deepest levels' widest "
+                    "channel count, where compiling costs more time than it saves) is compiled once per batch shape and shared by its twins, before step 1, and the report says how long it "
                     "took; another image size (bucket) or a smaller last batch compiles once more when it first "
                     "comes. Where compiling fails the report says why and training runs uncompiled. Measured on "
                     "SDXL 1024 (H200): 33-61 s of compiling the first time (about 9 s after a restart, 2 s when "

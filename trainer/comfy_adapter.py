@@ -242,8 +242,8 @@ def _resblocks_worth_compiling(unet: torch.nn.Module) -> list[torch.nn.Module]:
     gains (fused norms and activations) grows with the activations: at the widest channel count the image is
     smallest (SDXL 1024²: 1280 x 32², a quarter of the top level's elements). Campaign 9, SDXL batch 8, each cold
     on H200 machines: all ResBlocks compiled in 90 s (0.3246 s/step) and 112 s (0.3194, one kernel config fewer);
-    without the widest level's 5 shapes, 61 s (0.3229); without any ResBlock, 19 s (0.3311). A one-width UNet
-    keeps all of its ResBlocks."""
+    without the widest level's 5 shapes, 61 s (0.3229; 44 s in the issue-4 run); without any ResBlock, 19 s
+    (0.3311). A one-width UNet keeps all of its ResBlocks."""
     resblocks = [m for m in unet.modules() if isinstance(m, ResBlock)]
     widths = {m.out_channels for m in resblocks}
     if len(widths) < 2:

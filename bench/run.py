@@ -137,6 +137,9 @@ def presets() -> dict:
              "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
              "lean+compile": replace(base["lean"], compile=True),
              "balanced+compile": replace(base["balanced"], compile=True),
+             # lean's parts compiled: what each costs at equal (compiled) settings
+             "gc+fp8+compile": M("bf16", True, 1, 1, "AdamW", "fp8", compile=True),
+             "gc+fp8+8bit+compile": M("bf16", True, 1, 1, "AdamW8bit", "fp8", compile=True),
              # experiment: convolution weights forced channels-last (see start_session); the product already
              # stores SD1.5's so on CUDA, so for SD1.5 these equal their base rows
              "fast+cl": base["fast"], "balanced+cl": base["balanced"], "lean+cl": base["lean"],

@@ -153,7 +153,11 @@ def presets() -> dict:
 COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, faster compile",
                     "modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)",
                     "all-resblocks": "transformer layers + every ResBlock (the product's units before campaign 9)",
-                    "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)"}
+                    "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)",
+                    "combo": "the product's units, inductor's combo kernels (independent small kernels of a graph, "
+                             "such as the fp8 upcasts and LoRA weight casts of one layer, as one launch)"}
+# compile experiments set inductor options for every graph their row compiles
+INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "combo": {"combo_kernels": True}}
 # offload experiments: preset -> ActivationOffload class settings for that row
 OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
                     "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
@@ -195,7 +199,7 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         adapter.prepare_compile_units = other_resblocks
     elif compile_variant == "modules":
         adapter.prepare_compile_units = lambda unet: ComfyAdapter.prepare_compile_units(adapter, unet, scope="modules")
-    elif compile_variant not in (None, "pw1"):
+    elif compile_variant not in (None, *INDUCTOR_OPTIONS):
         raise ValueError(f"bench: unknown compile variant {compile_variant!r}")
     unet = base.diffusion_model
     unet.requires_grad_(False)
@@ -221,10 +225,8 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     try:
         for name, value in overrides.items():
             setattr(ActivationOffload, name, value)
-        # compile experiment pw1: inductor's setting for every graph this row compiles
         import torch._inductor.config as inductor_config
-        inductor = {"triton.autotune_pointwise": False} if _compile_variant(preset) == "pw1" else {}
-        with inductor_config.patch(inductor):
+        with inductor_config.patch(INDUCTOR_OPTIONS.get(_compile_variant(preset), {})):
             return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
     finally:
         for name, value in defaults.items():

@@ -52,6 +52,7 @@ from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_AL
                          PeerUnavailable, StepClock, Workload, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
 from trainer.errors import is_out_of_memory, one_line  # noqa: E402
+from trainer import fast_path  # noqa: E402
 from trainer.fast_path import compiled_graph_count, inductor_cache_counts  # noqa: E402
 
 
@@ -154,10 +155,10 @@ COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, fast
                     "modules": "ResBlocks + attention and feed-forward modules (campaign 6's units)",
                     "all-resblocks": "transformer layers + every ResBlock (the product's units before campaign 9)",
                     "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)",
-                    "combo": "the product's units, inductor's combo kernels (independent small kernels of a graph, "
-                             "such as the fp8 upcasts and LoRA weight casts of one layer, as one launch)"}
-# compile experiments set inductor options for every graph their row compiles
-INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "combo": {"combo_kernels": True}}
+                    "no-combo": "the product's units without inductor's combo kernels (the product before "
+                                "campaign 10: a layer's small independent kernels launched one by one)"}
+# compile experiments change the product's inductor options (trainer.fast_path.INDUCTOR_OPTIONS) for their row
+INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "no-combo": {"combo_kernels": False}}
 # offload experiments: preset -> ActivationOffload class settings for that row
 OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
                     "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
@@ -222,15 +223,17 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
     from trainer.activation_offload import ActivationOffload
     overrides = OFFLOAD_VARIANTS.get(preset.removesuffix("-eager"), {})
     defaults = {name: getattr(ActivationOffload, name) for name in overrides}
+    product_options = fast_path.INDUCTOR_OPTIONS
     try:
         for name, value in overrides.items():
             setattr(ActivationOffload, name, value)
-        import torch._inductor.config as inductor_config
-        with inductor_config.patch(INDUCTOR_OPTIONS.get(_compile_variant(preset), {})):
-            return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
+        fast_path.INDUCTOR_OPTIONS = {**product_options, **INDUCTOR_OPTIONS.get(_compile_variant(preset), {})}
+        _forget_graphs_compiled_otherwise(presets()[preset if preset != "autofit" else "fast"].compile)
+        return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
     finally:
         for name, value in defaults.items():
             setattr(ActivationOffload, name, value)
+        fast_path.INDUCTOR_OPTIONS = product_options
 
 
 def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
@@ -280,6 +283,20 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     session.close()
     out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out
+
+
+_compiled_with: dict | None = None  # the inductor options of this process's compiled graphs
+
+
+def _forget_graphs_compiled_otherwise(compiles: bool) -> None:
+    """Dynamo hands a row the graphs an earlier row compiled (same code, guards pass), whatever inductor options
+    are set now: a compile row whose options differ from the last compile row's starts from a reset dynamo."""
+    global _compiled_with
+    if not compiles or fast_path.INDUCTOR_OPTIONS == _compiled_with:
+        return
+    if _compiled_with is not None:
+        torch._dynamo.reset()
+    _compiled_with = dict(fast_path.INDUCTOR_OPTIONS)
 
 
 def _compile_variant(preset: str) -> str | None:

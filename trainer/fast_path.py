@@ -32,6 +32,10 @@ ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 GRAPH_OVERHEAD = 160 * 2 ** 20
 GRAPH_ACTIVATION_SHARE = 0.1
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
+# Inductor settings for the compiled blocks. Combo kernels launch a graph's small independent kernels (a layer's
+# fp8 upcasts, its LoRA weights' casts) as one: H200, SDXL 1024² batch 1, each cold in its own process, lean with
+# compile went from 0.1203 to 0.1124 s/step and fast from 0.0728 to 0.0704, compile time unchanged (campaign 10).
+INDUCTOR_OPTIONS = {"combo_kernels": True}
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
 
 
@@ -295,12 +299,13 @@ class CompiledBlocks:
         self.notes: list[str] = []
         self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
         self.paused = False  # blocks run their eager forward meanwhile (see uncompiled)
+        options = inductor_options()
         for unit in units:
             # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
             # sizes symbolic after the second block shape (slower kernels for every later shape) without saving a
             # compile (parameter shapes stay specialized). Each new batch shape (another aspect bucket, a bucket's
             # smaller remainder) costs one compile, once per process; compile_now compiles the run's own.
-            unit.forward = self._guarded(torch.compile(unit.forward, dynamic=False), unit.forward)
+            unit.forward = self._guarded(torch.compile(unit.forward, dynamic=False, options=options), unit.forward)
 
     def _guarded(self, compiled, eager):
         def forward(*args, **kwargs):
@@ -345,6 +350,14 @@ class CompiledBlocks:
         wrapped it since, and must stay)."""
         self.failed = one_line(error)
         self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
+
+
+def inductor_options() -> dict:
+    """INDUCTOR_OPTIONS this torch's inductor knows: an older one without a setting compiles without it, where
+    torch.compile would refuse the unknown name and leave the whole model eager."""
+    import torch._inductor.config as inductor_config
+    known = inductor_config.get_config_copy()
+    return {name: value for name, value in INDUCTOR_OPTIONS.items() if name in known}
 
 
 def compiled_graph_count() -> int:

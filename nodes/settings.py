@@ -64,9 +64,9 @@ class LeanLoRAMemorySettings:
                     "channel count, where compiling costs more time than it saves) is compiled once per batch shape and shared by its twins, before step 1, and the report says how long it "
                     "took; another image size (bucket) or a smaller last batch compiles once more when it first "
                     "comes. Where compiling fails the report says why and training runs uncompiled. Measured on "
-                    "SDXL 1024 (H200): 33-61 s of compiling the first time (about 9 s after a restart, 2 s when "
+                    "SDXL 1024 (H200): 33-62 s of compiling the first time (about 9 s after a restart, 2 s when "
                     "re-queued), then at batch 8 14% faster steps and 7 GiB less memory; with fp8 weights, "
-                    "checkpointing and offload (lean) 11% faster steps."}),
+                    "checkpointing and offload (lean) 15-24% faster steps."}),
                 "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
                     "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
                     "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "

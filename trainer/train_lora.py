@@ -91,7 +91,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     started = time.perf_counter()  # reset below, once the estimate's probe steps are done
     estimate = None
     try:
-        # compiling is silent and long the first time (H200 machines: SDXL 33-61 s, SD1.5 with fp8 weights 83 s)
+        # compiling is silent and long the first time (H200 machines: SDXL 33-62 s, SD1.5 with fp8 weights 83 s)
         emit(kind="phase", text="compiling the diffusion model (torch.compile: about a minute the first time), "
              "then measuring memory" if memory.compile else "measuring memory before step 1")
         estimate, fit_lines = session.start(memory)

@@ -417,6 +417,25 @@ def test_compiled_blocks_compile_with_the_inductor_options_this_torch_knows(monk
     torch._dynamo.reset()
 
 
+def test_blocks_compile_without_the_extra_inductor_options_where_those_fail(monkeypatch):
+    """Combo kernels are newer than the rest of inductor: where compiling with an extra option fails, the blocks
+    compile without it (and the report says so) instead of the whole model running eagerly."""
+    from trainer import fast_path
+    # known to inductor, and fails while compiling a Linear: no GEMM backend to choose from
+    monkeypatch.setattr(fast_path, "INDUCTOR_OPTIONS", {"max_autotune": True, "max_autotune_gemm_backends": "NONE"})
+    torch._dynamo.reset()
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)]
+    compiled = fast_path.CompiledBlocks(blocks)
+    before = fast_path.compiled_graph_count()
+    x = torch.randn(3, 8)
+    for block in blocks:
+        torch.testing.assert_close(block(x), block[1](block[0](x)))
+    assert compiled.failed is None and compiled.options == {}
+    assert fast_path.compiled_graph_count() > before  # compiled, not eager
+    assert len(compiled.notes) == 1 and "max_autotune, max_autotune_gemm_backends failed here" in compiled.notes[0]
+    torch._dynamo.reset()
+
+
 def test_offload_keeps_channels_last_activations_channels_last(stand_in_streams):
     """Conv activations are NHWC once conv weights are (SD1.5 on CUDA): an NCHW host buffer would transpose each
     copy, and the tensor would come back in the layout its convolution must convert again."""

@@ -299,23 +299,33 @@ class CompiledBlocks:
         self.notes: list[str] = []
         self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
         self.paused = False  # blocks run their eager forward meanwhile (see uncompiled)
-        options = inductor_options()
+        self.options = inductor_options()  # emptied if compiling with them fails (see _guarded)
         for unit in units:
-            # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
-            # sizes symbolic after the second block shape (slower kernels for every later shape) without saving a
-            # compile (parameter shapes stay specialized). Each new batch shape (another aspect bucket, a bucket's
-            # smaller remainder) costs one compile, once per process; compile_now compiles the run's own.
-            unit.forward = self._guarded(torch.compile(unit.forward, dynamic=False, options=options), unit.forward)
+            unit.forward = self._guarded(unit.forward)
 
-    def _guarded(self, compiled, eager):
+    def _guarded(self, eager):
+        compiled = {}  # inductor options -> this block's compiled forward
+
         def forward(*args, **kwargs):
             if self.failed or self.paused:
                 return eager(*args, **kwargs)
+            options = tuple(sorted(self.options.items()))
+            if options not in compiled:
+                # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
+                # sizes symbolic after the second block shape (slower kernels for every later shape) without saving
+                # a compile (parameter shapes stay specialized). Each new batch shape (another aspect bucket, a
+                # bucket's smaller remainder) costs one compile, once per process; compile_now compiles the run's.
+                compiled[options] = torch.compile(eager, dynamic=False, options=dict(options))
             try:
-                return compiled(*args, **kwargs)
+                return compiled[options](*args, **kwargs)
             except Exception as error:
                 if not is_compile_error(error):
                     raise
+                if self.options:  # a newer inductor feature can fail where plain compiling works: try that first
+                    self.notes.append(f"torch.compile with inductor's {', '.join(self.options)} failed here "
+                                      f"({one_line(error)}); compiling without")
+                    self.options = {}
+                    return forward(*args, **kwargs)
                 self.fall_back(error)
                 return eager(*args, **kwargs)
         forward.leanlora_compiled = True

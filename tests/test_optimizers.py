@@ -9,7 +9,7 @@ import torch
 from trainer.errors import LeanLoRAError
 from trainer.loop import train_loop
 from trainer.lora import inject_lora
-from trainer.optimizers import (OPTIMIZERS, build_optimizer, optimizer_state_bytes,
+from trainer.optimizers import (MIN_8BIT_SIZE, OPTIMIZERS, build_optimizer, optimizer_state_bytes,
                                 optimizer_state_bytes_per_param)
 from trainer.precision import Precision
 from trainer.settings import LoraSettings
@@ -179,6 +179,25 @@ def test_flat_bitsandbytes_steps_train_like_per_tensor_steps(name):
         assert p.grad is not None and p.grad.untyped_storage().data_ptr() == flat_param.grad.untyped_storage().data_ptr()
     assert flat == per_tensor
     assert _measured_state_bytes(optimizer) == optimizer_state_bytes(name, [flat_param])
+
+
+def test_the_chosen_optimizer_is_built_once_on_the_tensors_it_steps(monkeypatch):
+    """Availability is settled by the probe step alone: the flat optimizer is the only one built on the LoRA
+    tensors (it used to be built per tensor first, then again on the flat buffer)."""
+    import bitsandbytes as bnb
+    built = []
+    original = bnb.optim.AdamW8bit.__init__
+
+    def counting_init(self, params, *args, **kwargs):
+        params = list(params)
+        built.append([tuple(p.shape) for p in params])
+        original(self, params, *args, **kwargs)
+    monkeypatch.setattr(bnb.optim.AdamW8bit, "__init__", counting_init)
+    params = [torch.nn.Parameter(torch.zeros(16, 320)), torch.nn.Parameter(torch.zeros(320, 16))]
+    optimizer, note = build_optimizer("AdamW8bit", params, 1e-3, device=CPU, flat=True)
+    assert note is None and type(optimizer).__name__ == "AdamW8bit"
+    probes = [[(1,), (MIN_8BIT_SIZE,)]]
+    assert built == probes + [[(2 * 16 * 320,)]]
 
 
 def test_flat_gradients_are_zeroed_in_place_and_reattached():

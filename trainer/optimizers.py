@@ -58,7 +58,8 @@ def _torch_adamw(params, lr, weight_decay, device):
                              **({"fused": True} if fused else {"foreach": True}))
 
 
-def _bitsandbytes(name, params, lr, weight_decay, device):
+def _bitsandbytes(name, device):
+    """The bitsandbytes optimizer class's builder, once a probe step showed that it runs on `device`."""
     if name == "PagedAdamW8bit" and device.type != "cuda":
         # bitsandbytes pages through CUDA unified memory; elsewhere it warns and silently keeps plain 8-bit state.
         raise _Unavailable(f"paging needs a CUDA device, this is {device.type}", "")
@@ -69,10 +70,10 @@ def _bitsandbytes(name, params, lr, weight_decay, device):
     cls = getattr(bnb.optim, name)
     try:
         _probe(cls, device)
-        return cls(params, lr=lr, weight_decay=weight_decay)
     except Exception as error:
         raise _Unavailable(f"bitsandbytes {bnb.__version__} cannot run {name} on {device} ({_short(error)})",
                            f"{_INSTALL_BNB}; a build for this device may not exist yet.") from error
+    return lambda params, lr, weight_decay: cls(params, lr=lr, weight_decay=weight_decay)
 
 
 def _probe(cls, device: torch.device) -> None:
@@ -87,15 +88,15 @@ def _probe(cls, device: torch.device) -> None:
         raise RuntimeError("a probe step left the weights unchanged or not finite")
 
 
-def _adafactor(params, lr, weight_decay):
+def _adafactor():
     try:
         from transformers.optimization import Adafactor
     except Exception as error:
         raise _Unavailable(f"transformers could not be imported ({_short(error)})",
                            "To use it, pip install transformers into ComfyUI's Python (ComfyUI itself needs it).") from error
     # kohya's settings for a fixed, user-chosen learning rate (no relative step, no parameter-scale factor).
-    return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False,
-                     weight_decay=weight_decay)
+    return lambda params, lr, weight_decay: Adafactor(params, lr=lr, scale_parameter=False, relative_step=False,
+                                                      warmup_init=False, weight_decay=weight_decay)
 
 
 class FlatParameters:
@@ -181,12 +182,14 @@ class BF16Weights(FlatParameters):
         optimizer.step = types.MethodType(bf16_step, optimizer)
 
 
-def _build(name, params, lr, weight_decay, device):
+def _maker(name, device):
+    """How to build optimizer `name` on given tensors, or _Unavailable. Checked before any tensor is touched, so
+    the LoRA tensors are flattened (or made bf16) once, for the optimizer that will step them."""
     if name == "AdamW":
-        return _torch_adamw(params, lr, weight_decay, device)
+        return lambda params, lr, weight_decay: _torch_adamw(params, lr, weight_decay, device)
     if name == "Adafactor":
-        return _adafactor(params, lr, weight_decay)
-    return _bitsandbytes(name, params, lr, weight_decay, device)
+        return _adafactor()
+    return _bitsandbytes(name, device)
 
 
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 1e-2, *,
@@ -201,7 +204,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
     todos = []
     for candidate in _CHAINS[name]:  # every chain ends with torch AdamW, which always builds
         try:
-            optimizer = _build(candidate, params, lr, weight_decay, device)
+            make = _maker(candidate, device)
             break
         except _Unavailable as missing:
             whys.setdefault(missing.why, []).append(candidate)
@@ -210,11 +213,13 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
     flat_params = None
     if bf16_weights and params:
         flat_params = BF16Weights(params)
-        optimizer = _build(candidate, flat_params.proxies, lr, weight_decay, device)
+        optimizer = make(flat_params.proxies, lr, weight_decay)
         flat_params.wrap_step(optimizer)  # this instance only
     elif flat and candidate in _BITSANDBYTES and params:
         flat_params = FlatParameters(params)
-        optimizer = _build(candidate, [flat_params.param], lr, weight_decay, device)
+        optimizer = make([flat_params.param], lr, weight_decay)
+    else:
+        optimizer = make(params, lr, weight_decay)
     if flat_params is not None:
         optimizer.leanlora_flat = flat_params
         optimizer.zero_grad = flat_params.zero_grad  # this instance only: gradients stay views of the flat one

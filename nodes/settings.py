@@ -13,7 +13,8 @@ class LeanLoRAMemorySettings:
                     "bf16: half the activation memory, no loss scaling needed (RTX 30xx and newer). fp16: for older "
                     "GPUs, with dynamic loss scaling (overflowed steps are skipped and counted). no: full fp32."}),
                 "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip":
-                    "Recompute activations during backward instead of storing them: much less VRAM, ~30% slower."}),
+                    "Recompute activations during backward instead of storing them: much less VRAM (SDXL 1024: 5.7 instead "
+                    "of 10.5 GiB), ~35% slower steps (the forward pass runs twice)."}),
                 "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip":
                     "Images per forward pass. More is faster per image but needs more VRAM."}),
                 "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256, "tooltip":

@@ -333,6 +333,33 @@ def test_a_failing_compiler_falls_back_to_eager_with_the_reason(adapter, dataset
         outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=2,
                        name="nocompiler")
     assert "torch.compile failed here" in outcome.report and "runs eagerly" in outcome.report
+    assert "compiled without inductor's" not in outcome.report  # compiling without combo kernels failed too
+    assert len(outcome.losses) == 2
+    torch._dynamo.reset()
+
+
+def test_a_backward_compile_failure_compiles_again_without_the_extra_inductor_options(adapter, dataset, tmp_path,
+                                                                                       monkeypatch):
+    """Inductor compiles backward graphs during the compile step's backward, outside the blocks' forwards: a
+    failure there (injected once, as a combo-kernel bug would raise it) compiles the blocks again without the
+    extra options instead of leaving the whole model eager."""
+    from torch._dynamo.exc import TorchDynamoException
+    from trainer.session import TrainingSession
+    throwaway_step, failures = TrainingSession.throwaway_step, []
+
+    def fails_once_with_options(session, batch):
+        if session.compiled is not None and session.compiled.options and not failures:
+            failures.append(dict(session.compiled.options))
+            raise TorchDynamoException("backward compile failed: a combo kernel did not build")
+        return throwaway_step(session, batch)
+    monkeypatch.setattr(TrainingSession, "throwaway_step", fails_once_with_options)
+    torch._dynamo.reset()
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, attention="pytorch SDPA", compile=True),
+                   tmp_path, steps=2, name="nocombo")
+    assert failures == [{"combo_kernels": True}]
+    assert "blocks compiled in" in outcome.report and "torch.compile failed here" not in outcome.report
+    assert "compiled without inductor's combo_kernels, which failed here (TorchDynamoException: backward compile" \
+        in outcome.report
     assert len(outcome.losses) == 2
     torch._dynamo.reset()
 

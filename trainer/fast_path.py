@@ -299,7 +299,7 @@ class CompiledBlocks:
         self.notes: list[str] = []
         self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
         self.paused = False  # blocks run their eager forward meanwhile (see uncompiled)
-        self.options = inductor_options()  # emptied if compiling with them fails (see _guarded)
+        self.options = inductor_options()  # emptied if compiling with them fails (drop_options)
         for unit in units:
             unit.forward = self._guarded(unit.forward)
 
@@ -321,11 +321,11 @@ class CompiledBlocks:
             except Exception as error:
                 if not is_compile_error(error):
                     raise
-                if self.options:  # a newer inductor feature can fail where plain compiling works: try that first
-                    self.notes.append(f"torch.compile with inductor's {', '.join(self.options)} failed here "
-                                      f"({one_line(error)}); compiling without")
-                    self.options = {}
-                    return forward(*args, **kwargs)
+                dropped = self.drop_options()
+                if dropped:  # a newer inductor feature can fail where plain compiling works: try that first
+                    result = forward(*args, **kwargs)
+                    self.note_dropped(dropped, error)
+                    return result
                 self.fall_back(error)
                 return eager(*args, **kwargs)
         forward.leanlora_compiled = True
@@ -354,6 +354,18 @@ class CompiledBlocks:
                              "began (a batch shape the compile step had not seen, such as another image size or "
                              "a smaller last batch, or settings changed by OOM recovery); training paused while "
                              "they compiled"]
+
+    def drop_options(self) -> dict:
+        """After a compile error: from now on the blocks compile without the extra inductor options. Returns the
+        options dropped; none means the error was plain compiling's own (the caller falls back to eager)."""
+        dropped, self.options = self.options, {}
+        return dropped
+
+    def note_dropped(self, dropped: dict, error: BaseException) -> None:
+        """Once compiling again without `dropped` worked (if it failed too, fall_back's note says why)."""
+        if not self.failed:
+            self.notes.append(f"torch.compile: compiled without inductor's {', '.join(dropped)}, which failed here "
+                              f"({one_line(error)})")
 
     def fall_back(self, error: BaseException) -> None:
         """From now on every block runs its eager forward (through the same wrapper: checkpointing may have

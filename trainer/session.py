@@ -145,20 +145,28 @@ class TrainingSession:
         if not self.is_compiled:
             return []
         started, batch, cached = time.perf_counter(), self.run_batch_size(), inductor_cache_counts()
-        try:
-            # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
-            # would be compiled, then thrown away at step 1 by a second full compile).
-            self.throwaway_step(self.largest_batch(batch))
-        except Exception as error:
-            if is_out_of_memory(error):
-                self.free_failed_step(error)
-                return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
-                        "memory estimate probes uncompiled steps)"]
-            if not is_compile_error(error):
-                raise
-            self.compiled.fall_back(error)
+        retried = None  # (inductor options dropped, the error compiling with them), once compiled without them
+        while not self.compiled.failed:
+            try:
+                # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
+                # would be compiled, then thrown away at step 1 by a second full compile).
+                self.throwaway_step(self.largest_batch(batch))
+                break
+            except Exception as error:
+                if is_out_of_memory(error):
+                    self.free_failed_step(error)
+                    return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
+                            "memory estimate probes uncompiled steps)"]
+                if not is_compile_error(error):
+                    raise
+                dropped = self.compiled.drop_options()  # backward compiles here: forward's retry cannot see it
+                if not dropped:
+                    self.compiled.fall_back(error)
+                retried = (dropped, error)
         if self.compiled.failed:
             return []
+        if retried:
+            self.compiled.note_dropped(*retried)
         self.compiled_batch = batch
         hits, misses = (now - before for now, before in zip(inductor_cache_counts(), cached))
         caching = (f" ({misses} graphs built, {hits} loaded from inductor's disk cache in {inductor_cache_dir()}; "

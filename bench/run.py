@@ -228,7 +228,6 @@ def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, st
         for name, value in overrides.items():
             setattr(ActivationOffload, name, value)
         fast_path.INDUCTOR_OPTIONS = {**product_options, **INDUCTOR_OPTIONS.get(_compile_variant(preset), {})}
-        _forget_graphs_compiled_otherwise(presets()[preset if preset != "autofit" else "fast"].compile)
         return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
     finally:
         for name, value in defaults.items():
@@ -246,6 +245,7 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
     if preset == "autofit":
         memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
+    _forget_graphs_compiled_otherwise(memory.compile)
     session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
                                                           compile_variant=_compile_variant(preset),
                                                           channels_last=preset.removesuffix("-eager").endswith("+cl"))

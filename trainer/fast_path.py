@@ -8,7 +8,14 @@ fused kernels), so every optimizer, bitsandbytes' included, works unchanged.
 
 The graph reads its inputs from fixed tensors and adds its gradients into the parameters' existing `.grad`
 tensors, so gradients are zeroed in place (never set to None) while graphs are in use. The first micro-step of
-each shape runs eagerly (it is a real step, its gradient counts) and doubles as the warm-up that capture needs."""
+each shape runs eagerly as the warm-up that capture needs; its gradients are then put back and the new graph
+replays that same micro-step at once.
+
+ComfyUI runs PyTorch on the cudaMallocAsync backend by default. There, memory allocated during capture belongs to
+the graph and exists only once the graph has been launched: freeing such memory before the first launch fails
+inside a C++ destructor, which aborts the whole process (no Python exception). So nothing the step keeps is
+allocated during capture (the loss goes into a buffer made before it), every graph is launched right after its
+capture, and what a failed capture allocated is kept, never freed (`_UNFREEABLE`)."""
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +44,17 @@ MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than t
 # compile went from 0.1203 to 0.1124 s/step and fast from 0.0728 to 0.0704, compile time unchanged (campaign 10).
 INDUCTOR_OPTIONS = {"combo_kernels": True}
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
+# What failed captures allocated, under cudaMallocAsync: their graphs were never launched, so freeing it would abort
+# the process (see the module docstring). Bounded: a failed capture turns graphs off for the run.
+_UNFREEABLE: list = []
+
+
+def allocator_backend() -> str:
+    """'native' or 'cudaMallocAsync' (ComfyUI's default on NVIDIA GPUs)."""
+    try:
+        return torch.cuda.get_allocator_backend()
+    except (AttributeError, RuntimeError):
+        return "native"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -188,13 +206,17 @@ class GraphedMicroStep(EagerMicroStep):
         # The real micro-step, on a side stream as capture requires for warm-up (lazy cuBLAS/cuDNN setup).
         device = torch.cuda.current_stream().device
         side = _side_stream(device)  # warm-up and capture share it: each stream costs a cuBLAS workspace
+        capturing = len(self.graphs) < MAX_GRAPHS  # more shapes than that stay eager
+        # The gradients before this micro-step (on the host: no device memory), put back before the new graph
+        # replays the micro-step; None where a parameter had none.
+        before_step = [None if p.grad is None else p.grad.to("cpu") for p in self.params] if capturing else None
         side.wait_stream(torch.cuda.current_stream())
         before = device_memory_bytes(device)
         with torch.cuda.stream(side):
             loss = self.forward_backward(inputs, accumulation, record=True)
         torch.cuda.current_stream().wait_stream(side)
-        if len(self.graphs) >= MAX_GRAPHS:
-            return loss  # this shape stays eager
+        if not capturing:
+            return loss
         after = device_memory_bytes(device)
         # unknown (0) without allocator statistics
         transient = after["peak_allocated"] - before["allocated"] if before and after else 0
@@ -206,6 +228,7 @@ class GraphedMicroStep(EagerMicroStep):
                     param.grad = torch.zeros_like(param)
             self.grads = [param.grad for param in self.params]
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        static_loss = torch.zeros((), device=device, dtype=loss.dtype)  # made before capture: never the graph's
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
@@ -227,7 +250,9 @@ class GraphedMicroStep(EagerMicroStep):
         try:
             with self.offload.capturing() if self.offload else contextlib.nullcontext([]) as host_buffers, \
                     torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-                static_loss = self.forward_backward(static_inputs, accumulation)
+                captured_loss = self.forward_backward(static_inputs, accumulation)
+                static_loss.copy_(captured_loss)
+                del captured_loss  # freed inside the capture: the graph frees it on every replay
         except self.passthrough_errors:
             raise
         except Exception as error:
@@ -237,6 +262,8 @@ class GraphedMicroStep(EagerMicroStep):
             self.disabled = one_line(error, 300)
             why = "it needs more memory than is left" if is_out_of_memory(error) else self.disabled
             self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
+            if allocator_backend() == "cudaMallocAsync":
+                _UNFREEABLE.append((error, graph, host_buffers))  # its frames hold the capture's tensors
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
             del graph, host_buffers
             self.graphs.clear()
@@ -247,7 +274,14 @@ class GraphedMicroStep(EagerMicroStep):
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, static_inputs, static_loss, host_buffers)
-        return loss
+        # Launch the graph now, as this micro-step: from here on whatever it allocated exists and may be freed.
+        for param, grad, kept in zip(self.params, self.grads, before_step):
+            if kept is None:
+                grad.zero_()
+            else:
+                grad.copy_(kept, non_blocking=False)
+        graph.replay()
+        return static_loss.clone()
 
 
 class BatchStep:

@@ -1,0 +1,144 @@
+"""CUDA-graph scenarios run in a child process, one per call, under the allocator the parent chose through
+PYTORCH_CUDA_ALLOC_CONF (ComfyUI's default is `backend:cudaMallocAsync`). Under that backend a wrong free of
+graph memory aborts the process from a C++ destructor, so only a child's exit code can show it.
+
+    python tests/cuda_allocator_cases.py SCENARIO      # exit 0 and "ok SCENARIO" on success
+"""
+import gc
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+import torch  # noqa: E402
+
+from helpers import TinyNet  # noqa: E402
+from trainer.activation_offload import ActivationOffload  # noqa: E402
+from trainer.fast_path import BatchStep, EagerMicroStep, GraphedMicroStep, allocator_backend  # noqa: E402
+from trainer.loop import train_loop  # noqa: E402
+from trainer.lora import inject_lora  # noqa: E402
+from trainer.optimizers import build_optimizer  # noqa: E402
+from trainer.precision import Precision  # noqa: E402
+from trainer.settings import LoraSettings  # noqa: E402
+
+DEVICE = torch.device("cuda")
+
+
+def _net(compiled_part: bool = False):
+    torch.manual_seed(0)
+    net = TinyNet(dim=64).to(DEVICE)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0)
+    for p in params:
+        p.data.normal_(0, 0.05)
+    if compiled_part:  # a torch.compile'd function inside the step, as fp8 upcasts and compiled blocks are
+        block = net.input_blocks[1]["attn1"]
+        block.forward = torch.compile(block.forward, dynamic=False)
+    return net, params
+
+
+def _batches(shapes, count, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        b, n = shapes[i % len(shapes)]
+        x = torch.randn(b, n, 64, generator=g)
+        yield {"x": x.to(DEVICE), "y": torch.tanh(x).to(DEVICE)}
+
+
+def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=False, precision_mode="bf16",
+           optimizer_name="AdamW", fail_capture=False):
+    net, params = _net(compiled_part)
+    precision = Precision(precision_mode, DEVICE)
+    captures = {"n": 0}
+
+    def loss_of(inputs):
+        if fail_capture and torch.cuda.is_current_stream_capturing():
+            captures["n"] += 1
+            torch.empty(1 << 20, device=DEVICE)  # allocated during the failing capture, never launched
+            raise RuntimeError("injected capture failure")
+        return torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])
+
+    saver = ActivationOffload(min_bytes=0) if offload else None
+    micro = GraphedMicroStep(loss_of, precision, params, offload=saver) if graphed else \
+        EagerMicroStep(loss_of, precision, saver)
+    optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=DEVICE)
+    result = train_loop(params, BatchStep(lambda batch: batch, micro), _batches(shapes, steps * 4), optimizer,
+                        precision, steps=steps, accumulation=1, should_stop=lambda: False)
+    weights = [p.detach().float().cpu().clone() for p in params]
+    return result.losses, weights, micro
+
+
+def _same_as_eager(**kwargs):
+    eager_losses, eager_weights, _ = _train(False, **kwargs)
+    losses, weights, micro = _train(True, **kwargs)
+    assert micro.disabled is None, micro.notes
+    for a, b in zip(losses, eager_losses):
+        assert abs(a - b) <= 2e-2 * abs(b) + 1e-6, (losses, eager_losses)
+    for a, b in zip(weights, eager_weights):
+        assert torch.allclose(a, b, rtol=2e-2, atol=2e-3)
+    return micro
+
+
+def raw_free_before_launch():
+    """The mechanism itself, without LeanLoRA: a tensor allocated during capture, freed before any replay."""
+    graph, x = torch.cuda.CUDAGraph(), torch.ones(1024, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (x * 2).sum()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        kept = x * 2  # survives the capture: the graph's memory, never launched
+    del kept
+    torch.cuda.synchronize()
+
+
+def shape_captured_last_never_replayed():
+    """The last step brings a new batch shape: captured, then the run ends (graphs released)."""
+    micro = _same_as_eager(shapes=((2, 8),) * 3 + ((1, 12),), steps=4)
+    assert len(micro.graphs) == 2
+    del micro
+
+
+def rebuilt_mid_run():
+    """OOM recovery and auto-fit rebuild the micro-step: the old graphs go while training goes on."""
+    for _ in range(3):
+        _, _, micro = _train(True, shapes=((2, 8), (1, 12)), steps=3)
+        assert micro.disabled is None, micro.notes
+        del micro
+        gc.collect()
+
+
+def with_offload():
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True)
+    assert all(entry[3] for entry in micro.graphs.values())
+
+
+def with_compiled_code():
+    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, compiled_part=True)
+
+
+def with_8bit_optimizer():
+    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, optimizer_name="AdamW8bit")
+
+
+def fp16_loss_scaling():
+    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, precision_mode="fp16")
+
+
+def failed_capture():
+    """A capture that fails part-way: steps go on eagerly and nothing the capture allocated is freed wrongly."""
+    losses, _, micro = _train(True, steps=4, fail_capture=True)
+    assert micro.disabled and "injected capture failure" in micro.disabled, micro.notes
+    assert len(losses) == 4
+
+
+SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
+                                     with_offload, with_compiled_code, with_8bit_optimizer, fp16_loss_scaling,
+                                     failed_capture)}
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    SCENARIOS[name]()
+    gc.collect()
+    torch.cuda.synchronize()
+    print(f"ok {name} allocator={allocator_backend()}", flush=True)

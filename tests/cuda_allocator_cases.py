@@ -2,7 +2,7 @@
 PYTORCH_CUDA_ALLOC_CONF (ComfyUI's default is `backend:cudaMallocAsync`). Under that backend a wrong free of
 graph memory aborts the process from a C++ destructor, so only a child's exit code can show it.
 
-    python tests/cuda_allocator_cases.py SCENARIO      # exit 0 and "ok SCENARIO" on success
+    python tests/cuda_allocator_cases.py SCENARIO...   # exit 0 and "ok SCENARIO" for each on success
 """
 import gc
 import sys
@@ -137,8 +137,9 @@ SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last
                                      failed_capture)}
 
 if __name__ == "__main__":
-    name = sys.argv[1]
-    SCENARIOS[name]()
-    gc.collect()
-    torch.cuda.synchronize()
-    print(f"ok {name} allocator={allocator_backend()}", flush=True)
+    names = list(SCENARIOS) if sys.argv[1] == "all" else sys.argv[1:]
+    for name in names:
+        SCENARIOS[name]()
+        gc.collect()
+        torch.cuda.synchronize()
+        print(f"ok {name} allocator={allocator_backend()}", flush=True)

@@ -8,6 +8,7 @@ the previous value back afterwards. ComfyUI starts PyTorch on the cudaMallocAsyn
 driver manages the pool and this setting does not exist: the report says so."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -23,11 +24,20 @@ def _env_setting(name: str) -> str | None:
     return None
 
 
+@functools.cache  # fixed once CUDA has started
 def backend() -> str:
     try:
         return torch.cuda.get_allocator_backend()
     except Exception:  # noqa: BLE001 - torch builds without CUDA
         return "none"
+
+
+def compiled_kernels_blocked() -> bool:
+    """Whether torch.compile's Triton kernels must not run here: inside a CUDA-graph capture under cudaMallocAsync.
+    There memory allocated during the capture has no mapping until the graph is launched, and Triton's launcher
+    rejects such pointers ("CUDA driver error: invalid argument": every fp8 and compiled capture failed on an H200,
+    torch 2.11). Their eager forms capture fine."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and backend() == "cudaMallocAsync"
 
 
 def apply_allocator_settings(choice: str, device: torch.device, notes: list[str]) -> Callable[[], None]:

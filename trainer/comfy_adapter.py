@@ -31,10 +31,13 @@ def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
 
 def _hash_tensor(digest, tensor: torch.Tensor) -> None:
     """Name-independent part of a weight's fingerprint: shape, dtype and ~64 evenly strided values. Hashing
-    every byte of a multi-GB text encoder would take seconds; a different checkpoint differs in the samples."""
-    sample = tensor.detach().flatten()[:: max(1, tensor.numel() // 64)]
-    digest.update(f"{tuple(tensor.shape)} {tensor.dtype}".encode())
-    digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+    every byte of a multi-GB text encoder would take seconds; a different checkpoint differs in the samples.
+    Read in inference mode: a ComfyUI that loads models partially (low VRAM) keeps inference tensors, which
+    normal-mode views refuse ("Inference tensors do not track version counter"); reading never needs autograd."""
+    with torch.inference_mode():
+        sample = tensor.detach().reshape(-1)[:: max(1, tensor.numel() // 64)].to("cpu", torch.float32)
+        digest.update(f"{tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
 
 
 def _hash_patch_value(digest, value) -> None:
@@ -123,6 +126,10 @@ class ComfyAdapter:
                 self.clip.patcher, type(self.base).__name__, str(self.clip.layer_idx),
                 repr(sorted(self.clip.tokenizer_options.items())))
         return self._encoder_ids["text"]
+
+    def reserved_vram(self) -> int:
+        """VRAM ComfyUI keeps free for itself (--reserve-vram, else its default of a few hundred MiB)."""
+        return int(comfy.model_management.extra_reserved_memory())
 
     def release_encoders(self) -> None:
         comfy.model_management.unload_all_models()

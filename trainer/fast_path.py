@@ -15,16 +15,20 @@ ComfyUI runs PyTorch on the cudaMallocAsync backend by default. There, memory al
 the graph and exists only once the graph has been launched: freeing such memory before the first launch fails
 inside a C++ destructor, which aborts the whole process (no Python exception). So nothing the step keeps is
 allocated during capture (the loss goes into a buffer made before it), every graph is launched right after its
-capture, and what a failed capture allocated is kept, never freed (`_UNFREEABLE`)."""
+capture, and what a failed capture allocated is kept, never freed (`_never_free`). Triton kernels cannot run
+in such a capture at all (`allocator.compiled_kernels_blocked`): compiled blocks and fp8 upcasts capture their
+eager forms there."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 from typing import Callable
 
 import torch
 
 from .activation_offload import ActivationOffload
+from .allocator import backend as allocator_backend, compiled_kernels_blocked
 from .errors import is_compile_error, is_out_of_memory, one_line
 from .precision import Precision
 from .vram import device_memory_bytes
@@ -44,17 +48,14 @@ MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than t
 # compile went from 0.1203 to 0.1124 s/step and fast from 0.0728 to 0.0704, compile time unchanged (campaign 10).
 INDUCTOR_OPTIONS = {"combo_kernels": True}
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
-# What failed captures allocated, under cudaMallocAsync: their graphs were never launched, so freeing it would abort
-# the process (see the module docstring). Bounded: a failed capture turns graphs off for the run.
-_UNFREEABLE: list = []
 
 
-def allocator_backend() -> str:
-    """'native' or 'cudaMallocAsync' (ComfyUI's default on NVIDIA GPUs)."""
-    try:
-        return torch.cuda.get_allocator_backend()
-    except (AttributeError, RuntimeError):
-        return "native"
+def _never_free(*objects) -> None:
+    """What a failed capture allocated under cudaMallocAsync: its graph was never launched, so freeing it would
+    abort the process (module docstring), at exit too. One extra reference that nothing drops keeps it; bounded,
+    since a failed capture turns graphs off for the run."""
+    for item in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(item))
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -263,7 +264,7 @@ class GraphedMicroStep(EagerMicroStep):
             why = "it needs more memory than is left" if is_out_of_memory(error) else self.disabled
             self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
             if allocator_backend() == "cudaMallocAsync":
-                _UNFREEABLE.append((error, graph, host_buffers))  # its frames hold the capture's tensors
+                _never_free(error, graph, host_buffers)  # the error's frames hold the capture's tensors
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
             del graph, host_buffers
             self.graphs.clear()
@@ -341,7 +342,7 @@ class CompiledBlocks:
         compiled = {}  # inductor options -> this block's compiled forward
 
         def forward(*args, **kwargs):
-            if self.failed or self.paused:
+            if self.failed or self.paused or compiled_kernels_blocked():
                 return eager(*args, **kwargs)
             options = tuple(sorted(self.options.items()))
             if options not in compiled:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .allocator import compiled_kernels_blocked
 from .errors import is_compile_error, is_out_of_memory, one_line
 from .layer_patch import mix_into
 from .layout import is_channels_last
@@ -77,7 +78,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     global _fused_dequantize, _fused_verified, fused_dequantize_failure
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
-    if weight.device.type not in FUSED_DEVICES or _fused_dequantize is False:
+    if weight.device.type not in FUSED_DEVICES or _fused_dequantize is False or compiled_kernels_blocked():
         return _dequantize_eager(weight, scale, dtype)
     if _fused_dequantize is None:
         _fused_dequantize = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)

@@ -12,10 +12,10 @@ from dataclasses import replace
 import torch
 
 from .activation_offload import ActivationOffload
-from .allocator import apply_allocator_settings
+from .allocator import apply_allocator_settings, backend as allocator_backend
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, uses_randomness
-from .errors import is_compile_error, is_out_of_memory
+from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
 from . import frozen_weights
@@ -110,7 +110,7 @@ class TrainingSession:
             offload=ActivationOffload() if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
-        self.micro_step.budget = budget_bytes(memory.auto_fit, device)
+        self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())
         self.step = BatchStep(self.inputs, self.micro_step)
         self.memory = memory
 
@@ -118,7 +118,12 @@ class TrainingSession:
         """First configuration and the estimate before step 1. With an auto-fit budget, weights and optimizer
         are planned before anything reaches the GPU, then probes walk the ladder until the estimate fits."""
         self.restore_allocator = apply_allocator_settings(memory.allocator, self.adapter.device, self.notes)
-        budget = budget_bytes(memory.auto_fit, self.adapter.device)
+        card = card_budget(memory.auto_fit, self.adapter.device, self.comfy_reserve())
+        budget = None if card is None else card.usable()
+        if card is not None:
+            self.notes.append(f"auto-fit: {memory.auto_fit} = a {card.card / GIB:.2f} GiB card; "
+                              f"{CardBudget.outside_torch(self.adapter.device) / GIB:.2f} GiB of it is held outside "
+                              f"PyTorch (CUDA context, libraries), {budget / GIB:.2f} GiB left for training")
         if budget is None:
             self.configure(memory)
             lines = self.compile_now()
@@ -126,9 +131,9 @@ class TrainingSession:
         else:
             # The ladder's probes run uncompiled (each rung's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
-            memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device)
+            memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device, card.card)
             self.configure(memory)
-            estimate, more_lines = fit_to_budget(self, budget)
+            estimate, more_lines = fit_to_budget(self, card)
             lines += more_lines
             lines += self.compile_now()
             if self.compiled_batch:
@@ -137,6 +142,10 @@ class TrainingSession:
         if self.is_compiled:
             self.compiled.training_starts()
         return estimate, lines
+
+    def comfy_reserve(self) -> int:
+        """VRAM the host application keeps for itself (ComfyUI's --reserve-vram), from the adapter."""
+        return int(getattr(self.adapter, "reserved_vram", lambda: 0)())
 
     def compile_now(self) -> list[str]:
         """With compile on: compiles before step 1 with one forward+backward on the largest bucket's batch
@@ -278,6 +287,12 @@ class TrainingSession:
         if graphs:
             extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
                          "(one per batch shape)")
+            compiled = [what for what, used in (("the compiled blocks", self.is_compiled),
+                                                 ("the fp8 upcasts", self.memory.base_weights != "as loaded")) if used]
+            if compiled and allocator_backend() == "cudaMallocAsync":
+                extra.append(f"fast path: inside the CUDA graphs {' and '.join(compiled)} run uncompiled: under "
+                             "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "
+                             "ComfyUI with --disable-cuda-malloc to capture them compiled (faster)")
         return self.notes + [n for n in extra if n not in self.notes]
 
 
@@ -293,7 +308,7 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
 
 
 def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, budget: int,
-                device: torch.device) -> tuple[MemorySettings, list[str]]:
+                device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
     leave room for activations. A model larger than the budget never has to be loaded to find that out."""
     lines = []
@@ -306,14 +321,23 @@ def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, bud
             return memory, lines
         rung = next_rung(memory, device)
         if rung is None:
+            if card is not None and static > budget:
+                outside = card - budget
+                smallest = -(-(static / STATIC_SHARE + outside) // GIB)  # GiB, rounded up
+                raise LeanLoRAError(
+                    f"auto-fit: this model does not fit a {card / GIB:.1f} GiB card even with the leanest settings "
+                    f"({memory.describe()}): weights, LoRA and optimizer alone take {static / GIB:.2f} GiB and "
+                    f"{outside / GIB:.2f} GiB of the card is held outside training (CUDA context, libraries). The "
+                    f"smallest card it trains on is about {smallest:.0f} GiB: raise auto_fit, or free VRAM")
             return memory, lines
         memory = rung[0]
         lines.append(f"auto-fit: weights, LoRA and optimizer alone would take {static / GIB:.2f} GiB of the "
                      f"{budget / GIB:.2f} GiB budget -> {rung[1]}")
 
 
-def fit_to_budget(session: TrainingSession, budget: int) -> tuple[MemoryEstimate, list[str]]:
-    """Walks the memory ladder from the session's settings until the estimated peak fits `budget` bytes."""
+def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[MemoryEstimate, list[str]]:
+    """Walks the memory ladder from the session's settings until the estimated peak fits the card (re-measured
+    after every probe: the probes load library kernels that take device memory outside PyTorch)."""
     device, lines = session.adapter.device, []
     while True:
         try:
@@ -323,6 +347,8 @@ def fit_to_budget(session: TrainingSession, budget: int) -> tuple[MemoryEstimate
             if not is_out_of_memory(error):
                 raise
             estimate, total = None, None  # even the small probe did not fit
+        budget = card if isinstance(card, int) else card.usable()
+        session.micro_step.budget = budget
         # Losing CUDA graphs costs more speed (4-6x at batch 1) than any rung, so their pool counts in the fit.
         extra = session.micro_step.extra_memory(estimate) if total is not None else 0
         if total is not None and total + extra <= budget * FIT_HEADROOM:
@@ -344,11 +370,38 @@ def fit_to_budget(session: TrainingSession, budget: int) -> tuple[MemoryEstimate
         lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
 
 
-def budget_bytes(auto_fit: str, device: torch.device) -> int | None:
-    """The budget an auto_fit setting names: 'N GiB', or 'free VRAM' (free now plus what this process holds)."""
+class CardBudget:
+    """What an auto_fit setting means on the device: a card of N GiB ('N GiB'), or the card as it is now minus
+    ComfyUI's own reserve ('free VRAM'). The whole process must fit it, as NVML sees it: so what the process holds
+    outside PyTorch's allocator (the CUDA context, library kernels loaded on first use, other programs on the card)
+    comes off it, measured again whenever asked (probe steps load more kernels)."""
+
+    def __init__(self, card: int, device: torch.device):
+        self.card, self.device = card, device
+
+    @staticmethod
+    def outside_torch(device: torch.device) -> int:
+        """Device memory in use that PyTorch's allocator does not hold: context, modules, other processes."""
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, total - free - torch.cuda.memory_reserved(device))
+
+    def usable(self) -> int:
+        """Bytes training's own allocations (the estimate's total) may take now."""
+        return max(0, self.card - self.outside_torch(self.device))
+
+
+def card_budget(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
+    """The budget an auto_fit setting names ('N GiB' or 'free VRAM'), None when off or not on CUDA.
+    comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
     if auto_fit == "off" or device.type != "cuda":
         return None
     if auto_fit == "free VRAM":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_allocated(device)
-    return int(float(auto_fit.split()[0]) * GIB)
+        _, total = torch.cuda.mem_get_info(device)
+        return CardBudget(total - comfy_reserve, device)
+    return CardBudget(int(float(auto_fit.split()[0]) * GIB), device)
+
+
+def budget_bytes(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> int | None:
+    """Bytes training's own allocations may take now under an auto_fit setting (see CardBudget)."""
+    budget = card_budget(auto_fit, device, comfy_reserve)
+    return None if budget is None else budget.usable()

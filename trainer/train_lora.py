@@ -24,7 +24,7 @@ from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
 from .session import TrainingSession, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
-from .vram import GIB, TIMELINE, device_memory_gib, reset_peak
+from .vram import GIB, TIMELINE, DevicePeak, device_memory_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
@@ -90,6 +90,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     cancelled = False
     started = time.perf_counter()  # reset below, once the estimate's probe steps are done
     estimate = None
+    device_peak = DevicePeak(device).__enter__()  # the whole card (NVML), probes included
     try:
         # compiling is silent and long the first time (H200 machines: SDXL 33-62 s, SD1.5 with fp8 weights 83 s)
         emit(kind="phase", text="compiling the diffusion model (torch.compile: about a minute the first time), "
@@ -122,6 +123,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     except Exception as error:  # keep what was learned before the failure, then report it
         failure = error
     seconds = time.perf_counter() - started
+    device_peak.__exit__(None, None, None)
     session.close()
     steps_done = len(losses)
     report += session.report_notes()
@@ -159,7 +161,9 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                       f"last {len(tail)} mean {sum(tail) / len(tail):.4f}")
     peak = device_memory_gib(device)
     if peak:
-        report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved")
+        report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved"
+                      + (f"; whole card (NVML, CUDA context included) {device_peak.peak / GIB:.2f} GiB"
+                         if device_peak.peak else ""))
         if estimate is not None and not recoveries:
             report.append(estimate_error(estimate, int(peak["peak_allocated"] * GIB)))
     report.append(("CANCELLED: partial LoRA (what was learned so far) saved to " if cancelled else "saved ") + str(path))

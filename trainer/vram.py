@@ -74,6 +74,52 @@ class Timeline:
 TIMELINE = Timeline()
 
 
+class DevicePeak:
+    """Device-level memory in use on a GPU (NVML: everything on the card, the CUDA context included), sampled by a
+    thread while a run trains; its peak is what a card of that size must hold. Inactive without NVML."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.02):
+        self.device, self.interval_s = torch.device(device), interval_s
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self):
+        handle = self._handle()
+        if handle is not None:
+            self._thread = threading.Thread(target=self._sample, args=(handle,), daemon=True, name="leanlora-nvml")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        return False
+
+    def _handle(self):
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            props = torch.cuda.get_device_properties(self.device)  # by PCI address: CUDA_VISIBLE_DEVICES-proof
+            bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            return pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode())
+        except Exception:  # noqa: BLE001 - no NVML, no driver, an older torch: the report leaves the line out
+            return None
+
+    def _sample(self, handle) -> None:
+        import pynvml
+        try:
+            while not self._stop.is_set():
+                used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+                self.peak = used if self.peak is None else max(self.peak, used)
+                self._stop.wait(self.interval_s)
+        except Exception:  # noqa: BLE001 - a driver hiccup ends sampling, never the run
+            pass
+
+
 def nvml_devices() -> tuple[list[dict], str | None]:
     """[{index, name, used_gib, total_gib}] from NVML, or ([], why not)."""
     try:

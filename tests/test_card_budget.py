@@ -1,0 +1,68 @@
+"""auto_fit means a card: the whole process, as the driver sees it, must fit. Device memory is simulated here
+(the CPU has none) by standing in for the two CUDA queries the budget reads."""
+import pytest
+import torch
+
+from helpers import TinyNet
+from trainer import session as session_module
+from trainer.errors import LeanLoRAError
+from trainer.estimate import GIB
+from trainer.lora import inject_lora
+from trainer.settings import LoraSettings, MemorySettings
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def card(monkeypatch):
+    """A simulated 141 GiB GPU: `state` holds what the process has reserved through PyTorch and what it holds
+    outside it (CUDA context, library kernels, other programs)."""
+    state = {"total": 141 * GIB, "torch_reserved": 0, "outside": int(0.6 * GIB)}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (
+        state["total"] - state["torch_reserved"] - state["outside"], state["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["torch_reserved"])
+    return state
+
+
+def test_a_card_of_n_gib_leaves_training_what_the_cuda_context_does_not_hold(card):
+    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB)
+    card["torch_reserved"] = 2 * GIB  # what PyTorch holds is the run's own to plan, not the context's
+    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB)
+
+
+def test_the_budget_is_measured_again_as_libraries_load(card):
+    budget = session_module.card_budget("6 GiB", CUDA)
+    before = budget.usable()
+    card["outside"] += int(0.3 * GIB)  # cuDNN/cuBLAS kernels loaded by the first probe step
+    assert budget.usable() == before - int(0.3 * GIB)
+
+
+def test_free_vram_is_the_card_less_comfyuis_reserve_and_what_is_held_outside_pytorch(card):
+    reserve = 137 * GIB  # ComfyUI started with --reserve-vram 137 on a 141 GiB card: a 4 GiB card
+    assert session_module.budget_bytes("free VRAM", CUDA, comfy_reserve=reserve) == 4 * GIB - int(0.6 * GIB)
+    assert session_module.budget_bytes("off", CUDA) is None
+    assert session_module.budget_bytes("4 GiB", torch.device("cpu")) is None
+
+
+def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training_naming_the_smallest_card(card):
+    torch.manual_seed(0)
+    unet = TinyNet(dim=512, depth=4)  # 12.6 MB of fp32 frozen weights stand in for a UNet
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    memory = MemorySettings(auto_fit="2 GiB")
+    card["outside"] = 2 * GIB - 4 * 2 ** 20  # a 2 GiB card whose context leaves 4 MiB: nothing fits
+    budget = session_module.card_budget(memory.auto_fit, CUDA)
+    with pytest.raises(LeanLoRAError) as failure:
+        session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
+    message = str(failure.value)
+    assert "2.0 GiB card" in message and "smallest card it trains on is about" in message
+    assert "raise auto_fit" in message
+
+
+def test_a_model_that_fits_is_planned_without_an_error(card):
+    torch.manual_seed(0)
+    unet = TinyNet(dim=64, depth=2)
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    memory = MemorySettings(auto_fit="4 GiB")
+    budget = session_module.card_budget(memory.auto_fit, CUDA)
+    planned, lines = session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
+    assert planned == memory and lines == []

@@ -145,7 +145,8 @@ def folder_fingerprint(folder: Path) -> str:
     modification time), and any change to a caption file's text even within the clock's resolution."""
     digest = hashlib.sha256(str(folder).encode())
     try:
-        entries = sorted((entry for entry in os.scandir(folder) if entry.is_file()), key=lambda entry: entry.name)
+        with os.scandir(folder) as listing:
+            entries = sorted((entry for entry in listing if entry.is_file()), key=lambda entry: entry.name)
     except OSError as error:
         return f"unreadable: {error}"  # scan_folder raises the clear error
     for entry in entries:
@@ -239,6 +240,8 @@ def _read_caption_csv(folder: Path, notes: list[tuple[str, str]]) -> dict[str, _
             notes.append((f"{CAPTION_CSV} line {line}", f"{name} is listed again (first on line "
                                                         f"{captions[name].line}); this later caption is used"))
         captions[name] = _CsvCaption((row[text_at] if text_at < len(row) else "").strip(), line)
+    if header is None:
+        notes.append((CAPTION_CSV, "empty; not used"))
     return captions
 
 

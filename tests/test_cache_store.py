@@ -1,6 +1,11 @@
 """Latent/text cache: a hit skips the encoder, a changed image or encoder invalidates exactly its entries, the disk
 layer persists and survives corrupt files, and the real adapter's encoder identities follow the weights."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
@@ -109,14 +114,33 @@ def test_disk_layer_persists_and_replaces_corrupt_entries(folder, tmp_path):
     assert torch.equal(load_file(corrupt)["latent"], first[0].latent)  # rewritten
 
 
-def test_keys_cover_every_input(folder):
+def test_keys_follow_content_not_objects_paths_or_processes(folder, tmp_path):
     path = next(folder.glob("*.png"))
-    assert text_key("a cat", 1024, 1024, "clip") == text_key("a cat", 1024, 1024, "clip")
     assert len({text_key("a cat", 1024, 1024, "clip"), text_key("a cat", 1024, 768, "clip"),
                 text_key("a cat", 768, 1024, "clip"), text_key("a dog", 1024, 1024, "clip"),
                 text_key("a cat", 1024, 1024, "clip2")}) == 5
     assert len({image_key(path, "crop 64x64", "vae"), image_key(path, "crop 64x128", "vae"),
                 image_key(path, "crop 64x64", "vae2")}) == 3
+
+    # Same bytes under another name and folder: the same entry (a renamed or copied dataset reuses its cache).
+    copy = tmp_path / "elsewhere" / "renamed.png"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert image_key(copy, "crop 64x64", "vae") == image_key(path, "crop 64x64", "vae")
+    changed = bytearray(path.read_bytes())
+    changed[-13] ^= 1  # one bit inside the file (before IEND): a new key
+    copy.write_bytes(bytes(changed))
+    assert image_key(copy, "crop 64x64", "vae") != image_key(path, "crop 64x64", "vae")
+
+    # A caption built at run time (another str object) and another process with another hash seed: same key.
+    caption = " ".join(["a", "cat"])
+    here = text_key(caption, 1024, 1024, "clip")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from trainer.cache_store import text_key, image_key; "
+              "print(text_key('a cat', 1024, 1024, 'clip')); print(image_key(sys.argv[2], 'crop 64x64', 'vae'))")
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script, str(repo), str(path)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True, timeout=120)
+    assert result.stdout.split() == [here, image_key(path, "crop 64x64", "vae")]
 
 
 def test_ram_layer_is_bounded_least_recently_used():
@@ -144,13 +168,30 @@ def _clip_lora(clip, strength):
     return comfy.sd.load_lora_for_models(None, clip, lora, 0.0, strength)[1]
 
 
-def test_encoder_ids_follow_weights_and_clip_patches(comfy_objects):
+def test_encoder_ids_follow_weights_and_clip_patches(comfy_objects, tiny_assets):
+    import comfy.sd
     from trainer.comfy_adapter import ComfyAdapter
     model, clip, vae = comfy_objects
     plain = ComfyAdapter(model, clip, vae)
     image_id, text_id = plain.image_encoder_id(), plain.text_encoder_id()
-    assert plain.image_encoder_id() == image_id and ComfyAdapter(model, clip, vae).text_encoder_id() == text_id
     assert image_id != text_id
+
+    # The same checkpoint loaded again (new objects, same weights): the same ids, so its cache entries are found.
+    with torch.inference_mode():
+        model2, clip2, vae2, _ = comfy.sd.load_checkpoint_guess_config(
+            str(tiny_assets["checkpoint"]), output_vae=True, output_clip=True, embedding_directory=None)
+    assert ComfyAdapter(model2, clip2, vae2).image_encoder_id() == image_id
+    assert ComfyAdapter(model2, clip2, vae2).text_encoder_id() == text_id
+    # One VAE weight changed in that copy: a new image id, the text id untouched; then one CLIP weight.
+    with torch.inference_mode():
+        next(vae2.patcher.model.parameters()).view(-1)[0] += 1.0
+    vae_changed = ComfyAdapter(model2, clip2, vae2)
+    assert vae_changed.image_encoder_id() != image_id and vae_changed.text_encoder_id() == text_id
+    with torch.inference_mode():
+        next(clip2.patcher.model.parameters()).view(-1)[0] += 1.0
+    clip_changed = ComfyAdapter(model2, clip2, vae2)
+    assert clip_changed.text_encoder_id() != text_id
+    assert clip_changed.image_encoder_id() == vae_changed.image_encoder_id()
 
     patched = ComfyAdapter(model, _clip_lora(clip, 1.0), vae)
     assert patched.image_encoder_id() == image_id

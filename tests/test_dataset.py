@@ -31,12 +31,16 @@ def test_captions_from_sidecars_then_csv_with_trigger_and_skips(tmp_path):
     (tmp_path / "a.txt").write_text("a red square\n")
     (tmp_path / "metadata.csv").write_text("file_name,text\na.png,ignored\nb.jpg,from csv\n")
     (tmp_path / "broken.png").write_bytes(b"\x89PNG broken")
+    (tmp_path / "clip.gif").write_bytes(b"GIF89a")
     dataset = scan_folder(tmp_path, 64, repeats=3, trigger_word="zxq")
     captions = {s.path.name: s.caption for s in dataset.samples}
     assert captions == {"a.png": "zxq, a red square", "b.jpg": "zxq, from csv", "c.png": "zxq"}
     assert dataset.repeats == 3
-    assert [name for name, _ in dataset.skipped] == ["broken.png"]
-    assert "skipped broken.png" in dataset.summary()
+    reasons = dict(dataset.skipped)
+    assert reasons.keys() == {"broken.png", "clip.gif"}
+    assert reasons["clip.gif"] == "extension .gif is not one of .png, .jpg, .jpeg, .webp, .bmp"
+    assert "skipped broken.png: not a readable image (" in dataset.summary()
+    assert f"skipped clip.gif: {reasons['clip.gif']}" in dataset.summary()
 
 
 def test_bad_csv_header_names_the_file(tmp_path):

@@ -4,13 +4,15 @@ LatentTextStore, encodings from earlier runs (same process, or its folder) are r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from .cache_store import LatentTextStore, image_key, text_key
-from .dataset import Dataset, load_image
+from .dataset import Dataset, UnusableImage, load_image
+from .errors import LeanLoRAError
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ TextEncoder = Callable[[str, int, int], dict[str, torch.Tensor]]   # (caption, w
 
 # What load_image does to an image's bytes besides the target size; part of every latent key, so a change to
 # load_image's resize/crop must change this string (old latents then miss instead of being reused).
-PREPROCESS = "scale-to-cover center-crop lanczos v1"
+PREPROCESS = "scale-to-cover center-crop lanczos v2 (16-bit grey scaled, alpha on white)"
 
 
 @dataclass
@@ -34,10 +36,23 @@ class CacheStats:
     image_misses: int = 0
     text_hits: int = 0
     text_misses: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file name, reason): unusable when cached
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        return (f"cache: latents {self.image_hits} hits, {self.image_misses} encoded; "
-                f"text {self.text_hits} hits, {self.text_misses} encoded")
+        lines = [f"cache: latents {self.image_hits} hits, {self.image_misses} encoded; "
+                 f"text {self.text_hits} hits, {self.text_misses} encoded"]
+        lines += [f"  skipped {name} while caching: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines + [f"  {note}" for note in self.notes])
+
+
+def _image_key(path: Path, preprocess: str, encoder_id: str) -> str:
+    try:
+        return image_key(path, preprocess, encoder_id)
+    except FileNotFoundError as error:
+        raise UnusableImage(path, "no longer exists (deleted or moved after the folder was scanned)") from error
+    except OSError as error:
+        raise UnusableImage(path, f"cannot be read ({error.strerror or error})") from error
 
 
 def _fetch(store: LatentTextStore | None, make_key: Callable[[], str],
@@ -58,16 +73,23 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 store: LatentTextStore | None = None, image_encoder_id: str = "", text_encoder_id: str = "",
                 stats: CacheStats | None = None, preprocess: str = PREPROCESS) -> list[CachedSample]:
     """Encodes what the store does not hold yet (without a store: everything) and counts into `stats`. A hit
-    skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP."""
+    skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP.
+    An image that has become unusable since the scan (deleted, truncated, undecodable) is skipped and listed in
+    `stats`; only when none is left is that an error."""
     stats = stats if stats is not None else CacheStats()
     run_texts: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}  # a repeated caption is encoded once
     cached = []
     total = len(dataset.samples)
     for index, sample in enumerate(dataset.samples):
         width, height = dataset.target_size(sample)
-        latent, hit = _fetch(
-            store, lambda: image_key(sample.path, f"{preprocess} {width}x{height}", image_encoder_id),
-            lambda: {"latent": encode_image(load_image(sample.path, (width, height))[None]).detach().to("cpu", torch.float32)})
+        try:
+            latent, hit = _fetch(
+                store, lambda: _image_key(sample.path, f"{preprocess} {width}x{height}", image_encoder_id),
+                lambda: {"latent": encode_image(load_image(sample.path, (width, height))[None]).detach().to("cpu", torch.float32)})
+        except UnusableImage as unusable:
+            stats.skipped.append((sample.path.name, unusable.reason))
+            on_item(index + 1, total)
+            continue
         stats.image_hits += hit
         stats.image_misses += not hit
 
@@ -81,12 +103,20 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
         stats.text_misses += not hit
         cached.append(CachedSample(latent["latent"], run_texts[text_id]))
         on_item(index + 1, total)
+    if store is not None and store.disk_problem:
+        stats.notes.append(store.disk_problem)
+    if not cached:
+        details = "; ".join(f"{name}: {reason}" for name, reason in stats.skipped[:5])
+        raise LeanLoRAError(f"no image of {dataset.folder} could be used when caching ({details}); fix or replace "
+                            "the files and run again")
     return cached
 
 
 def _match_token_length(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Captions over 75 tokens encode to longer cross-attention contexts (77 x k). Like ComfyUI's
-    CONDCrossAttn.concat, repeat each to the least common multiple so a batch can be stacked."""
+    CONDCrossAttn.concat, repeat each to the least common multiple so the contexts can be stacked: attention
+    over a context repeated m times equals attention over it once. batches() never mixes lengths (the least
+    common multiple of 77 x 7 and 77 x 8 is 56 x 77); this is for callers that do."""
     lengths = {t.shape[1] for t in tensors}
     if len(lengths) == 1:
         return tensors
@@ -105,17 +135,23 @@ def collate(samples: list[CachedSample]) -> tuple[torch.Tensor, dict[str, torch.
     return latents, cond
 
 
+def stack_shape(sample: CachedSample) -> tuple:
+    """Samples of one stack shape batch as they are: same latent size (aspect-ratio bucket) and same
+    conditioning shapes (a caption over 75 tokens has a longer context)."""
+    return tuple(sample.latent.shape), tuple((key, tuple(value.shape)) for key, value in sorted(sample.cond.items()))
+
+
 def batches(cache: list[CachedSample], batch_size: int, repeats: int,
             generator: torch.Generator) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """Endless batches. Each epoch is every sample `repeats` times, shuffled, then grouped by latent shape
-    (aspect-ratio bucket) so no batch is ever padded; batch order is shuffled across buckets. A bucket's
-    remainder becomes a smaller batch instead of being dropped or padded."""
-    epoch = [i for i in range(len(cache)) for _ in range(repeats)]
+    """Endless batches. Each epoch is every sample `repeats` times, shuffled, then grouped by stack shape
+    (aspect-ratio bucket and caption length) so no batch is ever padded or repeated; batch order is shuffled
+    across groups. A group's remainder becomes a smaller batch instead of being dropped or padded."""
+    shapes = [stack_shape(sample) for sample in cache]
+    epoch = torch.arange(len(cache)).repeat_interleave(repeats)  # repeats is bounded by Dataset (MAX_REPEATS)
     while True:
-        buckets: dict[tuple[int, ...], list[int]] = {}
-        for position in torch.randperm(len(epoch), generator=generator).tolist():
-            index = epoch[position]
-            buckets.setdefault(tuple(cache[index].latent.shape), []).append(index)
-        chunks = [ids[start:start + batch_size] for ids in buckets.values() for start in range(0, len(ids), batch_size)]
+        groups: dict[tuple, list[int]] = {}
+        for index in epoch[torch.randperm(len(epoch), generator=generator)].tolist():
+            groups.setdefault(shapes[index], []).append(index)
+        chunks = [ids[start:start + batch_size] for ids in groups.values() for start in range(0, len(ids), batch_size)]
         for chunk in torch.randperm(len(chunks), generator=generator).tolist():
             yield collate([cache[i] for i in chunks[chunk]])

@@ -81,18 +81,24 @@ SHARED_RAM = RamCache(max_bytes=2 << 30)
 
 class LatentTextStore:
     """get/put of small tensor dicts by key: RAM first, then the folder (when given). Entries are CPU tensors
-    shared with the caller, who must not modify them in place."""
+    shared with the caller, who must not modify them in place. The folder is optional: when it cannot be
+    written, the store says why once (`disk_problem`) and carries on in RAM."""
 
     def __init__(self, folder: Path | None = None, ram: RamCache | None = SHARED_RAM):
         self.folder = Path(folder) if folder is not None else None
         self.ram = ram
+        self.disk_problem: str | None = None
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
         entry = self.ram.get(key) if self.ram is not None else None
-        if entry is None and self.folder is not None:
+        if entry is not None:
+            if self.folder is not None and not self._path(key).is_file():
+                self._write(key, entry)  # encoded by a RAM-only run: kept on disk too, so a restart finds it
+            return entry
+        if self.folder is not None:
             entry = self._load(self._path(key))
             if entry is not None and self.ram is not None:
                 self.ram.put(key, entry)
@@ -106,9 +112,18 @@ class LatentTextStore:
         except (OSError, SafetensorError):
             return None
 
+    def _write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        if self.disk_problem is not None:
+            return
+        try:
+            save_safetensors_atomic(tensors, self._path(key), {"format": _KEY_VERSION})
+        except (OSError, SafetensorError) as error:
+            self.disk_problem = (f"latent cache folder {self.folder} cannot be written ({error}); this run's "
+                                 "encodings stay in RAM only")
+
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         if self.ram is not None:
             self.ram.put(key, tensors)
         if self.folder is not None:
-            save_safetensors_atomic(tensors, self._path(key), {"format": _KEY_VERSION})
+            self._write(key, tensors)

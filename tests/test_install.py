@@ -11,6 +11,7 @@ nothing already installed may be upgraded, downgraded or reinstalled. Skipped on
 """
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -200,3 +201,37 @@ def test_every_listed_dependency_is_imported_by_the_pack():
         name = canonicalize_name(Requirement(line).name)
         module = import_names.get(name, name.replace("-", "_"))
         assert re.search(rf"^\s*(import|from) {module}\b", sources, re.M), f"{name} is listed but never imported"
+
+
+def _torchaudio_step(python: Path, comfy_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts" / "install_torchaudio.sh"), str(python), str(comfy_dir)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PIP": f"{sys.executable} -m pip --python {python}"})
+
+
+def test_setup_installs_a_torchaudio_matching_torch_only_where_comfyui_imports_it(comfyui_environment, tmp_path):
+    """Item 17 (runs last: it installs into the shared throwaway environment). ComfyUI 0.33 imports torchaudio
+    at start-up; setup_env.sh keeps it out of ComfyUI's requirements so that pip cannot replace torch, and then
+    installs one that works with the installed torch, without touching torch."""
+    python, _work, before = comfyui_environment
+    assert "torchaudio" not in before
+    silent = tmp_path / "comfyui-without-audio"
+    (silent / "comfy").mkdir(parents=True)
+    (silent / "comfy" / "sd.py").write_text("import torch\n")
+    result = _torchaudio_step(python, silent)
+    assert result.returncode == 0, result.stderr
+    assert "torchaudio" not in _installed(python)  # that ComfyUI does not import it: nothing installed
+    loud = tmp_path / "comfyui-0.33"
+    (loud / "comfy").mkdir(parents=True)
+    (loud / "comfy" / "sd.py").write_text("import torch\nimport torchaudio\n")  # as comfy/sd.py in 0.33
+    result = _torchaudio_step(python, loud)
+    assert result.returncode == 0, result.stdout + result.stderr
+    after = _installed(python)
+    assert "torchaudio" in after
+    assert {k: v for k, v in after.items() if k != "torchaudio"} == before  # torch and the rest untouched
+    check = subprocess.run([str(python), "-c", "import torch, torchaudio, torchaudio.functional as F; "
+                            "print(F.resample(torch.randn(1, 1600), 16000, 8000).shape[-1])"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.stdout.strip() == "800", check.stderr[-2000:]
+    again = _torchaudio_step(python, loud)  # importable now: a no-op
+    assert again.returncode == 0 and "installing" not in again.stdout

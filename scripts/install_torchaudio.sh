@@ -24,6 +24,7 @@ for name in ("torch", "torchvision"):
 grep -q '^torch==' "$PINS" || { echo "[setup] torchaudio: no torch installed in $PY" >&2; exit 1; }
 TORCH_VERSION="$(sed -n 's/^torch==\([^+]*\).*/\1/p' "$PINS")"
 echo "[setup] ComfyUI imports torchaudio: installing the one matching torch $TORCH_VERSION"
+# (pip warns once per missing entry of this machine's local index mirrors: dropped, real errors kept)
 "${PIP_CMD[@]}" install -q "torchaudio==$TORCH_VERSION" -c "$PINS" 2>/dev/null \
-  || "${PIP_CMD[@]}" install -q torchaudio -c "$PINS"
+  || "${PIP_CMD[@]}" install -q torchaudio -c "$PINS" 2> >(grep -v "is ignored: it is neither" >&2)
 "$PY" -c "import torchaudio" || { echo "[setup] torchaudio was installed but does not import with this torch" >&2; exit 1; }

@@ -46,12 +46,15 @@ else
 fi
 
 STAMP="$VENV/.leanlora-deps"
-REQ_HASH="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-dev.txt" "$COMFY/requirements.txt" | sha1sum | cut -c1-16)"
+REQ_HASH="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-dev.txt" "$COMFY/requirements.txt" \
+  "$ROOT/scripts/install_torchaudio.sh" | sha1sum | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$REQ_HASH" ]; then
   echo "[setup] installing ComfyUI's and LeanLoRA's requirements"
   # ComfyUI's list minus torch/torchvision/torchaudio (keep the installed torch), plus requests (imported, unlisted).
   grep -v -E '^\s*(torch|torchvision|torchaudio)\s*$' "$COMFY/requirements.txt" > "$CACHE/comfy-req.txt"
   pip_quiet install -q -r "$CACHE/comfy-req.txt" -r "$ROOT/requirements.txt" -r "$ROOT/requirements-dev.txt" requests
+  # ...and torchaudio after all where that ComfyUI imports it (0.33 at start-up), matched to the installed torch.
+  bash "$ROOT/scripts/install_torchaudio.sh" "$VPY" "$COMFY"
   echo "$REQ_HASH" > "$STAMP"
 fi
 echo "[setup] ready: python=$VPY comfyui=$COMFY"

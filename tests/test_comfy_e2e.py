@@ -109,7 +109,8 @@ def test_workflow_trains_and_saves_a_kohya_lora(comfy_server, trained):
     assert keys and all(k.startswith("lora_unet_") for k in keys)
     assert {k.rsplit(".", 1)[0].split(".")[-1] for k in keys} >= {"lora_down", "lora_up"}
     assert any(k.endswith(".alpha") for k in keys)
-    assert "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
+    # kohya's SD1.x naming is diffusers-style (ComfyUI's input_blocks.1.1 is diffusers' down_blocks.0.attentions.0)
+    assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
 
 
 def test_loss_goes_down(trained):

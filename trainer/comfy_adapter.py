@@ -14,12 +14,15 @@ import comfy.ldm.modules.attention as comfy_attention
 import comfy.lora
 import comfy.model_base
 import comfy.model_management
+import comfy.model_sampling
 import comfy.sd
+import comfy.utils
 from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, TimestepBlock
 
 from .errors import LeanLoRAError
 from .frozen_weights import cast_frozen_weights
 from .layout import store_frozen_convs_channels_last
+from .lora import BaseModelKind
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -238,9 +241,36 @@ class ComfyAdapter:
         return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
                     transformer_options=dict(self.transformer_options), **extra)
 
+    # --- the LoRA file: kohya's naming per model family ---
+    def base_model_kind(self) -> BaseModelKind:
+        return base_model_kind(self.base, self.model_sampling)
+
+    def kohya_module_names(self) -> dict[str, str] | None:
+        return kohya_module_names(self.base)
+
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")
         comfy.model_management.soft_empty_cache()
+
+
+def base_model_kind(base, model_sampling) -> BaseModelKind:
+    """SD1.x / SD2.x / SDXL and the prediction type of a ComfyUI model (model_sampling: the MODEL's own, which
+    ComfyUI's ModelSamplingDiscrete node may have patched), as kohya's metadata names them."""
+    sdxl = isinstance(base, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner))
+    return BaseModelKind(sdxl=sdxl, v2=type(base.model_config).__name__.startswith("SD2"),
+                         v_prediction=isinstance(model_sampling, comfy.model_sampling.V_PREDICTION))
+
+
+def kohya_module_names(base) -> dict[str, str] | None:
+    """kohya names SD1.x/SD2.x modules as in a diffusers UNet (its networks/lora.py walks one:
+    down_blocks.0.attentions.0...), SDXL ones as in the ldm UNet the training copy is (its sdxl_original_unet:
+    input_blocks.4.1...). For SD1/SD2 this is ComfyUI's own ldm -> diffusers map (the one its LoRA loader reads
+    diffusers-named keys with), per module: {ldm path: diffusers path}. None: keep the ldm paths."""
+    if isinstance(base, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
+        return None
+    diffusers_to_ldm = comfy.utils.unet_to_diffusers(base.model_config.unet_config)
+    return {ldm[: -len(".weight")]: diffusers[: -len(".weight")]
+            for diffusers, ldm in diffusers_to_ldm.items() if diffusers.endswith(".weight")}
 
 
 def _resblocks_worth_compiling(unet: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,15 +1,25 @@
-"""LoRA on the diffusion model: peft injects the adapters; export is kohya format (`lora_unet_<module path>`
-with lora_down / lora_up / alpha), the format ComfyUI, A1111 and kohya tools all load."""
+"""LoRA on the diffusion model: peft injects the adapters; export is kohya's format and naming
+(`lora_unet_<module>` with lora_down / lora_up / alpha, kohya's `ss_*` metadata, the SAI model spec and the
+sd-webui hashes), the files ComfyUI, A1111/Forge, diffusers and kohya's own scripts load."""
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import safetensors.torch
 import torch
-from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
 from .errors import LeanLoRAError
 from .settings import LoraSettings
 
 ADAPTER = "leanlora"
+UNET_PREFIX = "lora_unet_"  # kohya's prefix; its text encoder ones (lora_te_, lora_te1_/lora_te2_) stay unused:
+#                             LeanLoRA trains the diffusion model only
 
 
 def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int) -> list[torch.nn.Parameter]:
@@ -38,24 +48,106 @@ def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int) -> l
     return params
 
 
-def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings,
+def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings, module_names: Mapping[str, str] | None = None,
                      dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """kohya's keys for the LoRA layers in `module`. `module_names` maps each LoRA'd module path of the training
+    copy to the name kohya gives it for this model family (SD1.x: diffusers' `down_blocks.0.attentions.0...`,
+    from ComfyAdapter.kohya_module_names); None keeps the copy's own (ldm) paths, kohya's names for SDXL."""
     peft_sd = get_peft_model_state_dict(module, adapter_name=ADAPTER)
     if not peft_sd:
         raise LeanLoRAError("the model holds no LoRA weights to export")
-    kohya = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_sd.items()})
-    out = {}
-    for key, value in kohya.items():
-        if key.endswith(".alpha"):
-            # diffusers writes alpha = rank; the scale the weights were trained with is lora_alpha / rank.
-            out[key] = torch.tensor(float(settings.alpha))
-        else:
-            out[key] = value.detach().to("cpu", dtype).contiguous()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in peft_sd.items():
+        path, _, part = key.rpartition(".lora_")  # "<module>.lora_A.weight" / "<module>.lora_B.weight"
+        if part not in ("A.weight", "B.weight"):
+            raise LeanLoRAError(f"cannot export LoRA weight {key!r}: only plain LoRA layers have a kohya form")
+        if module_names is not None:
+            if path not in module_names:
+                raise LeanLoRAError(f"cannot export the LoRA on {path!r}: kohya's naming for this model has no "
+                                    "name for that module; pick the attention targets")
+            path = module_names[path]
+        name = UNET_PREFIX + path.replace(".", "_")
+        out[f"{name}.{'lora_down' if part == 'A.weight' else 'lora_up'}.weight"] = \
+            value.detach().to("cpu", dtype).contiguous()
+        # the scale the weights were trained with is lora_alpha / rank (kohya stores alpha, not the scale)
+        out[f"{name}.alpha"] = torch.tensor(float(settings.alpha))
     return out
 
 
-def lora_metadata(settings: LoraSettings, extra: dict[str, str]) -> dict[str, str]:
-    """kohya's `ss_` keys, so tools that show LoRA info (and kohya scripts) understand the file."""
-    return {"ss_network_module": "networks.lora", "ss_network_dim": str(settings.rank),
-            "ss_network_alpha": str(settings.alpha), "ss_network_dropout": str(settings.dropout),
-            "leanlora_targets": settings.targets, **extra}
+# --- what the file says about itself: kohya's `ss_*` keys and the SAI model spec (kohya's library/sai_model_spec) ---
+
+@dataclass(frozen=True)
+class BaseModelKind:
+    """The base model a LoRA was trained on, in the terms kohya's metadata uses."""
+    sdxl: bool = False
+    v2: bool = False
+    v_prediction: bool = False
+
+    @property
+    def base_model_version(self) -> str:
+        """kohya's ss_base_model_version (A1111/Forge sort LoRAs into SD1/SD2/SDXL lists by it)."""
+        if self.sdxl:
+            return "sdxl_base_v1-0"
+        return ("sd_v2" if self.v2 else "sd_v1") + ("_v" if self.v_prediction else "")
+
+    @property
+    def architecture(self) -> str:
+        if self.sdxl:
+            family = "stable-diffusion-xl-v1-base"
+        elif self.v2:
+            family = "stable-diffusion-v2-768-v" if self.v_prediction else "stable-diffusion-v2-512"
+        else:
+            family = "stable-diffusion-v1"
+        return f"{family}/lora"
+
+    @property
+    def implementation(self) -> str:
+        # kohya: SDXL LoRAs follow Stability's ldm layout, SD1/SD2 LoRAs diffusers' module names
+        return "https://github.com/Stability-AI/generative-models" if self.sdxl else "diffusers"
+
+
+def tag_frequency(folder_name: str, captions) -> dict[str, dict[str, int]]:
+    """kohya's ss_tag_frequency for one dataset folder: each comma-separated tag of each caption, lower-cased,
+    counted once per image (repeats are not counted)."""
+    counts: dict[str, int] = {}
+    for caption in captions:
+        for tag in caption.split(","):
+            tag = tag.strip().lower()
+            if tag:
+                counts[tag] = counts.get(tag, 0) + 1
+    return {folder_name: counts}
+
+
+def lora_metadata(settings: LoraSettings, kind: BaseModelKind, *, output_name: str, resolution: tuple[int, int],
+                  tags: dict[str, dict[str, int]], extra: dict[str, str],
+                  timestamp: float | None = None) -> dict[str, str]:
+    """kohya's `ss_` keys (its minimum set included) plus the SAI model spec, all strings like kohya writes them."""
+    timestamp = time.time() if timestamp is None else timestamp
+    width, height = resolution
+    metadata = {
+        "ss_network_module": "networks.lora", "ss_network_dim": str(settings.rank),
+        "ss_network_alpha": str(settings.alpha), "ss_network_dropout": str(settings.dropout),
+        "ss_network_args": json.dumps({"targets": settings.targets,
+                                       "target_modules": ",".join(settings.target_modules)}),
+        "ss_base_model_version": kind.base_model_version, "ss_v2": str(kind.v2),
+        "ss_output_name": output_name, "ss_resolution": str((width, height)),
+        "ss_training_started_at": str(timestamp), "ss_tag_frequency": json.dumps(tags),
+        "leanlora_targets": settings.targets, **extra,
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": kind.architecture,
+        "modelspec.implementation": kind.implementation, "modelspec.title": output_name,
+        "modelspec.resolution": f"{width}x{height}",
+        "modelspec.date": datetime.datetime.fromtimestamp(int(timestamp)).isoformat(),
+        "modelspec.prediction_type": "v" if kind.v_prediction else "epsilon",
+    }
+    return metadata
+
+
+def with_file_hashes(state_dict: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, str]:
+    """Adds sshs_model_hash / sshs_legacy_hash as kohya precomputes them (train_util.precalculate_safetensors_hashes),
+    so sd-webui's additional-networks need not hash the file: the model hash is the sha256 of the tensor payload of
+    the file serialized with the `ss_` metadata only; the legacy hash is 8 hex digits of the sha256 of its 64 KiB
+    at offset 1 MiB (of an empty slice for a file smaller than that, as there)."""
+    blob = safetensors.torch.save(state_dict, {k: v for k, v in metadata.items() if k.startswith("ss_")})
+    header_end = 8 + int.from_bytes(blob[:8], "little")
+    return {**metadata, "sshs_model_hash": hashlib.sha256(blob[header_end:]).hexdigest(),
+            "sshs_legacy_hash": hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8]}

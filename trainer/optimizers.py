@@ -267,13 +267,38 @@ def optimizer_state_bytes_per_param(name: str) -> float:
     return moments * (4.0 if name in ("AdamW", "Lion") else 1 + 4 / BNB_BLOCK)
 
 
+POLYNOMIAL_END_LR = 1e-7  # diffusers' default end of the polynomial schedule
+
+
 def build_lr_schedule(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int,
                       done_steps: int = 0) -> torch.optim.lr_scheduler.LRScheduler:
-    """diffusers' schedules (warm-up, then constant / cosine / linear ...), positioned at `done_steps` so an
-    optimizer rebuilt mid-run (OOM recovery) continues the same curve."""
-    from diffusers.optimization import get_scheduler
+    """The schedules of diffusers' get_scheduler (same names, shapes and defaults: a linear warm-up from 0, then
+    constant / cosine half-wave / linear to 0 / one cosine restart cycle / linear polynomial to 1e-7), written on
+    torch's LambdaLR so the pack needs no diffusers. Positioned at `done_steps` so an optimizer rebuilt mid-run
+    (OOM recovery) continues the same curve."""
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])  # what a scheduler resumed at last_epoch >= 0 starts from
-    name = "constant_with_warmup" if name == "constant" and warmup_steps else name
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
-                         last_epoch=done_steps - 1)
+    decay_steps = max(1, total_steps - warmup_steps)
+    initial_lr = optimizer.defaults["lr"]
+    end_lr = min(POLYNOMIAL_END_LR, initial_lr)
+
+    def after_warmup(progress: float) -> float:  # progress: 0 at the end of warm-up, 1 at total_steps
+        if name == "constant":
+            return 1.0
+        if name == "linear":
+            return max(0.0, 1.0 - progress)
+        if name == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        if name == "cosine_with_restarts":
+            return 0.0 if progress >= 1.0 else max(0.0, 0.5 * (1.0 + math.cos(math.pi * (progress % 1.0))))
+        if name == "polynomial":
+            return (end_lr + (initial_lr - end_lr) * max(0.0, 1.0 - progress)) / initial_lr
+        raise ValueError(f"unknown learning-rate schedule {name!r}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        return after_warmup((step - warmup_steps) / decay_steps)
+
+    after_warmup(0.0)  # an unknown name fails here, not at the first step
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=done_steps - 1)

@@ -19,7 +19,7 @@ from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
 from .estimate import estimate_error
 from .files import sanitize_name, save_safetensors_atomic, unused_path
-from .lora import inject_lora, kohya_state_dict, lora_metadata
+from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
 from .session import TrainingSession, recover
@@ -55,6 +55,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
               memory.describe(), *device_notes]
 
     cancel_errors = (TrainingCancelled, *getattr(adapter, "cancel_errors", ()))
+    started_at = time.time()  # wall clock, for the file's metadata
     emit(kind="phase", text="caching latents and text embeddings")
     stats = CacheStats()
     try:
@@ -138,13 +139,19 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     stem = sanitize_name(train.output_name)
     if partial:
         stem = f"{stem}_partial_step{steps_done}"
-    state_dict = kohya_state_dict(unet, lora)
+    state_dict = kohya_state_dict(unet, lora, adapter.kohya_module_names())
     path = unused_path(Path(loras_dir), stem)
-    metadata = lora_metadata(lora, {"leanlora_version": __version__, "ss_steps": str(steps_done),
-                                    "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
-                                    "ss_lr_scheduler": train.lr_schedule, "ss_lr_warmup_steps": str(train.warmup_steps),
-                                    "ss_resolution": str(dataset.resolution), "leanlora_partial": str(partial)})
-    save_safetensors_atomic(state_dict, path, metadata)
+    metadata = lora_metadata(
+        lora, adapter.base_model_kind(), output_name=path.stem, resolution=(dataset.resolution, dataset.resolution),
+        tags=tag_frequency(dataset.folder.name, (sample.caption for sample in dataset.samples)),
+        timestamp=started_at, extra={"leanlora_version": __version__, "ss_steps": str(steps_done),
+                                     "ss_max_train_steps": str(train.steps),
+                                     "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
+                                     "ss_lr_scheduler": train.lr_schedule,
+                                     "ss_lr_warmup_steps": str(train.warmup_steps),
+                                     "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
+                                     "ss_enable_bucket": str(dataset.buckets), "leanlora_partial": str(partial)})
+    save_safetensors_atomic(state_dict, path, with_file_hashes(state_dict, metadata))
     adapter.free(unet)
 
     if failure is not None:

@@ -14,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .files import save_safetensors_atomic
+from .errors import one_line
+from .files import SAVE_ERRORS, save_safetensors_atomic
 
 _KEY_VERSION = "leanlora-cache-v1"  # bump when what an entry holds changes; every old key then misses
 
@@ -86,6 +87,7 @@ class LatentTextStore:
     def __init__(self, folder: Path | None = None, ram: RamCache | None = SHARED_RAM):
         self.folder = Path(folder) if folder is not None else None
         self.ram = ram
+        self.disk_failure: str | None = None  # why the folder stopped being written (the cache is optional)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
@@ -111,4 +113,7 @@ class LatentTextStore:
         if self.ram is not None:
             self.ram.put(key, tensors)
         if self.folder is not None:
-            save_safetensors_atomic(tensors, self._path(key), {"format": _KEY_VERSION})
+            try:
+                save_safetensors_atomic(tensors, self._path(key), {"format": _KEY_VERSION})
+            except SAVE_ERRORS as error:  # read-only or full disk: keep training with the RAM layer only
+                self.disk_failure, self.folder = f"could not write {self.folder} ({one_line(error)})", None

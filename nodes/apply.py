@@ -1,4 +1,8 @@
+import math
+
 from ..trainer.comfy_adapter import apply_lora
+from ..trainer.errors import LeanLoRAError
+from ..trainer.files import non_finite_tensors
 from .common import CATEGORY
 
 
@@ -22,4 +26,13 @@ class LeanLoRAApplyLoRA:
     CATEGORY = CATEGORY
 
     def execute(self, model, clip, lora, strength_model, strength_clip):
+        # a link can carry any float past the widget's limits; NaN/inf weights render pure black
+        for name, value in (("strength_model", strength_model), ("strength_clip", strength_clip)):
+            if not math.isfinite(value):
+                raise LeanLoRAError(f"LeanLoRA Apply LoRA: {name} is {value}; use a finite number such as 1.0 "
+                                    "(check the node that feeds it)")
+        bad = non_finite_tensors(lora) if isinstance(lora, dict) else []
+        if bad:
+            raise LeanLoRAError(f"LeanLoRA Apply LoRA: the LoRA holds NaN/inf weights ({len(bad)} tensors, e.g. "
+                                f"{bad[0]}); it would render black. Train it again with a lower learning rate")
         return apply_lora(model, clip, lora, strength_model, strength_clip)

@@ -17,6 +17,8 @@ from .common import CATEGORY, pil_to_image
 
 PREVIEW_EVERY_S = 2.0
 LOG_EVERY_STEPS = 10
+FALLBACK_FOLDER = "leanlora_unsaved_loras"  # inside ComfyUI's output folder, where the loras folder fails at save
+_partial_runs = 0  # runs that ended with a partial LoRA: IS_CHANGED then makes a re-queue train again
 
 
 def _send(event: str, data: dict) -> None:
@@ -24,6 +26,15 @@ def _send(event: str, data: dict) -> None:
         from server import PromptServer
         PromptServer.instance.send_sync(event, data, PromptServer.instance.client_id)
     except Exception:  # no server (CLI/tests): progress events are optional
+        pass
+
+
+def _show_on_node(node_id: str | None, text: str) -> None:
+    """Text drawn on the node in the browser (ComfyUI's progress text)."""
+    try:
+        from server import PromptServer
+        PromptServer.instance.send_progress_text(text, node_id, PromptServer.instance.client_id)
+    except Exception:  # no server, or a ComfyUI without progress text
         pass
 
 
@@ -65,7 +76,7 @@ def wait_for(job: Job, total: int):
 def latent_store(choice: str) -> LatentTextStore | None:
     if choice == "off":
         return None
-    if choice == "RAM + disk":
+    if choice == "RAM + disk":  # a folder that cannot be written is reported and skipped by train_lora
         return LatentTextStore(Path(folder_paths.models_dir) / "leanlora_cache")
     return LatentTextStore()
 
@@ -83,19 +94,26 @@ class LeanLoRATrain:
                 "lora_config": ("LORA_CONFIG", {"tooltip": "From LeanLoRA LoRA Config."}),
                 "steps": ("INT", {"default": 500, "min": 1, "max": 1000000, "tooltip":
                     "Optimizer steps. Each step sees batch_size x gradient_accumulation images."}),
-                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 0.1, "step": 1e-5, "round": False,
-                    "tooltip": "Peak learning rate for the LoRA weights; 1e-4 is a safe start for AdamW (Lion: 3-10x lower)."}),
+                # The frontend rounds a FLOAT to the decimals of its step (1e-5 turned 5e-6 into 1e-05): a step
+                # of 1e-7 keeps 7 decimals, enough for every rate down to the minimum.
+                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 0.1, "step": 1e-7, "round": False,
+                    "tooltip": "Peak learning rate for the LoRA weights; 1e-4 is a safe start for AdamW (Lion: 3-10x "
+                               "lower). Type values such as 5e-6 directly."}),
                 "lr_schedule": (list(LR_SCHEDULES), {"default": "constant", "tooltip":
                     "How the learning rate changes over the steps (diffusers' schedules): constant, cosine decay "
                     "to 0, linear decay to 0, cosine with restarts, polynomial."}),
                 "warmup_steps": ("INT", {"default": 0, "min": 0, "max": 100000, "tooltip":
                     "Steps over which the learning rate ramps up from 0 before the schedule starts."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFF, "tooltip":
-                    "Seeds LoRA init, shuffling, noise and timesteps: the same seed gives the same run."}),
+                # No "control after generate" widget (the frontend adds one set to randomize to every INT named
+                # seed): a re-queue must not silently train again and write my_lora_2, my_lora_3, ...
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFF, "control_after_generate": False,
+                                 "tooltip": "Seeds LoRA init, shuffling, noise and timesteps: the same seed gives "
+                                            "the same run. Change it by hand to train again with other random draws."}),
                 "output_name": ("STRING", {"default": "my_lora", "tooltip":
                     "File name in ComfyUI's loras folder. An existing file is never overwritten (_2, _3 ... is "
                     "added); a cancelled run is saved as <name>_partial_step<N>."}),
-            }
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     RETURN_TYPES = ("MODEL", "CLIP", "LORA_MODEL", "STRING", "IMAGE", "STRING")
@@ -108,23 +126,39 @@ class LeanLoRATrain:
                        "What was trained, how long it took, peak VRAM and where the file is.")
     FUNCTION = "execute"
     CATEGORY = CATEGORY
+    OUTPUT_NODE = True  # it writes a LoRA file: a graph with Train and no Save/Preview node still runs
     DESCRIPTION = "Trains a LoRA on the connected checkpoint and saves it into ComfyUI's loras folder."
 
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return _partial_runs  # equal inputs are served from ComfyUI's cache, unless the last run was cancelled
+
     def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, lr_schedule, warmup_steps,
-                seed, output_name):
+                seed, output_name, unique_id=None):
+        global _partial_runs
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps)
         adapter = ComfyAdapter(model, clip, vae)
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
+        fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
-                                                job.emit, lambda: job.cancelled, store))
+                                                job.emit, lambda: job.cancelled, store, fallback_dir))
         outcome = wait_for(job, steps)
         logging.info("LeanLoRA:\n%s", outcome.report)
+        if outcome.save_note:
+            logging.warning("LeanLoRA: %s", outcome.save_note)
+        saved = outcome.lora_path
+        lora_name = saved.relative_to(loras_dir).as_posix() if saved.is_relative_to(loras_dir) else str(saved)
+        result = (*apply_lora(model, clip, outcome.lora_state_dict, 1.0, 1.0), outcome.lora_state_dict, lora_name,
+                  pil_to_image(loss_chart(outcome.losses)), outcome.report)
         if outcome.partial:
-            # Cancel pressed (the flag may already be cleared by ComfyUI's ops in the training thread): the
-            # partial LoRA is saved; stop the rest of the graph like any interrupted node.
-            raise comfy.model_management.InterruptProcessingException()
-        lora_name = outcome.lora_path.relative_to(loras_dir).as_posix()
-        model_out, clip_out = apply_lora(model, clip, outcome.lora_state_dict, 1.0, 1.0)
-        return (model_out, clip_out, outcome.lora_state_dict, lora_name, pil_to_image(loss_chart(outcome.losses)),
-                outcome.report)
+            # Cancel pressed: this node ends with the partial LoRA (its name in the node's output, the history and
+            # on the node), then the rest of the graph stops like any interrupted graph. The flag is set again
+            # because ComfyUI's ops in the training thread may have consumed it.
+            _partial_runs += 1
+            message = f"LeanLoRA: cancelled; the partial LoRA is saved as {lora_name}"
+            logging.warning(message)
+            _send("leanlora.partial_saved", {"node": unique_id, "lora_name": lora_name, "path": str(saved)})
+            _show_on_node(unique_id, message)
+            comfy.model_management.interrupt_current_processing(True)
+        return {"ui": {"text": [outcome.report]}, "result": result}

@@ -18,6 +18,38 @@ class LoopResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step (mean over micro-batches)
     steps_done: int = 0
     cancelled: bool = False
+    # The first step whose loss (or, outside fp16 loss scaling, gradient) was NaN/inf: the run stopped there and
+    # the LoRA weights are back at `steps_done`, the last step at which they were checked and finite.
+    diverged_at: int | None = None
+
+
+class LastFiniteWeights:
+    """CPU copies of the LoRA weights at the last step whose weights were checked finite. Checked and copied
+    where the loop reads its losses anyway (one host sync), so a diverged run can go back to them."""
+
+    def __init__(self, params: list[torch.nn.Parameter], step: int):
+        self.params = params
+        pin = any(p.is_cuda for p in params)
+        self.copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
+        self.step = step
+        self.keep(step)
+
+    def finite(self) -> torch.Tensor:
+        """On the device, no sync: whether every weight is finite (a NaN/inf anywhere makes the sum of norms so)."""
+        if not self.params:
+            return torch.tensor(True)
+        return torch.isfinite(torch.stack(torch._foreach_norm([p.detach() for p in self.params])).sum())
+
+    def keep(self, step: int) -> None:
+        torch._foreach_copy_(self.copies, [p.detach() for p in self.params], non_blocking=True)
+        self.step = step
+
+    def restore(self) -> int:
+        """Called after a host sync (so the copies are complete); returns the step the weights are from."""
+        with torch.no_grad():
+            for param, copy in zip(self.params, self.copies):
+                param.copy_(copy)
+        return self.step
 
 
 @dataclass
@@ -43,22 +75,37 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
     TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps.
     Losses stay on the device and are read (one host sync) every `sync_every` steps; on_step then reports each
     of those steps in order (also when an exception ends the loop, so applied steps are never repeated).
+    Divergence: the first step with a NaN/inf loss (or gradient norm, outside fp16, whose loss scaler skips such
+    steps itself) ends the run; the weights go back to their last copy checked finite (see LastFiniteWeights)
+    and `diverged_at` names the step.
     `after_step` runs right after each optimizer step, without waiting for the device (e.g. to record a CUDA
     event for timing)."""
     micro_step = step_fn if hasattr(step_fn, "zero_grad") else EagerMicroStep(step_fn, precision)
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
-    pending: list[tuple[int, torch.Tensor, float]] = []
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []  # (step, loss, step was finite, lr)
+    last_finite = LastFiniteWeights(params, first_step)
 
     def report() -> None:
         if not pending:
             return
-        values = torch.stack([loss for _, loss, _ in pending]).tolist()
+        # one host sync for the losses, each step's finiteness and the weights' finiteness
+        read = torch.stack([*(loss for _, loss, _, _ in pending), *(ok.float() for _, _, ok, _ in pending),
+                            last_finite.finite().float()]).tolist()
+        values, finite, weights_finite = read[:len(pending)], read[len(pending):-1], read[-1]
         elapsed = time.perf_counter() - start
-        for (step, _, lr), value in zip(pending, values):
+        for (step, _, _, lr), value, ok in zip(pending, values, finite):
+            if not ok:
+                result.diverged_at = step
+                break
             result.losses.append(value)
             result.steps_done = step
             on_step(StepInfo(step, steps, value, lr, elapsed))
+        else:
+            if weights_finite:
+                last_finite.keep(pending[-1][0])
+            else:  # finite losses and norms but not weights (no clipping measured them): the window's first step
+                result.diverged_at = pending[0][0]
         pending.clear()
 
     try:
@@ -75,19 +122,26 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                 micro_step.zero_grad(optimizer)  # a half-accumulated step is dropped, earlier ones are kept
                 result.cancelled = True
                 break
+            finite = torch.isfinite(step_loss)
             if max_grad_norm:
                 if precision.scaler is not None:
                     precision.scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                if precision.scaler is None:  # fp16: an overflowed gradient is the scaler's to skip, not divergence
+                    finite = finite & torch.isfinite(norm)
             lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the report
             precision.step(optimizer)
             micro_step.zero_grad(optimizer)
             if lr_schedule is not None:
                 lr_schedule.step()
             after_step()
-            pending.append((step + 1, step_loss, lr))
+            pending.append((step + 1, step_loss, finite, lr))
             if len(pending) >= sync_every:
                 report()
+            if result.diverged_at is not None:
+                break
     finally:  # an OOM or error still reports the steps that were applied
         report()
+        if result.diverged_at is not None:
+            result.steps_done = last_finite.restore()  # never hand on the non-finite weights
     return result

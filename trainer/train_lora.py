@@ -6,6 +6,7 @@ An out-of-memory inside a step frees memory, moves one rung down the memory ladd
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,7 +19,7 @@ from .cache_store import LatentTextStore
 from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
 from .estimate import estimate_error
-from .files import sanitize_name, save_safetensors_atomic, unused_path
+from .files import check_writable, non_finite_tensors, sanitize_name, save_with_fallback
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
@@ -38,13 +39,22 @@ class TrainOutcome:
     partial: bool
     report: str
     recoveries: list[str] = field(default_factory=list)
+    save_note: str | None = None  # set when the loras folder failed and the file went to the fallback folder
 
 
 def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
-               store: LatentTextStore | None = None) -> TrainOutcome:
-    """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder)."""
+               store: LatentTextStore | None = None, fallback_dir: Path | None = None) -> TrainOutcome:
+    """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
+    `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full)."""
     device = adapter.device
+    loras_dir = Path(loras_dir)
+    check_writable(loras_dir, 0, "loras folder")  # before any encoding or training
+    if store is not None and store.folder is not None:
+        try:
+            check_writable(store.folder, 0, "latent cache folder")
+        except LeanLoRAError as error:  # the disk layer is optional: warn and cache in RAM only
+            store.disk_problem, store.folder = f"latent cache on disk off for this run, cached in RAM only: {error}", None
     memory, device_notes = resolve_for_device(memory, device)
     # an unusable attention backend fails here, before any encoding
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
@@ -75,6 +85,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     params = inject_lora(unet, lora, train.seed)
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
+    check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
     session = TrainingSession(adapter, unet, params, cache, dataset.repeats, train)
 
     losses: list[float] = []
@@ -89,6 +100,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     recoveries: list[str] = []
     failure: BaseException | None = None
     cancelled = False
+    diverged_at: int | None = None
     started = time.perf_counter()  # reset below, once the estimate's probe steps are done
     estimate = None
     device_peak = DevicePeak(device).__enter__()  # the whole card (NVML), probes included
@@ -103,6 +115,12 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         report.append(estimate.format())
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
         reset_peak(device)  # the run's peak, not the probes'
+        used = batch_used(cache, dataset.repeats, session.memory.batch_size)
+        if used < session.memory.batch_size:
+            report.append(f"batch used: {used} images per step, not the {session.memory.batch_size} requested: an "
+                          f"epoch holds {len(cache)} images x {dataset.repeats} repeats"
+                          + (" and batches hold one image size" if len({s.latent.shape for s in cache}) > 1 else "")
+                          + f" (effective batch {used * session.memory.gradient_accumulation})")
         started = time.perf_counter()
         while True:
             try:
@@ -111,7 +129,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                                     first_step=len(losses), cancel_errors=cancel_errors,
                                     sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
                                     lr_schedule=session.lr_schedule)
-                cancelled = result.cancelled
+                cancelled, diverged_at = result.cancelled, result.diverged_at
                 break
             except Exception as error:
                 if not is_out_of_memory(error):
@@ -126,12 +144,15 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     seconds = time.perf_counter() - started
     device_peak.__exit__(None, None, None)
     session.close()
-    steps_done = len(losses)
+    # after a divergence the weights are back at the last step checked finite (later losses were reported)
+    steps_done = result.steps_done if diverged_at is not None else len(losses)
     report += session.report_notes()
 
-    partial = cancelled or failure is not None
+    partial = cancelled or failure is not None or diverged_at is not None
     if steps_done == 0:
         adapter.free(unet)
+        if diverged_at is not None:
+            raise _diverged(diverged_at, None, lora, train, session.memory)
         if failure is not None:
             raise _explain(failure, None, before_first_step=not recoveries) from failure
         raise TrainingCancelled("cancelled before the first step; no LoRA was saved")
@@ -139,10 +160,18 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     stem = sanitize_name(train.output_name)
     if partial:
         stem = f"{stem}_partial_step{steps_done}"
-    state_dict = kohya_state_dict(unet, lora, adapter.kohya_module_names())
-    path = unused_path(Path(loras_dir), stem)
+    module_names = adapter.kohya_module_names()
+    state_dict = kohya_state_dict(unet, lora, module_names)
+    if non_finite_tensors(state_dict) and not non_finite_tensors(kohya_state_dict(unet, lora, module_names,
+                                                                                   dtype=torch.float32)):
+        state_dict = kohya_state_dict(unet, lora, module_names, dtype=torch.float32)  # finite beyond fp16's range
+    bad = non_finite_tensors(state_dict)
+    if bad:  # the loop's checks should make this unreachable; never write or apply such weights
+        adapter.free(unet)
+        raise LeanLoRAError(f"the trained LoRA has NaN/inf weights ({len(bad)} tensors, e.g. {bad[0]}); nothing "
+                            "was saved. Lower the learning rate or alpha/rank, or use mixed precision bf16")
     metadata = lora_metadata(
-        lora, adapter.base_model_kind(), output_name=path.stem, resolution=(dataset.resolution, dataset.resolution),
+        lora, adapter.base_model_kind(), output_name=stem, resolution=(dataset.resolution, dataset.resolution),
         tags=tag_frequency(dataset.folder.name, (sample.caption for sample in dataset.samples)),
         timestamp=started_at, extra={"leanlora_version": __version__, "ss_steps": str(steps_done),
                                      "ss_max_train_steps": str(train.steps),
@@ -151,11 +180,18 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                                      "ss_lr_warmup_steps": str(train.warmup_steps),
                                      "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
                                      "ss_enable_bucket": str(dataset.buckets), "leanlora_partial": str(partial)})
-    save_safetensors_atomic(state_dict, path, with_file_hashes(state_dict, metadata))
-    adapter.free(unet)
+    try:
+        path, save_note = save_with_fallback(state_dict, loras_dir, stem, with_file_hashes(state_dict, metadata),
+                                             fallback_dir)
+    finally:
+        adapter.free(unet)
+    if save_note:
+        emit(kind="phase", text=save_note)
 
+    if diverged_at is not None:
+        raise _diverged(diverged_at, path, lora, train, session.memory, save_note)
     if failure is not None:
-        raise _explain(failure, path) from failure
+        raise _explain(failure, path, note=save_note) from failure
     report.append(f"trained {steps_done}/{train.steps} steps in {seconds:.1f} s ({seconds / steps_done:.3f} s/step)")
     if recoveries:
         report.append(f"out-of-memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
@@ -173,12 +209,37 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                          if device_peak.peak else ""))
         if estimate is not None and not recoveries:
             report.append(estimate_error(estimate, int(peak["peak_allocated"] * GIB)))
-    report.append(("CANCELLED: partial LoRA (what was learned so far) saved to " if cancelled else "saved ") + str(path))
-    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries)
+    if save_note:
+        report.append(save_note)
+    report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
+                   if cancelled else "saved ") + str(path))
+    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries, save_note)
 
 
-def _explain(error: BaseException, saved: Path | None, before_first_step: bool = False) -> LeanLoRAError:
+def batch_used(cache: list, repeats: int, batch_size: int) -> int:
+    """The most images a batch can hold: batches never span epochs or image sizes (see cache.batches)."""
+    per_size = Counter(tuple(sample.latent.shape) for sample in cache)
+    return min(batch_size, max(per_size.values()) * repeats)
+
+
+def _diverged(step: int, saved: Path | None, lora: LoraSettings, train: TrainSettings, memory: MemorySettings,
+              save_note: str | None = None) -> LeanLoRAError:
+    kept = (f"the last LoRA checked finite is saved as {saved}" if saved else
+            "no finite LoRA was learned before it, so nothing was saved")
+    precision = ("use mixed precision bf16 (fp16's range overflows)" if memory.mixed_precision == "fp16" else
+                 f"mixed precision 'no' (fp32) if it persists (now {memory.mixed_precision})")
+    return LeanLoRAError(
+        f"training diverged: the loss at step {step} was NaN/inf, so training stopped there; {kept}"
+        + (f" ({save_note})" if save_note else "")
+        + f". To fix: lower the learning rate (now {train.learning_rate:g}; 1e-4 is a safe start), lower alpha "
+        f"relative to rank (alpha {lora.alpha:g} / rank {lora.rank} = scale {lora.alpha / lora.rank:g}; 1 is usual), "
+        f"or {precision}")
+
+
+def _explain(error: BaseException, saved: Path | None, before_first_step: bool = False,
+             note: str | None = None) -> LeanLoRAError:
     kept = f"; what was learned so far is saved as {saved}" if saved else ""
+    kept += f" ({note})" if note else ""
     if is_out_of_memory(error) and before_first_step:
         return LeanLoRAError("out of GPU memory while placing the training copy or measuring memory, before step 1. "
                              "Set auto_fit to 'free VRAM' in LeanLoRA Memory Settings (it picks fp8 or streamed "

@@ -69,12 +69,16 @@ class PromptRejected(RuntimeError):
 
 
 class ComfyServer:
-    def __init__(self, base_dir: Path, port: int | None = None, extra_args=(), require_pack: bool = True):
-        """require_pack: fail start() when ComfyUI could not import this pack (it only logs that and goes on)."""
+    def __init__(self, base_dir: Path, port: int | None = None, extra_args=(), require_pack: bool = True,
+                 memory_limit: int | None = None):
+        """require_pack: fail start() when ComfyUI could not import this pack (it only logs that and goes on).
+        memory_limit: address-space limit in bytes for the server process (fault tests feed absurd sizes: on a
+        shared machine an unguarded allocation must fail with MemoryError, not take the machine's RAM)."""
         self.base_dir = Path(base_dir).resolve()
         self.require_pack = require_pack
         self.port = port
         self.extra_args = list(extra_args)
+        self.memory_limit = memory_limit
         self.client_id = uuid.uuid4().hex
         self.log_path = self.base_dir / "comfyui.log"
         self._proc: subprocess.Popen | None = None
@@ -110,12 +114,17 @@ class ComfyServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(cmd, cwd=comfyui_path(), env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          preexec_fn=self._limit_memory if self.memory_limit else None)
         atexit.register(self.stop)
         self._wait_ready(timeout)
         if self.require_pack and self.pack_import_failed():
             self.stop()
             raise RuntimeError(f"ComfyUI could not import {PACK_NAME}; log:\n{self.log_text()}")
+
+    def _limit_memory(self) -> None:  # runs in the child, before ComfyUI starts
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (self.memory_limit, self.memory_limit))
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -2,6 +2,11 @@
 takes), the way the frontend's graphToPrompt does, using a server's /object_info for input names and order.
 
     python scripts/workflow_convert.py UI.json --object-info http://127.0.0.1:8188   # or a saved object_info.json
+    python scripts/workflow_convert.py example_workflows/train_then_generate.json --object-info URL \
+        --overrides workflows/api/train_then_generate.overrides.json > workflows/api/train_then_generate.json
+
+--overrides replaces widget values after conversion ({"node id": {"input": value}}): the shipped template names
+the user's files (their checkpoint, their folder) and the tests' twin names the tiny fixtures.
 
 Supported: links (also links saved in the object form of schema version 1), widget inputs turned into sockets,
 the extra value the frontend stores after seed-like widgets (control_after_generate) and after image/video
@@ -129,6 +134,22 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
     return prompt
 
 
+def apply_overrides(prompt: dict, overrides: dict) -> dict:
+    """A copy of an API prompt with {node id: {input: value}} replaced. Only existing literal inputs can be
+    replaced, so an overrides file that no longer matches its workflow fails instead of adding dead inputs."""
+    out = json.loads(json.dumps(prompt))
+    for node_id, values in overrides.items():
+        if node_id not in out:
+            raise ValueError(f"override for node {node_id}: the workflow has no such node")
+        inputs = out[node_id]["inputs"]
+        for name, value in values.items():
+            if name not in inputs or isinstance(inputs[name], list):
+                raise ValueError(f"override {node_id}.{name}: node {node_id} ({out[node_id]['class_type']}) "
+                                 f"has no widget input {name!r}")
+            inputs[name] = value
+    return out
+
+
 def load_object_info(source: str) -> dict:
     if not source.startswith(("http://", "https://")):
         return json.loads(Path(source).read_text())
@@ -144,8 +165,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("workflow", type=Path, help="UI-format workflow JSON")
     p.add_argument("--object-info", required=True, help="server URL (…/object_info optional) or a saved JSON file")
+    p.add_argument("--overrides", type=Path, help='JSON {"node id": {"input": value}} to replace after converting')
     args = p.parse_args(argv)
     api = ui_to_api(json.loads(args.workflow.read_text()), load_object_info(args.object_info))
+    if args.overrides:
+        api = apply_overrides(api, json.loads(args.overrides.read_text()))
     json.dump(api, sys.stdout, indent=2)
     print()
     return 0

@@ -1,0 +1,61 @@
+"""Draw the template browser's thumbnail for example_workflows/train_then_generate.json (a small JPEG).
+
+    .venv/bin/python scripts/template_thumbnail.py      # writes example_workflows/train_then_generate.jpg
+
+ComfyUI's frontend shows a custom node's template with /api/workflow_templates/<pack>/<name>.jpg beside it.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+OUT = Path(__file__).resolve().parents[1] / "example_workflows" / "train_then_generate.jpg"
+SIZE = (512, 384)
+BACKGROUND, BOX, ACCENT, TEXT = (24, 26, 32), (52, 58, 72), (120, 200, 120), (230, 232, 236)
+
+
+def _box(draw: ImageDraw.ImageDraw, xy: tuple[int, int, int, int], label: str, font, colour=BOX) -> None:
+    draw.rounded_rectangle(xy, radius=8, fill=colour)
+    x0, y0, x1, y1 = xy
+    draw.multiline_text(((x0 + x1) / 2, (y0 + y1) / 2), label, fill=TEXT, font=font, anchor="mm", align="center")
+
+
+def _arrow(draw: ImageDraw.ImageDraw, start: tuple[int, int], end: tuple[int, int]) -> None:
+    draw.line([start, end], fill=ACCENT, width=3)
+    angle = math.atan2(end[1] - start[1], end[0] - start[0])
+    head = [(end[0] - 10 * math.cos(angle + s), end[1] - 10 * math.sin(angle + s)) for s in (0.5, -0.5)]
+    draw.polygon([end, *head], fill=ACCENT)
+
+
+def render() -> Image.Image:
+    image = Image.new("RGB", SIZE, BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    title, body = ImageFont.load_default(28), ImageFont.load_default(17)
+    draw.text((24, 20), "LeanLoRA: train, then generate", fill=TEXT, font=title)
+    _box(draw, (24, 80, 184, 140), "your checkpoint", body)
+    _box(draw, (24, 160, 184, 220), "your images\n+ captions", body)
+    _box(draw, (24, 240, 184, 300), "memory + LoRA\nsettings", body)
+    _box(draw, (230, 150, 350, 230), "LeanLoRA\nTrain", body, colour=(60, 110, 70))
+    _box(draw, (392, 90, 496, 150), "with LoRA", body)
+    _box(draw, (392, 230, 496, 290), "without", body)
+    for y in (110, 190, 270):
+        _arrow(draw, (184, y), (228, 190))
+    _arrow(draw, (350, 180), (390, 120))
+    draw.line([(150, 80), (150, 66), (372, 66), (372, 260)], fill=ACCENT, width=3)  # the base model, around Train
+    _arrow(draw, (372, 260), (390, 260))
+    # a falling loss curve under the Train box
+    points = [(230 + i * 6, 340 - 40 * math.exp(-i / 5) + 4 * math.sin(i * 1.7)) for i in range(21)]
+    draw.line(points, fill=ACCENT, width=2)
+    draw.text((230, 352), "loss", fill=TEXT, font=body)
+    return image
+
+
+def main() -> None:
+    render().save(OUT, quality=85, optimize=True)
+    print(f"{OUT} ({OUT.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The shipped template (example_workflows/) is what a user's first Run needs, and the tests' twin
+(workflows/api/) is that template with only the fixture names and sizes swapped in."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from PIL import Image
+
+from comfy_headless import PromptRejected, execution_error
+from workflow_convert import apply_overrides, ui_to_api
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "example_workflows" / "train_then_generate.json"
+THUMBNAIL = TEMPLATE.with_suffix(".jpg")
+TWIN = REPO / "workflows" / "api" / "train_then_generate.json"
+TWIN_OVERRIDES = REPO / "workflows" / "api" / "train_then_generate.overrides.json"
+# What the tiny test fixture needs and a real user's run must not have (issue 15, item 12).
+FIXTURE_VALUES = {"leanlora_tiny_sd15.safetensors", "tiny_dataset"}
+REGENERATE = ("regenerate the twin: scripts/workflow_convert.py example_workflows/train_then_generate.json "
+              "--object-info URL --overrides workflows/api/train_then_generate.overrides.json")
+
+
+def template_prompt(object_info) -> dict:
+    return ui_to_api(json.loads(TEMPLATE.read_text()), object_info)
+
+
+def inputs_of(prompt: dict, class_type: str) -> list[dict]:
+    return [node["inputs"] for node in prompt.values() if node["class_type"] == class_type]
+
+
+def test_template_and_thumbnail_are_where_comfyui_looks():
+    # ComfyUI lists <pack>/example_workflows/*.json (also workflows/*.json: none may stay there, or the template
+    # would be listed twice); the frontend shows /api/workflow_templates/<pack>/<name>.jpg as its thumbnail.
+    assert TEMPLATE.is_file() and THUMBNAIL.is_file()
+    assert not list((REPO / "workflows").glob("*.json")), "a UI workflow in workflows/ is listed as a second template"
+    with Image.open(THUMBNAIL) as image:
+        assert image.format == "JPEG" and image.width >= 256 and image.height >= 192
+    assert THUMBNAIL.stat().st_size < 100_000
+
+
+def test_template_has_no_fixture_value_and_tells_the_user_what_to_pick():
+    ui = json.loads(TEMPLATE.read_text())
+    for node in ui["nodes"]:
+        values = node.get("widgets_values") or []
+        assert not FIXTURE_VALUES & {v for v in values if isinstance(v, str)}, (node["id"], node["type"], values)
+    notes = " ".join(n["widgets_values"][0] for n in ui["nodes"] if n["type"] in ("Note", "MarkdownNote"))
+    assert "checkpoint" in notes and "ComfyUI/input" in notes and "absolute path" in notes
+    checkpoint = next(n for n in ui["nodes"] if n["type"] == "CheckpointLoaderSimple")
+    # the frontend offers to download a missing model listed here
+    assert checkpoint["properties"]["models"][0]["name"] == checkpoint["widgets_values"][0]
+
+
+@pytest.mark.comfy
+def test_template_widget_values_are_realistic_defaults(comfy_server):
+    prompt = template_prompt(comfy_server.object_info())
+    [dataset], [train], [lora] = (inputs_of(prompt, t) for t in ("LeanLoRADataset", "LeanLoRATrain", "LeanLoRALoraConfig"))
+    assert dataset["folder"] not in FIXTURE_VALUES and dataset["folder"].strip()
+    assert dataset["resolution"] in (512, 1024)
+    for latent in inputs_of(prompt, "EmptyLatentImage"):  # generates at the size it trained at
+        assert latent["width"] == latent["height"] == dataset["resolution"]
+    assert 500 <= train["steps"] <= 1500 and train["learning_rate"] == pytest.approx(1e-4)
+    assert lora["rank"] == 16 and lora["alpha"] != lora["rank"]  # alpha != rank: an alpha bug shows end to end
+    for sampler in inputs_of(prompt, "KSampler"):
+        assert sampler["steps"] >= 20
+    [checkpoint] = inputs_of(prompt, "CheckpointLoaderSimple")
+    assert checkpoint["ckpt_name"] not in FIXTURE_VALUES
+
+
+@pytest.mark.comfy
+def test_twin_is_the_template_with_only_fixture_overrides(comfy_server):
+    overrides = json.loads(TWIN_OVERRIDES.read_text())
+    assert apply_overrides(template_prompt(comfy_server.object_info()), overrides) == json.loads(TWIN.read_text()), \
+        REGENERATE
+    assert overrides["1"] == {"ckpt_name": "leanlora_tiny_sd15.safetensors"}
+    assert overrides["2"]["folder"] == "tiny_dataset"
+
+
+def test_overrides_fail_on_inputs_the_workflow_does_not_have():
+    prompt = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "a.safetensors"}},
+              "2": {"class_type": "VAEDecode", "inputs": {"vae": ["1", 2]}}}
+    assert apply_overrides(prompt, {"1": {"ckpt_name": "b"}})["1"]["inputs"]["ckpt_name"] == "b"
+    assert prompt["1"]["inputs"]["ckpt_name"] == "a.safetensors"  # the original is left alone
+    for bad in ({"3": {"x": 1}}, {"1": {"ckpt": "b"}}, {"2": {"vae": "b"}}):
+        with pytest.raises(ValueError, match="override"):
+            apply_overrides(prompt, bad)
+
+
+@pytest.mark.comfy
+def test_template_as_shipped_is_rejected_only_for_the_checkpoint_the_user_must_pick(comfy_server):
+    with pytest.raises(PromptRejected) as rejected:
+        comfy_server.queue(template_prompt(comfy_server.object_info()))
+    node_errors = rejected.value.body["node_errors"]
+    assert set(node_errors) == {"1"}, node_errors
+    [error] = node_errors["1"]["errors"]
+    assert error["type"] == "value_not_in_list" and error["extra_info"]["input_name"] == "ckpt_name"
+
+
+@pytest.mark.comfy
+def test_template_runs_once_the_user_picks_a_checkpoint_and_a_folder(comfy_server, tiny_assets):
+    """Only the two choices the notes ask for are made (an absolute folder path, as a user may type); the real
+    server accepts the template and starts training; it is interrupted after its first steps to stay fast (the
+    twin's full run is in test_comfy_e2e)."""
+    prompt = apply_overrides(template_prompt(comfy_server.object_info()), {
+        "1": {"ckpt_name": tiny_assets["checkpoint"].name}, "2": {"folder": str(tiny_assets["dataset"])}})
+    log_start = len(comfy_server.log_text())
+    prompt_id = comfy_server.queue(prompt)
+    deadline = time.monotonic() + 300
+    while "LeanLoRA step 1/1000" not in comfy_server.log_text()[log_start:]:
+        entry = comfy_server._get(f"/history/{prompt_id}").get(prompt_id)
+        assert entry is None, f"the template ended before training: {execution_error(entry)}"
+        assert time.monotonic() < deadline, "the template never reached training step 1"
+        time.sleep(0.2)
+    comfy_server.interrupt()
+    entry = comfy_server.wait(prompt_id, timeout=120)
+    assert any(event == "execution_interrupted" for event, _ in entry["status"]["messages"]), entry["status"]
+    assert execution_error(entry) is None
+
+
+@pytest.mark.comfy
+def test_template_is_served_to_the_template_browser(comfy_server):
+    templates = requests.get(f"{comfy_server.url}/workflow_templates", timeout=10).json()
+    assert templates.get("LeanLoRA") == ["train_then_generate"]
+    base = f"{comfy_server.url}/api/workflow_templates/LeanLoRA/train_then_generate"
+    served = requests.get(base + ".json", timeout=10)
+    assert served.ok and served.json() == json.loads(TEMPLATE.read_text())
+    thumbnail = requests.get(base + ".jpg", timeout=10)
+    assert thumbnail.ok and thumbnail.headers["Content-Type"] == "image/jpeg"
+    assert thumbnail.content == THUMBNAIL.read_bytes()

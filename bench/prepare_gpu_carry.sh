@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds .gpu/ (git-ignored): what the GPU machine lacks, small enough to travel with the working tree (< 64 MiB):
 #   .gpu/whl/            diffusers, bitsandbytes (CUDA 13.0 + CPU libraries only), av, torchsde, trampoline,
-#                        nvidia-ml-py; for ComfyUI 0.33 also comfy-aimdo, comfy-kitchen (pure-Python part only),
-#                        simpleeval, blake3
+#                        nvidia-ml-py
 #   .gpu/comfyui.tgz     the pinned ComfyUI 0.3.75 source without tests, API nodes and models
-#   .gpu/comfyui033.tgz  ComfyUI 0.33 (only when its source is given: a checkout, or the bare git directory that
-#                        the search tool's fetch of github:yzkee/ComfyUI gives)
+#   .gpu/033/            only when ComfyUI 0.33's source is given (a checkout, or the bare git directory that the
+#                        search tool's fetch of github:yzkee/ComfyUI gives): comfyui.tgz (its source, same
+#                        exclusions) and whl/ with what 0.33 imports at start-up beyond 0.3.75: comfy-aimdo,
+#                        comfy-kitchen (pure-Python part only), SQLAlchemy + alembic + Mako (0.33's asset code
+#                        imports SQLAlchemy unconditionally), simpleeval
 # A ComfyUI server needs nothing else on that machine: bench/server_matrix.py serves an empty --front-end-root
 # (no comfyui_frontend_package), runs with --database-url sqlite:///:memory: (without alembic/SQLAlchemy ComfyUI
 # logs that the database is off and goes on) and --disable-api-nodes; kornia/spandrel are optional (a few
@@ -34,18 +36,23 @@ download "$TMP" bitsandbytes==0.50.2
 mkdir "$TMP/bnb" && (cd "$TMP/bnb" && python3 -m zipfile -e "$TMP"/bitsandbytes-*.whl . \
   && find bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda130.so' -delete \
   && python3 -m zipfile -c "$ROOT/.gpu/whl/$(basename "$TMP"/bitsandbytes-*.whl)" bitsandbytes bitsandbytes-*.dist-info)
+# Other model families' tokenizer files (T5, Llama, Qwen, ...: ~5 MB compressed) are read only when such a model
+# loads; SD1.5/SDXL use comfy/sd1_tokenizer, which stays.
 tar czf .gpu/comfyui.tgz -C .cache --exclude='comfyui/tests*' --exclude='comfyui/comfy_api_nodes' \
-  --exclude='__pycache__' --exclude='comfyui/models' --exclude='comfyui/input' --exclude='comfyui/output' comfyui
+  --exclude='__pycache__' --exclude='comfyui/models' --exclude='comfyui/input' --exclude='comfyui/output' \
+  --exclude='comfyui/comfy/text_encoders/*_tokenizer' comfyui
 
 if [ -n "$SOURCE_033" ]; then
   # ComfyUI 0.33's own pins (its requirements.txt). comfy-kitchen's compiled CUDA/HIP backends are 48 MB
   # compressed: without them it uses its eager/Triton backends, which only quantized checkpoints and int8
   # attention reach; fp16 SD1.5/SDXL and the DynamicVRAM patcher (comfy-aimdo, kept whole) do not.
-  download .gpu/whl comfy-aimdo==0.4.13 simpleeval==1.0.8 blake3==1.0.11
+  # (blake3, also listed, is imported guarded: without it 0.33 only warns.)
+  mkdir -p .gpu/033/whl
+  download .gpu/033/whl comfy-aimdo==0.4.13 simpleeval==1.0.8 sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3
   download "$TMP" comfy-kitchen==0.2.31
   mkdir "$TMP/ck" && (cd "$TMP/ck" && python3 -m zipfile -e "$TMP"/comfy_kitchen-*.whl . \
     && find comfy_kitchen -name '_C.abi3.so' -delete \
-    && python3 -m zipfile -c "$ROOT/.gpu/whl/$(basename "$TMP"/comfy_kitchen-*.whl)" comfy_kitchen comfy_kitchen-*.dist-info)
+    && python3 -m zipfile -c "$ROOT/.gpu/033/whl/$(basename "$TMP"/comfy_kitchen-*.whl)" comfy_kitchen comfy_kitchen-*.dist-info)
   mkdir "$TMP/src"
   if [ -f "$SOURCE_033/main.py" ]; then
     cp -r "$SOURCE_033" "$TMP/src/comfyui"
@@ -79,9 +86,11 @@ PY
   fi
   grep -q '__version__ = "0.33' "$TMP/src/comfyui/comfyui_version.py" || echo "[carry] warning: $SOURCE_033 is not ComfyUI 0.33.x"
   rm -f "$TMP/src/comfyui/extra_model_paths.yaml"
-  tar czf .gpu/comfyui033.tgz -C "$TMP/src" --exclude='comfyui/tests*' --exclude='comfyui/comfy_api_nodes' \
-    --exclude='comfyui/.git' --exclude='comfyui/.github' --exclude='__pycache__' --exclude='comfyui/models' comfyui
+  tar czf .gpu/033/comfyui.tgz -C "$TMP/src" --exclude='comfyui/tests*' --exclude='comfyui/comfy_api_nodes' \
+    --exclude='comfyui/.git' --exclude='comfyui/.github' --exclude='__pycache__' --exclude='comfyui/models' \
+    --exclude='comfyui/comfy/text_encoders/*_tokenizer' comfyui
 fi
 rm -rf "$TMP"
-ls -la .gpu .gpu/whl
-du -sh .gpu
+ls -laR .gpu
+# The device tool carries at most 64 MiB: the tracked tree plus every carried path.
+echo "[carry] .gpu: $(du -sb .gpu | cut -f1) bytes; tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes; limit $((64 * 1024 * 1024))"

@@ -295,7 +295,7 @@ class NvmlSampler:
             return
         self.period = period
         self._lock = threading.Lock()
-        self._peak = self._process_peak = 0
+        self._peak = self._process_peak = self._phase_peak = 0
         self._pid: int | None = None
         self.samples = 0
         threading.Thread(target=self._run, daemon=True, name="nvml-sampler").start()
@@ -326,6 +326,7 @@ class NvmlSampler:
                 continue
             with self._lock:
                 self._peak = max(self._peak, used)
+                self._phase_peak = max(self._phase_peak, used)
                 if proc is not None:
                     self._process_peak = max(self._process_peak, proc)
                 self.samples += 1
@@ -336,6 +337,18 @@ class NvmlSampler:
         if self.available:
             with self._lock:
                 self._pid, self._peak, self._process_peak, self.samples = pid, self.used(), 0, 0
+
+    def start_phase(self) -> None:
+        """A second peak inside the window (the Train node alone, without the samplers around it)."""
+        if self.available:
+            with self._lock:
+                self._phase_peak = self.used()
+
+    def phase_peak(self) -> int | None:
+        if not self.available:
+            return None
+        with self._lock:
+            return self._phase_peak
 
     def window(self) -> tuple[int, int | None, int]:
         with self._lock:
@@ -487,6 +500,7 @@ class MatrixServer:
             args.append("--disable-cuda-malloc")
         self.command = launcher + args + list(self.spec.extra_args)
         started = time.monotonic()
+        LIVE_SERVERS.append(self)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, cwd=self.comfyui, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -540,6 +554,8 @@ class MatrixServer:
         return next((line.strip() for line in self.log_text().splitlines() if line.startswith("Device:")), "")
 
     def stop(self) -> None:
+        if self in LIVE_SERVERS:
+            LIVE_SERVERS.remove(self)
         if self.events:
             self.events.close()
         proc, self.proc = self.proc, None
@@ -599,7 +615,8 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
     prompt_id = answer["prompt_id"]
     steps: list[tuple[int, float]] = []
     phases: list[tuple[float, str]] = []
-    first_step_at = interrupt_at = None
+    first_step_at = interrupt_at = train_started = None
+    train_peak = None
     entry = None
     status = None
     deadline = started + timeout_s
@@ -612,6 +629,13 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                     first_step_at = first_step_at or stamp
                 elif data.get("kind") == "phase":
                     phases.append((round(stamp - started, 2), str(data.get("text", ""))[:200]))
+            elif kind == "executing":  # ComfyUI names each node as it starts: the Train node's own NVML peak
+                node = data.get("node")
+                if node == "train" and train_started is None:
+                    train_started = stamp
+                    server.nvml.start_phase()
+                elif train_started is not None and train_peak is None and node != "train":
+                    train_peak = server.nvml.phase_peak()
         if job.cancel_after and interrupt_at is None and steps and steps[-1][0] >= job.cancel_after:
             http(f"{server.url}/interrupt", {}, timeout=10)
             interrupt_at = time.monotonic()
@@ -659,8 +683,13 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
             row.update(parse_report(report))
         row["base_pixels"] = _image_pixels(server, outputs, "image_base")
     peak, process_peak, samples = server.nvml.window() if server.nvml.available else (None, None, 0)
+    if train_started is not None and train_peak is None:  # the Train node was the last to run (or died)
+        train_peak = server.nvml.phase_peak()
     if server.nvml.available:
         row["nvml_peak_gib"] = round(peak / GIB, 3)
+        if train_peak is not None:
+            row["nvml_train_peak_gib"] = round(train_peak / GIB, 3)
+            row["nvml_train_peak_over_baseline_gib"] = round((train_peak - server.nvml_baseline) / GIB, 3)
         row["nvml_peak_over_baseline_gib"] = round((peak - server.nvml_baseline) / GIB, 3)
         row["nvml_process_peak_gib"] = round(process_peak / GIB, 3) if process_peak else None
         row["nvml_samples"] = samples
@@ -715,7 +744,7 @@ def markdown(result: dict) -> str:
     lines = [f"ComfyUI {result['comfyui_version']} ({result['comfyui']}), plan {result['plan']}, {result['device']}; "
              f"NVML baseline before each server in the JSON. s/step: trainer clock, first burst (warm-up, capture) left "
              f"out; ratio vs the uncapped fast row of this run, else the issue's reference ({REFERENCE_FAST_S}).", "",
-             "| server | job | model/form | card | allocator | status | alive | NVML peak (over baseline) GiB | "
+             "| server | job | model/form | card | allocator | status | alive | NVML device peak, job; Train node (over baseline) GiB | "
              "torch peak alloc/res GiB | s/step (steps) | × fast | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -725,6 +754,8 @@ def markdown(result: dict) -> str:
             continue
         nvml = (f"{row['nvml_peak_gib']:.2f} ({row['nvml_peak_over_baseline_gib']:.2f})"
                 if row.get("nvml_peak_gib") is not None else "n/a")
+        if row.get("nvml_train_peak_gib") is not None:
+            nvml += f"; Train {row['nvml_train_peak_gib']:.2f} ({row['nvml_train_peak_over_baseline_gib']:.2f})"
         torch_peak = (f"{row['torch_peak_allocated_gib']:.2f} / {row['torch_peak_reserved_gib']:.2f}"
                       if row.get("torch_peak_allocated_gib") is not None else "n/a")
         per_step = f"{row['s_per_step']:.4f} ({row['steady_steps']})" if row.get("s_per_step") else "n/a"
@@ -778,7 +809,9 @@ def run_matrix(args) -> dict:
     nvml = NvmlSampler(enabled=not args.tiny, reason="NVML not used in CPU smoke mode (--tiny)")
     assets_dir = Path(args.assets or out / "assets").resolve()
     assets_started = time.monotonic()
-    assets = build_assets(assets_dir, servers, args.tiny, comfyui)
+    # the files do not depend on the ComfyUI version: built with the pinned one where it is unpacked
+    pinned = REPO / ".cache" / "comfyui"
+    assets = build_assets(assets_dir, servers, args.tiny, pinned if (pinned / "main.py").is_file() else comfyui)
     result = {"plan": args.plan, "command": shlex.join(sys.argv), "comfyui": str(comfyui),
               "comfyui_version": comfyui_version(comfyui), "device": nvml.name if nvml.available else "CPU (no NVML)",
               "device_total_gib": round(nvml.total / GIB, 3) if nvml.available else None,
@@ -858,7 +891,19 @@ def run_matrix(args) -> dict:
     return result
 
 
+LIVE_SERVERS: list[MatrixServer] = []
+
+
+def _stop_on_signal(signum, _frame) -> None:
+    """`timeout` (or the device tool) ending this process must not leave a ComfyUI holding the GPU."""
+    for server in list(LIVE_SERVERS):
+        server.stop()
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> None:
+    import signal
+    signal.signal(signal.SIGTERM, _stop_on_signal)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", choices=sorted(PLANS), default="core")
     parser.add_argument("--out", default="out/server_matrix")

@@ -112,86 +112,102 @@ def _fit(card: float) -> str:
 
 def plan_core() -> list[Server]:
     """Default allocator, the pinned ComfyUI: SDXL uncapped (fast, re-queue balanced, cancel + new queue), SDXL
-    auto-fit at 6/4/3/8 GiB, SD1.5 auto-fit at 2/3 GiB and fast uncapped. ~7.5 min on an H200."""
+    auto-fit at 6/4/3/8 GiB, SD1.5 auto-fit at 2/3 GiB and fast uncapped. Most important first: under a 9-minute
+    command the budget may skip the last one (SD1.5 fast; "more" measures it too)."""
     sdxl = [Server("sdxl_24_default", "sdxl", [
-        Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=30),
+        Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
         Job("requeue_balanced", settings("balanced"), est_step_s=0.12, est_setup_s=10),
-        Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=8),
+        Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=6),
         Job("after_cancel_balanced", settings("balanced"), steps=30, est_step_s=0.12, est_setup_s=8)],
         card_gib=24)]
     for card, step_s in ((6, 0.16), (4, 0.2), (3, 0.35), (8, 0.13)):
         sdxl.append(Server(f"sdxl_{card}_default", "sdxl", [
-            Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=step_s, est_setup_s=40)],
+            Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=step_s, est_setup_s=30)],
             card_gib=card))
     sd15 = [Server(f"sd15_{card}_default", "sd15", [
-        Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=0.06, est_setup_s=20)],
+        Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=0.06, est_setup_s=15)],
         card_gib=card, est_start_s=12) for card in (2, 3)]
-    sd15.append(Server("sd15_24_default", "sd15", [Job("fast", settings("fast"), est_step_s=0.03, est_setup_s=20)],
+    sd15.append(Server("sd15_24_default", "sd15", [Job("fast", settings("fast"), est_step_s=0.03, est_setup_s=15)],
                        card_gib=24, est_start_s=12))
     return sdxl + sd15
 
 
 def plan_more() -> list[Server]:
-    """Presets, compile, fast path off, free VRAM, the native allocator, the checkpoint form. Ordered by what
-    matters most (the budget skips the tail): ~9 min on an H200 when nothing is skipped."""
+    """The presets as they are (lean, leanest), cancel inside graphed lean steps, compile, fast path off, auto-fit
+    free VRAM under a cap, the native allocator, the checkpoint form, SD1.5's presets. Most important first; the
+    budget skips the tail of a 9-minute command (plan "extra" has what is left)."""
     return [
         Server("sdxl_24_default_presets", "sdxl", [
-            Job("lean", settings("lean"), est_step_s=0.15, est_setup_s=35),
-            Job("cancel_lean", settings("lean"), steps=400, cancel_after=16, est_step_s=0.15, est_setup_s=10),
-            Job("leanest", settings("leanest"), est_step_s=0.32, est_setup_s=15),
-            Job("fast_compile", settings("fast", compile=True), est_step_s=0.08, est_setup_s=90, timeout_s=300),
+            Job("lean", settings("lean"), est_step_s=0.15, est_setup_s=25),
+            Job("cancel_lean", settings("lean"), steps=400, cancel_after=16, est_step_s=0.15, est_setup_s=8),
+            Job("fast_compile", settings("fast", compile=True), est_step_s=0.08, est_setup_s=80, timeout_s=300),
+            Job("leanest", settings("leanest"), est_step_s=0.32, est_setup_s=12),
             Job("lean_fast_path_off", settings("lean", fast_path="off"), steps=24, est_step_s=1.6, est_setup_s=10)],
             card_gib=24),
         Server("sdxl_6_native", "sdxl", [
-            Job("autofit_6", settings("fast", auto_fit=_fit(6)), est_step_s=0.16, est_setup_s=40)],
+            Job("autofit_6", settings("fast", auto_fit=_fit(6)), est_step_s=0.16, est_setup_s=30)],
             card_gib=6, native_allocator=True),
         Server("sdxl_8_default_checkpoint", "sdxl", [
-            Job("autofit_free_vram", settings("fast", auto_fit="free VRAM"), est_step_s=0.13, est_setup_s=40),
-            Job("requeue_lean", settings("lean"), est_step_s=0.15, est_setup_s=10),
-            Job("cancel_autofit_8", settings("fast", auto_fit=_fit(8)), steps=400, cancel_after=16, est_step_s=0.13,
-                est_setup_s=10),
-            Job("after_cancel_fast_path_off", settings("balanced", fast_path="off", auto_fit=_fit(8)), steps=30,
+            Job("autofit_free_vram", settings("fast", auto_fit="free VRAM"), est_step_s=0.13, est_setup_s=30),
+            Job("requeue_balanced_fast_path_off", settings("balanced", fast_path="off", auto_fit=_fit(8)), steps=30,
                 est_step_s=0.3, est_setup_s=10)],
             form="checkpoint", card_gib=8),
-        Server("sdxl_24_native", "sdxl", [
-            Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=30),
-            Job("requeue_lean", settings("lean"), est_step_s=0.15, est_setup_s=10),
-            Job("requeue_autofit_free_vram", settings("fast", auto_fit="free VRAM"), est_step_s=0.09, est_setup_s=15)],
-            card_gib=24, native_allocator=True),
         Server("sd15_24_default_checkpoint", "sd15", [
-            Job("lean", settings("lean"), est_step_s=0.05, est_setup_s=20),
-            Job("leanest", settings("leanest"), est_step_s=0.09, est_setup_s=10),
-            Job("lean_compile", settings("lean", compile=True), est_step_s=0.035, est_setup_s=100, timeout_s=300),
-            Job("buckets_fast", settings("fast"), framing="aspect-ratio buckets", est_step_s=0.03, est_setup_s=10)],
+            Job("fast", settings("fast"), est_step_s=0.03, est_setup_s=15),
+            Job("lean", settings("lean"), est_step_s=0.05, est_setup_s=8),
+            Job("leanest", settings("leanest"), est_step_s=0.09, est_setup_s=8)],
             form="checkpoint", card_gib=24, est_start_s=12),
+    ]
+
+
+def plan_extra() -> list[Server]:
+    """What "more" leaves out: the native allocator uncapped with re-queues, a cancel in an auto-fitted low-VRAM
+    server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 GiB."""
+    return [
+        Server("sdxl_24_native", "sdxl", [
+            Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
+            Job("requeue_lean", settings("lean"), est_step_s=0.15, est_setup_s=10),
+            Job("requeue_autofit_free_vram", settings("fast", auto_fit="free VRAM"), est_step_s=0.09, est_setup_s=12)],
+            card_gib=24, native_allocator=True),
+        Server("sdxl_4_default_cancel", "sdxl", [
+            Job("cancel_autofit_4", settings("fast", auto_fit=_fit(4)), steps=400, cancel_after=16, est_step_s=0.2,
+                est_setup_s=30),
+            Job("after_cancel_autofit_free_vram", settings("fast", auto_fit="free VRAM"), steps=30, est_step_s=0.2,
+                est_setup_s=12)],
+            card_gib=4),
+        Server("sd15_24_default_compile_buckets", "sd15", [
+            Job("lean_compile", settings("lean", compile=True), est_step_s=0.035, est_setup_s=95, timeout_s=300),
+            Job("buckets_fast", settings("fast"), framing="aspect-ratio buckets", est_step_s=0.03, est_setup_s=8)],
+            card_gib=24, est_start_s=12),
         Server("sd15_3_native", "sd15", [
-            Job("autofit_3", settings("fast", auto_fit=_fit(3)), est_step_s=0.05, est_setup_s=20)],
+            Job("autofit_3", settings("fast", auto_fit=_fit(3)), est_step_s=0.05, est_setup_s=15)],
             card_gib=3, native_allocator=True, est_start_s=12),
     ]
 
 
 def plan_v033() -> list[Server]:
     """ComfyUI 0.33 (--comfyui PATH) with its default model patcher (DynamicVRAM on CUDA): sample -> train ->
-    sample in one server with the base images pixel-identical, re-queue and cancel, small cards. ~8 min."""
+    sample in one server with the base images pixel-identical, re-queue, cancel, small cards, the checkpoint form
+    (0.33 re-runs the core loader for a non-inference copy). Most important first."""
     def identity_jobs(train: dict, step_s: float, setup_s: float) -> list[Job]:
-        return [Job("sample_base_before", kind="sample", est_setup_s=30),
+        return [Job("sample_base_before", kind="sample", est_setup_s=15),
                 Job("train_then_sample", train, sample_base=True, est_step_s=step_s, est_setup_s=setup_s)]
     return [
         Server("v033_sdxl_24", "sdxl", [
             *identity_jobs(settings("fast"), 0.09, 20),
-            Job("requeue_lean", settings("lean"), sample_base=True, est_step_s=0.15, est_setup_s=12),
-            Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=8),
+            Job("requeue_lean", settings("lean"), sample_base=True, est_step_s=0.15, est_setup_s=10),
+            Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=6),
             Job("after_cancel_balanced", settings("balanced"), steps=30, sample_base=True, est_step_s=0.12,
                 est_setup_s=8)],
-            card_gib=24, base_identity=True, est_start_s=20),
-        Server("v033_sdxl_6", "sdxl", identity_jobs(settings("fast", auto_fit=_fit(6)), 0.16, 40),
-               card_gib=6, base_identity=True, est_start_s=20),
-        Server("v033_sd15_2", "sd15", identity_jobs(settings("fast", auto_fit=_fit(2)), 0.06, 20),
-               card_gib=2, base_identity=True, est_start_s=18),
+            card_gib=24, base_identity=True, est_start_s=18),
+        Server("v033_sdxl_6", "sdxl", identity_jobs(settings("fast", auto_fit=_fit(6)), 0.16, 30),
+               card_gib=6, base_identity=True, est_start_s=18),
+        Server("v033_sd15_2", "sd15", identity_jobs(settings("fast", auto_fit=_fit(2)), 0.06, 15),
+               card_gib=2, base_identity=True, est_start_s=15),
+        Server("v033_sdxl_24_checkpoint", "sdxl", identity_jobs(settings("fast"), 0.09, 20),
+               form="checkpoint", card_gib=24, base_identity=True, est_start_s=18),
         Server("v033_sdxl_4", "sdxl", [Job("autofit_4", settings("fast", auto_fit=_fit(4)), est_step_s=0.2,
-                                           est_setup_s=40)], card_gib=4, est_start_s=20),
-        Server("v033_sdxl_24_checkpoint", "sdxl", identity_jobs(settings("fast"), 0.09, 25),
-               form="checkpoint", card_gib=24, base_identity=True, est_start_s=20),
+                                           est_setup_s=30)], card_gib=4, est_start_s=18),
     ]
 
 
@@ -206,7 +222,7 @@ def plan_smoke() -> list[Server]:
         base_identity=True, est_start_s=15)]
 
 
-PLANS = {"core": plan_core, "more": plan_more, "v033": plan_v033, "smoke": plan_smoke}
+PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "v033": plan_v033, "smoke": plan_smoke}
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -551,7 +567,8 @@ class MatrixServer:
 
     def device_line(self) -> str:
         """ComfyUI's own start-up line naming the device and allocator (e.g. '... : cudaMallocAsync')."""
-        return next((line.strip() for line in self.log_text().splitlines() if line.startswith("Device:")), "")
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", self.log_text())  # 0.33 colours its log levels
+        return next((line[line.index("Device:"):].strip() for line in plain.splitlines() if "Device:" in line), "")
 
     def stop(self) -> None:
         if self in LIVE_SERVERS:
@@ -649,7 +666,7 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
             status = "server died"
             break
         if time.monotonic() > deadline:
-            status = "timeout"
+            status = "timeout" if timeout_s >= job.timeout_s else "out of budget"
             break
         time.sleep(0.1)
     finished = time.monotonic()
@@ -658,12 +675,13 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         if message.get("type") == "leanlora.progress" and data.get("kind") == "step":
             steps.append((int(data["step"]), float(data["seconds"])))
     row["wall_s"] = round(finished - started, 2)
-    if status == "timeout":  # interrupt, then give up on the server: a hung server must not stall the matrix
+    if status in ("timeout", "out of budget"):  # interrupt, then give up on the server: nothing may stall the matrix
         try:
             http(f"{server.url}/interrupt", {}, timeout=10)
         except Exception:
             pass
-        row["error"] = f"no result after {timeout_s:.0f} s (interrupted; server restarted for the next job)"
+        row["error"] = (f"no result after {timeout_s:.0f} s (interrupted; server restarted for the next job)"
+                        if status == "timeout" else f"the time budget ended the job after {timeout_s:.0f} s")
     elif status == "server died":
         row["error"] = f"the ComfyUI process exited (code {server.proc.returncode}) during the job"
     else:
@@ -825,8 +843,8 @@ def run_matrix(args) -> dict:
         rows = result["rows"]
         result["summary"] = {
             "jobs": len(rows), "passed": sum(1 for r in rows if r.get("passed")),
-            "failed": sum(1 for r in rows if r.get("status") != "skipped" and not r.get("passed")),
-            "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
+            "failed": sum(1 for r in rows if r.get("status") not in ("skipped", "out of budget") and not r.get("passed")),
+            "skipped": sum(1 for r in rows if r.get("status") in ("skipped", "out of budget")),
             "servers_lost": sum(1 for r in rows if r.get("status") in ("server died", "timeout")
                                 or r.get("server_alive_after") is False),
             "base_identity": [r.get("base_identical") for r in rows if "base_identical" in r],
@@ -882,7 +900,7 @@ def run_matrix(args) -> dict:
                   f"s/step {row.get('s_per_step')}, NVML peak {row.get('nvml_peak_gib')}, wall {row.get('wall_s')} s"
                   + (f" — {row['error'][:300]}" if row.get("error") else ""), flush=True)
             save()
-            if not row["server_alive_after"] or row["status"] == "timeout":
+            if not row["server_alive_after"] or row["status"] in ("timeout", "out of budget"):
                 server.stop()
                 server, restarts = None, restarts + 1
         if server is not None:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU server matrix, as one device command on the GPU machine (repo root, .gpu/ carried; see
+# bench/prepare_gpu_carry.sh, run with ComfyUI 0.33's source for the v033 plan):
+#   bash bench/server_gpu.sh PLAN OUT_DIR      PLAN: core | more | v033   (python -m bench.server_matrix --plan P --list)
+# Installs the carried wheels into /tmp/site, unpacks ComfyUI (0.3.75; for v033 also 0.33), runs the plan with a
+# time budget that ends the whole command within LIMIT_S (default 530 s), and leaves four files in OUT_DIR:
+# results.json (every job), table.md, console.txt (nvidia-smi + the matrix's progress lines), logs.tgz (each
+# ComfyUI server's log). Weights and the servers' folders stay in /tmp (OUT_DIR is what comes back).
+# MATRIX_ARGS passes more flags, e.g. MATRIX_ARGS="--only sdxl_6_default" or "--cards 4,6".
+set -uo pipefail
+PLAN="${1:?plan: core, more or v033}"; mkdir -p "${2:?output folder}"; OUT="$(cd "$2" && pwd)"
+LIMIT_S="${LIMIT_S:-530}"
+begun=$SECONDS
+mkdir -p .cache
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" >/dev/null 2>&1 \
+  || echo "[server_gpu] pip install of $* failed"; }
+install .gpu/whl/*.whl
+tar xzf .gpu/comfyui.tgz -C .cache
+COMFY=.cache/comfyui
+if [ "$PLAN" = v033 ]; then
+  [ -f .gpu/033/comfyui.tgz ] || { echo "[server_gpu] no .gpu/033/: run bench/prepare_gpu_carry.sh <0.33 source>"; exit 2; }
+  install .gpu/033/whl/*.whl
+  rm -rf .cache/comfyui033 && mkdir -p .cache/comfyui033 && tar xzf .gpu/033/comfyui.tgz -C .cache/comfyui033 --strip-components=1
+  COMFY=.cache/comfyui033
+fi
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  python3 -c "import torch, torchaudio; print('torch', torch.__version__, 'torchaudio', torchaudio.__version__)" 2>&1 | tail -1
+} > "$OUT/console.txt" 2>&1
+RUN="/tmp/leanlora_matrix_$PLAN"
+left=$((LIMIT_S - (SECONDS - begun)))
+echo "[server_gpu] setup took $((SECONDS - begun)) s; matrix budget $((left - 20)) s" | tee -a "$OUT/console.txt"
+# the matrix stops starting jobs at its budget; timeout is the backstop (SIGTERM: it stops its servers first)
+timeout -k 10 "$left" python3 -m bench.server_matrix --plan "$PLAN" --out "$RUN" --comfyui "$COMFY" \
+  --budget-s "$((left - 20))" ${MATRIX_ARGS:-} >> "$OUT/console.txt" 2>&1
+echo "[server_gpu] matrix exit code $? after $((SECONDS - begun)) s" >> "$OUT/console.txt"
+cp "$RUN/results.json" "$RUN/table.md" "$OUT/" 2>/dev/null
+(cd "$RUN" && tar czf "$OUT/logs.tgz" $(find servers -name comfyui.log) 2>/dev/null)
+grep -E "^\[(matrix|assets|server_gpu)\]" "$OUT/console.txt" | cut -c1-400 | tail -40
+cat "$OUT/table.md" 2>/dev/null

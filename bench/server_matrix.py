@@ -1,0 +1,959 @@
+"""The GPU server matrix: the Train node as users run it, in a real ComfyUI server, under emulated card sizes.
+
+    python -m bench.server_matrix --plan core --out DIR [--comfyui PATH] [--budget-s S] [--only NAME,...]
+    python -m bench.server_matrix --plan smoke --tiny --out DIR      # CPU: tiny SD1.5, no caps, no NVML
+    python -m bench.server_matrix --plan core --list                 # the plan, with time estimates
+
+Each server is a real ComfyUI (.cache/comfyui, or --comfyui PATH, e.g. 0.33) with only this pack, started through
+bench/comfy_launcher.py: the whole process capped to N GiB (set_per_process_memory_fraction before ComfyUI's main
+runs, keeping the allocator ComfyUI picks: cudaMallocAsync by default, PyTorch's native one with
+--disable-cuda-malloc) and told the same with --reserve-vram <total - N>. Its jobs are API-format prompts queued
+over HTTP in order (loaders -> LeanLoRA Dataset / Memory Settings / LoRA Config / Train -> KSampler -> images, and
+the Train report into PreviewAny); a re-queue is the next job in the same server, a cancel is POST /interrupt once
+the job has reported K steps.
+
+Per job: status, error, whether the server is still alive (process running and GET /system_stats answering),
+NVML device-level used memory (baseline before the server started, peak during the job, sampled every 20 ms in a
+thread of this process, which never touches CUDA itself), torch's peak (the Train report's "peak VRAM" line),
+steady-state s/step (the trainer's own clock in the `leanlora.progress` step events on the websocket: the
+node forwards each step with `seconds` since the loop started, read after the device sync that ends each burst of
+8 steps; s/step = time between the end of the first burst, which holds warm-up and graph capture, and the last
+step, over the steps between), and the whole job's wall time (queue -> done). A hung job is interrupted, then the
+server killed; a dead or hung server is recorded with its log tail (abort lines included) and restarted for the
+next job. The time budget skips what would not finish (recorded as skipped); results.json is rewritten after
+every job, the markdown table printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACK_NAME = "LeanLoRA"
+GIB = 2 ** 30
+ASSET_FOLDERS = ("checkpoints", "unet", "diffusion_models", "clip", "text_encoders", "vae")
+# What "the process aborted" looks like in a ComfyUI log (CUDA errors raise no Python exception there).
+ABORT_PATTERN = re.compile(r"terminate called|Aborted|core dumped|Segmentation fault|AcceleratorError|"
+                           r"CUDA error|uncaptured free|illegal memory access|Fatal Python error|Killed")
+# Uncapped fast-preset step times the issue's speed targets are ratios of (H200), when the run has no fast row.
+REFERENCE_FAST_S = {"sdxl": 0.085, "sd15": 0.0204}
+
+# --- settings: LeanLoRA Memory Settings inputs ---------------------------------------------------------------
+
+# The README's presets as LeanLoRA Memory Settings inputs (the node has no preset input; bench/run.py uses the same).
+FAST = {"mixed_precision": "bf16", "gradient_checkpointing": False, "batch_size": 1, "gradient_accumulation": 1,
+        "optimizer": "AdamW", "base_weights": "as loaded", "auto_fit": "off", "latent_cache": "RAM",
+        "attention": "auto"}
+PRESETS = {
+    "fast": FAST,
+    "balanced": {**FAST, "gradient_checkpointing": True},
+    "lean": {**FAST, "gradient_checkpointing": True, "optimizer": "AdamW8bit", "base_weights": "fp8",
+             "activation_offload": True},
+    "leanest": {**FAST, "gradient_checkpointing": True, "optimizer": "AdamW8bit",
+                "base_weights": "fp8 streamed from CPU", "activation_offload": True},
+}
+
+
+def settings(preset: str, **changes) -> dict:
+    """A preset's inputs with changes; auto_fit="N GiB"/"free VRAM" starts from fast, as the trainer's ladder does."""
+    return {**PRESETS[preset], **changes}
+
+
+# --- plans ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One queued prompt. kind "train": Train + KSampler with the trained MODEL (+ the base MODEL when
+    sample_base); kind "sample": the base MODEL only (the before-image of a byte-identity check)."""
+    name: str
+    memory: dict = field(default_factory=dict)
+    steps: int = 110
+    kind: str = "train"
+    cancel_after: int | None = None    # POST /interrupt once this many steps were reported
+    framing: str = "center crop (square)"
+    sample_base: bool = False
+    form: str | None = None            # the server's form unless set: "split" or "checkpoint"
+    est_step_s: float = 0.15           # for the time budget (H200)
+    est_setup_s: float = 25.0          # queue -> first step (loading, caching, probes, capture; compile)
+    timeout_s: float = 240.0
+
+
+@dataclass
+class Server:
+    name: str
+    model: str                          # "sdxl" or "sd15"
+    jobs: list[Job]
+    form: str = "split"                 # "split": UNETLoader + (Dual)CLIPLoader + VAELoader; "checkpoint"
+    card_gib: float | None = None       # None: the whole device
+    native_allocator: bool = False      # --disable-cuda-malloc
+    extra_args: tuple[str, ...] = ()
+    base_identity: bool = False         # the first job's base image must equal every later base image
+    est_start_s: float = 15.0
+
+
+def _fit(card: float) -> str:
+    return f"{card:g} GiB"
+
+
+def plan_core() -> list[Server]:
+    """Default allocator, the pinned ComfyUI: SDXL uncapped (fast, re-queue balanced, cancel + new queue), SDXL
+    auto-fit at 6/4/3/8 GiB, SD1.5 auto-fit at 2/3 GiB and fast uncapped. Most important first: under a 9-minute
+    command the budget may skip the last one (SD1.5 fast; "more" measures it too)."""
+    sdxl = [Server("sdxl_24_default", "sdxl", [
+        Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
+        Job("requeue_balanced", settings("balanced"), est_step_s=0.12, est_setup_s=10),
+        Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=6),
+        Job("after_cancel_balanced", settings("balanced"), steps=30, est_step_s=0.12, est_setup_s=8)],
+        card_gib=24)]
+    for card, step_s in ((6, 0.16), (4, 0.2), (3, 0.35), (8, 0.13)):
+        sdxl.append(Server(f"sdxl_{card}_default", "sdxl", [
+            Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=step_s, est_setup_s=30)],
+            card_gib=card))
+    sd15 = [Server(f"sd15_{card}_default", "sd15", [
+        Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=0.06, est_setup_s=15)],
+        card_gib=card, est_start_s=12) for card in (2, 3)]
+    sd15.append(Server("sd15_24_default", "sd15", [Job("fast", settings("fast"), est_step_s=0.03, est_setup_s=15)],
+                       card_gib=24, est_start_s=12))
+    return sdxl + sd15
+
+
+def plan_more() -> list[Server]:
+    """The presets as they are (lean, leanest), cancel inside graphed lean steps, compile, fast path off, auto-fit
+    free VRAM under a cap, the native allocator, the checkpoint form, SD1.5's presets. Most important first; the
+    budget skips the tail of a 9-minute command (plan "extra" has what is left)."""
+    return [
+        Server("sdxl_24_default_presets", "sdxl", [
+            Job("lean", settings("lean"), est_step_s=0.15, est_setup_s=25),
+            Job("cancel_lean", settings("lean"), steps=400, cancel_after=16, est_step_s=0.15, est_setup_s=8),
+            Job("fast_compile", settings("fast", compile=True), est_step_s=0.08, est_setup_s=80, timeout_s=300),
+            Job("leanest", settings("leanest"), est_step_s=0.32, est_setup_s=12),
+            Job("lean_fast_path_off", settings("lean", fast_path="off"), steps=24, est_step_s=1.6, est_setup_s=10)],
+            card_gib=24),
+        Server("sdxl_6_native", "sdxl", [
+            Job("autofit_6", settings("fast", auto_fit=_fit(6)), est_step_s=0.16, est_setup_s=30)],
+            card_gib=6, native_allocator=True),
+        Server("sdxl_8_default_checkpoint", "sdxl", [
+            Job("autofit_free_vram", settings("fast", auto_fit="free VRAM"), est_step_s=0.13, est_setup_s=30),
+            Job("requeue_balanced_fast_path_off", settings("balanced", fast_path="off", auto_fit=_fit(8)), steps=30,
+                est_step_s=0.3, est_setup_s=10)],
+            form="checkpoint", card_gib=8),
+        Server("sd15_24_default_checkpoint", "sd15", [
+            Job("fast", settings("fast"), est_step_s=0.03, est_setup_s=15),
+            Job("lean", settings("lean"), est_step_s=0.05, est_setup_s=8),
+            Job("leanest", settings("leanest"), est_step_s=0.09, est_setup_s=8)],
+            form="checkpoint", card_gib=24, est_start_s=12),
+    ]
+
+
+def plan_extra() -> list[Server]:
+    """What "more" leaves out: the native allocator uncapped with re-queues, a cancel in an auto-fitted low-VRAM
+    server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 GiB."""
+    return [
+        Server("sdxl_24_native", "sdxl", [
+            Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
+            Job("requeue_lean", settings("lean"), est_step_s=0.15, est_setup_s=10),
+            Job("requeue_autofit_free_vram", settings("fast", auto_fit="free VRAM"), est_step_s=0.09, est_setup_s=12)],
+            card_gib=24, native_allocator=True),
+        Server("sdxl_4_default_cancel", "sdxl", [
+            Job("cancel_autofit_4", settings("fast", auto_fit=_fit(4)), steps=400, cancel_after=16, est_step_s=0.2,
+                est_setup_s=30),
+            Job("after_cancel_autofit_free_vram", settings("fast", auto_fit="free VRAM"), steps=30, est_step_s=0.2,
+                est_setup_s=12)],
+            card_gib=4),
+        Server("sd15_24_default_compile_buckets", "sd15", [
+            Job("lean_compile", settings("lean", compile=True), est_step_s=0.035, est_setup_s=95, timeout_s=300),
+            Job("buckets_fast", settings("fast"), framing="aspect-ratio buckets", est_step_s=0.03, est_setup_s=8)],
+            card_gib=24, est_start_s=12),
+        Server("sd15_3_native", "sd15", [
+            Job("autofit_3", settings("fast", auto_fit=_fit(3)), est_step_s=0.05, est_setup_s=15)],
+            card_gib=3, native_allocator=True, est_start_s=12),
+    ]
+
+
+def plan_v033() -> list[Server]:
+    """ComfyUI 0.33 (--comfyui PATH) with its default model patcher (DynamicVRAM on CUDA): sample -> train ->
+    sample in one server with the base images pixel-identical, re-queue, cancel, small cards, the checkpoint form
+    (0.33 re-runs the core loader for a non-inference copy). Most important first."""
+    def identity_jobs(train: dict, step_s: float, setup_s: float) -> list[Job]:
+        return [Job("sample_base_before", kind="sample", est_setup_s=15),
+                Job("train_then_sample", train, sample_base=True, est_step_s=step_s, est_setup_s=setup_s)]
+    return [
+        Server("v033_sdxl_24", "sdxl", [
+            *identity_jobs(settings("fast"), 0.09, 20),
+            Job("requeue_lean", settings("lean"), sample_base=True, est_step_s=0.15, est_setup_s=10),
+            Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=6),
+            Job("after_cancel_balanced", settings("balanced"), steps=30, sample_base=True, est_step_s=0.12,
+                est_setup_s=8)],
+            card_gib=24, base_identity=True, est_start_s=18),
+        Server("v033_sdxl_6", "sdxl", identity_jobs(settings("fast", auto_fit=_fit(6)), 0.16, 30),
+               card_gib=6, base_identity=True, est_start_s=18),
+        Server("v033_sd15_2", "sd15", identity_jobs(settings("fast", auto_fit=_fit(2)), 0.06, 15),
+               card_gib=2, base_identity=True, est_start_s=15),
+        Server("v033_sdxl_24_checkpoint", "sdxl", identity_jobs(settings("fast"), 0.09, 20),
+               form="checkpoint", card_gib=24, base_identity=True, est_start_s=18),
+        Server("v033_sdxl_4", "sdxl", [Job("autofit_4", settings("fast", auto_fit=_fit(4)), est_step_s=0.2,
+                                           est_setup_s=30)], card_gib=4, est_start_s=18),
+    ]
+
+
+def plan_smoke() -> list[Server]:
+    """CPU, tiny SD1.5: train + KSampler (split files), cancel, a new queue (checkpoint form), base identity."""
+    tiny = dict(est_step_s=0.5, est_setup_s=15, timeout_s=150)
+    return [Server("smoke_sd15_cpu", "sd15", [
+        Job("sample_base_before", kind="sample", **tiny),
+        Job("train_balanced", settings("balanced"), steps=3, sample_base=True, **tiny),
+        Job("cancel_fast", settings("fast"), steps=2000, cancel_after=2, **tiny),
+        Job("after_cancel_checkpoint", settings("fast"), steps=2, form="checkpoint", **tiny)],
+        base_identity=True, est_start_s=15)]
+
+
+PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "v033": plan_v033, "smoke": plan_smoke}
+
+
+# --- prompts -------------------------------------------------------------------------------------------------
+
+def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: dict, run_tag: str,
+                 sampler_steps: int, cfg: float = 5.0) -> dict:
+    """API-format prompt: loaders -> LeanLoRA nodes -> KSampler(s) -> images; the report into PreviewAny."""
+    files = assets[model]
+    if form == "checkpoint":
+        prompt = {"ckpt": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": files["checkpoint"]}}}
+        model_link, clip_link, vae_link = ["ckpt", 0], ["ckpt", 1], ["ckpt", 2]
+    else:
+        prompt = {"unet": {"class_type": "UNETLoader", "inputs": {"unet_name": files["unet"], "weight_dtype": "default"}},
+                  "vae": {"class_type": "VAELoader", "inputs": {"vae_name": files["vae"]}}}
+        if model == "sdxl":
+            prompt["clip"] = {"class_type": "DualCLIPLoader", "inputs": {
+                "clip_name1": files["clip"][0], "clip_name2": files["clip"][1], "type": "sdxl"}}
+        else:
+            prompt["clip"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": files["clip"][0],
+                                                                     "type": "stable_diffusion"}}
+        model_link, clip_link, vae_link = ["unet", 0], ["clip", 0], ["vae", 0]
+    side = files["resolution"]
+
+    def sample(tag: str, model_in: list, clip_in: list, save: bool) -> None:
+        prompt[f"pos_{tag}"] = {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle on a blue background",
+                                                                          "clip": clip_in}}
+        prompt[f"neg_{tag}"] = {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": clip_in}}
+        prompt[f"latent_{tag}"] = {"class_type": "EmptyLatentImage", "inputs": {"width": side, "height": side,
+                                                                               "batch_size": 1}}
+        prompt[f"ksampler_{tag}"] = {"class_type": "KSampler", "inputs": {
+            "model": model_in, "seed": 7, "steps": sampler_steps, "cfg": cfg, "sampler_name": "euler",
+            "scheduler": "normal", "positive": [f"pos_{tag}", 0], "negative": [f"neg_{tag}", 0],
+            "latent_image": [f"latent_{tag}", 0], "denoise": 1.0}}
+        prompt[f"decode_{tag}"] = {"class_type": "VAEDecode", "inputs": {"samples": [f"ksampler_{tag}", 0],
+                                                                         "vae": vae_link}}
+        prompt[f"image_{tag}"] = ({"class_type": "SaveImage", "inputs": {
+            "images": [f"decode_{tag}", 0], "filename_prefix": f"matrix/{run_tag}_{tag}"}} if save else
+            {"class_type": "PreviewImage", "inputs": {"images": [f"decode_{tag}", 0]}})
+
+    if job.kind == "sample" or job.sample_base:
+        sample("base", model_link, clip_link, save=True)
+    if job.kind == "train":
+        prompt["dataset"] = {"class_type": "LeanLoRADataset", "inputs": {
+            "folder": files["dataset"], "resolution": side, "repeats": 1, "trigger_word": "", "framing": job.framing}}
+        prompt["memory"] = {"class_type": "LeanLoRAMemorySettings", "inputs": memory_inputs}
+        prompt["lora_config"] = {"class_type": "LeanLoRALoraConfig", "inputs": {
+            "rank": 16, "alpha": 16.0, "dropout": 0.0, "targets": "attention"}}
+        prompt["train"] = {"class_type": "LeanLoRATrain", "inputs": {
+            "model": model_link, "clip": clip_link, "vae": vae_link, "dataset": ["dataset", 0],
+            "memory": ["memory", 0], "lora_config": ["lora_config", 0], "steps": job.steps, "learning_rate": 1e-4,
+            "lr_schedule": "constant", "warmup_steps": 0, "seed": 0, "output_name": f"matrix_{run_tag}"}}
+        prompt["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["train", 5]}}
+        sample("trained", ["train", 0], ["train", 1], save=False)
+    return prompt
+
+
+def memory_inputs_for(requested: dict, object_info: dict) -> tuple[dict, list[str]]:
+    """The requested Memory Settings inputs that this pack's node has, and the names it lacks (an error: the
+    row would silently test something else)."""
+    spec = object_info.get("LeanLoRAMemorySettings", {}).get("input", {})
+    known = {**spec.get("required", {}), **spec.get("optional", {})}
+    return {k: v for k, v in requested.items() if k in known}, sorted(k for k in requested if k not in known)
+
+
+# --- measurement ---------------------------------------------------------------------------------------------
+
+class NvmlSampler:
+    """Device-level used memory every `period` s in a thread (NVML only: this process never creates a CUDA
+    context, which would count in what it measures). `window()` -> peak since the last `start_window()`."""
+
+    def __init__(self, index: int = 0, period: float = 0.02, enabled: bool = True, reason: str = ""):
+        self.available, self.reason, self.name, self.total = False, reason, "", 0
+        if not enabled:
+            return
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(self._handle)
+            self.name = name.decode() if isinstance(name, bytes) else name
+            self.total = pynvml.nvmlDeviceGetMemoryInfo(self._handle).total
+            self.available = True
+        except Exception as error:  # no driver / no GPU / no pynvml: recorded, never fatal
+            self.reason = f"NVML unavailable: {type(error).__name__}: {error}"
+            return
+        self.period = period
+        self._lock = threading.Lock()
+        self._peak = self._process_peak = self._phase_peak = 0
+        self._pid: int | None = None
+        self.samples = 0
+        threading.Thread(target=self._run, daemon=True, name="nvml-sampler").start()
+
+    def used(self) -> int:
+        return self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+
+    def _process_used(self) -> int | None:
+        if self._pid is None:
+            return None
+        try:
+            for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                if proc.pid == self._pid and proc.usedGpuMemory is not None:
+                    return proc.usedGpuMemory
+        except Exception:
+            pass
+        return None
+
+    def _run(self) -> None:
+        tick = 0
+        while True:
+            try:
+                used = self.used()
+                # the process list is slower to read; every 5th sample (100 ms) is enough for a per-process view
+                proc = self._process_used() if tick % 5 == 0 else None
+            except Exception:
+                time.sleep(self.period)
+                continue
+            with self._lock:
+                self._peak = max(self._peak, used)
+                self._phase_peak = max(self._phase_peak, used)
+                if proc is not None:
+                    self._process_peak = max(self._process_peak, proc)
+                self.samples += 1
+            tick += 1
+            time.sleep(self.period)
+
+    def start_window(self, pid: int | None) -> None:
+        if self.available:
+            with self._lock:
+                self._pid, self._peak, self._process_peak, self.samples = pid, self.used(), 0, 0
+
+    def start_phase(self) -> None:
+        """A second peak inside the window (the Train node alone, without the samplers around it)."""
+        if self.available:
+            with self._lock:
+                self._phase_peak = self.used()
+
+    def phase_peak(self) -> int | None:
+        if not self.available:
+            return None
+        with self._lock:
+            return self._phase_peak
+
+    def window(self) -> tuple[int, int | None, int]:
+        with self._lock:
+            return self._peak, (self._process_peak or None), self.samples
+
+
+class Events:
+    """The server's websocket messages (JSON only; binary previews dropped), each with this process's clock."""
+
+    def __init__(self, url: str, client_id: str):
+        self.queue: queue.Queue = queue.Queue()
+        self.error: str | None = None
+        self.connected = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, args=(url, client_id), daemon=True, name="ws")
+        self._thread.start()
+        self.connected.wait(15)
+
+    def _run(self, url: str, client_id: str) -> None:
+        try:
+            import aiohttp  # ComfyUI's server itself runs on aiohttp: present wherever ComfyUI runs
+        except ImportError as error:
+            self.error = f"no websocket client ({error})"
+            self.connected.set()
+            return
+
+        async def listen():
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(f"{url}/ws?clientId={client_id}", heartbeat=20, max_msg_size=0) as ws:
+                    self.connected.set()
+                    async for msg in ws:
+                        if self._stop:
+                            break
+                        if msg.type == aiohttp.WSMsgType.TEXT:
+                            try:
+                                self.queue.put((time.monotonic(), json.loads(msg.data)))
+                            except ValueError:
+                                pass
+                        elif msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                            break
+        try:
+            asyncio.run(listen())
+        except Exception as error:
+            self.error = f"websocket: {type(error).__name__}: {error}"
+        finally:
+            self.connected.set()
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stop = True
+
+
+def steady_step_time(steps: list[tuple[int, float]]) -> tuple[float | None, int]:
+    """(s/step, steps measured) from the trainer's (step, seconds) reports: the first burst (the steps one device
+    sync reports together: warm-up and graph capture) is left out; its last step is where the clock starts."""
+    if len(steps) < 2:
+        return None, 0
+    first_burst_end = 0
+    while first_burst_end + 1 < len(steps) and steps[first_burst_end + 1][1] == steps[0][1]:
+        first_burst_end += 1
+    ref_step, ref_s = steps[first_burst_end]
+    last_step, last_s = steps[-1]
+    if last_step <= ref_step:
+        return None, 0
+    return (last_s - ref_s) / (last_step - ref_step), last_step - ref_step
+
+
+PEAK_LINE = re.compile(r"peak VRAM: ([\d.]+) GiB allocated, ([\d.]+) GiB reserved")
+
+
+def parse_report(report: str) -> dict:
+    out = {"peak_lines": [line.strip() for line in report.splitlines() if "peak" in line.lower()]}
+    match = PEAK_LINE.search(report)
+    if match:
+        out["torch_peak_allocated_gib"], out["torch_peak_reserved_gib"] = float(match[1]), float(match[2])
+    trained = re.search(r"trained (\d+)/(\d+) steps in ([\d.]+) s \(([\d.]+) s/step\)", report)
+    if trained:
+        out["report_s_per_step_incl_warmup"] = float(trained[4])
+    out["fast_path_lines"] = [line.strip() for line in report.splitlines() if "fast path" in line or "eager" in line]
+    out["auto_fit_lines"] = [line.strip() for line in report.splitlines() if "auto-fit" in line.lower()]
+    return out
+
+
+# --- the server ----------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 30) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"{}")
+
+
+class MatrixServer:
+    """One ComfyUI process for a Server spec. Stdlib HTTP (the GPU machine has no `requests`)."""
+
+    def __init__(self, spec: Server, comfyui: Path, base: Path, assets_dir: Path, web_root: Path, cpu: bool,
+                 nvml: NvmlSampler, restarts: int = 0):
+        self.spec, self.comfyui, self.cpu, self.nvml = spec, comfyui, cpu, nvml
+        self.base = base / (spec.name if restarts == 0 else f"{spec.name}_restart{restarts}")
+        self.log_path = self.base / "comfyui.log"
+        self.client_id = uuid.uuid4().hex
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        for sub in ("models/loras", "input", "output", "temp", "user", "custom_nodes"):
+            (self.base / sub).mkdir(parents=True, exist_ok=True)
+        for folder in ASSET_FOLDERS:  # the shared random weights, read-only for every server
+            link = self.base / "models" / folder
+            if not link.exists():
+                (assets_dir / "models" / folder).mkdir(parents=True, exist_ok=True)
+                link.symlink_to((assets_dir / "models" / folder).resolve(), target_is_directory=True)
+        pack = self.base / "custom_nodes" / PACK_NAME
+        if not pack.exists():
+            pack.symlink_to(REPO, target_is_directory=True)
+        self.web_root = web_root
+        self.proc: subprocess.Popen | None = None
+        self.events: Events | None = None
+        self.command: list[str] = []
+        self.start_s = 0.0
+        self.nvml_baseline = 0  # device-level used memory before this server started
+        self.object_info: dict = {}
+
+    def start(self, timeout: float = 180) -> None:
+        args = ["--listen", "127.0.0.1", "--port", str(self.port), "--base-directory", str(self.base),
+                "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_NAME,
+                "--database-url", "sqlite:///:memory:", "--front-end-root", str(self.web_root), "--disable-api-nodes"]
+        launcher = [sys.executable, str(REPO / "bench" / "comfy_launcher.py")]
+        if self.cpu:
+            args.append("--cpu")
+        elif self.spec.card_gib is not None:
+            total_gib = self.nvml.total / GIB if self.nvml.available else None
+            if total_gib is None:
+                raise RuntimeError("a card size needs the device's total memory from NVML: " + self.nvml.reason)
+            launcher += ["--card-gib", f"{self.spec.card_gib:g}"]
+            args += ["--reserve-vram", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
+        if self.spec.native_allocator:
+            args.append("--disable-cuda-malloc")
+        self.command = launcher + args + list(self.spec.extra_args)
+        started = time.monotonic()
+        LIVE_SERVERS.append(self)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, cwd=self.comfyui, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive_process():
+                raise RuntimeError(f"ComfyUI exited while starting (code {self.proc.returncode})")
+            try:
+                http(f"{self.url}/system_stats", timeout=2)
+                break
+            except (urllib.error.URLError, OSError, ValueError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ComfyUI did not answer within {timeout:g} s")
+                time.sleep(0.25)
+        if any("(IMPORT FAILED)" in line and line.rstrip().endswith(f"/custom_nodes/{PACK_NAME}")
+               for line in self.log_text().splitlines()):
+            raise RuntimeError(f"ComfyUI could not import {PACK_NAME}")
+        self.events = Events(self.url, self.client_id)
+        self.start_s = time.monotonic() - started
+        self.object_info = http(f"{self.url}/object_info", timeout=60)
+
+    def alive_process(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def alive(self) -> bool:
+        if not self.alive_process():
+            return False
+        try:
+            http(f"{self.url}/system_stats", timeout=10)
+            return True
+        except Exception:
+            return False
+
+    def system_stats(self) -> dict | None:
+        try:
+            return http(f"{self.url}/system_stats", timeout=10)
+        except Exception:
+            return None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def abort_lines(self) -> list[str]:
+        return [line for line in self.log_text().splitlines() if ABORT_PATTERN.search(line)][-12:]
+
+    def device_line(self) -> str:
+        """ComfyUI's own start-up line naming the device and allocator (e.g. '... : cudaMallocAsync')."""
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", self.log_text())  # 0.33 colours its log levels
+        return next((line[line.index("Device:"):].strip() for line in plain.splitlines() if "Device:" in line), "")
+
+    def stop(self) -> None:
+        if self in LIVE_SERVERS:
+            LIVE_SERVERS.remove(self)
+        if self.events:
+            self.events.close()
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- running a job -------------------------------------------------------------------------------------------
+
+def _execution_error(entry: dict) -> dict | None:
+    for event, data in entry.get("status", {}).get("messages", []):
+        if event == "execution_error":
+            return data
+    return None
+
+
+def _interrupted(entry: dict) -> bool:
+    return any(event == "execution_interrupted" for event, _ in entry.get("status", {}).get("messages", []))
+
+
+def _image_pixels(server: MatrixServer, outputs: dict, node: str) -> bytes | None:
+    from PIL import Image
+    for image in outputs.get(node, {}).get("images", []):
+        folder = server.base / ("output" if image.get("type") == "output" else "temp") / image.get("subfolder", "")
+        with Image.open(folder / image["filename"]) as im:
+            return im.tobytes()
+    return None
+
+
+def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_s: float, sampler_steps: int,
+            cfg: float) -> dict:
+    spec = server.spec
+    form = job.form or spec.form
+    row: dict = {"job": job.name, "kind": job.kind, "form": form, "steps": job.steps if job.kind == "train" else 0,
+                 "settings": job.memory, "framing": job.framing, "expected": "cancel" if job.cancel_after else "complete"}
+    memory, missing = memory_inputs_for(job.memory, server.object_info) if job.kind == "train" else ({}, [])
+    if missing:
+        return {**row, "status": "error", "passed": False,
+                "error": f"LeanLoRA Memory Settings has no input(s) {missing}: this row cannot run as planned"}
+    prompt = build_prompt(job, spec.model, form, assets, memory, run_tag, sampler_steps, cfg)
+    server.events.drain()
+    server.nvml.start_window(server.proc.pid if server.proc else None)
+    started = time.monotonic()
+    try:
+        answer = http(f"{server.url}/prompt", {"prompt": prompt, "client_id": server.client_id}, timeout=60)
+    except urllib.error.HTTPError as error:
+        body = error.read().decode(errors="replace")
+        return {**row, "status": "rejected", "passed": False, "error": f"POST /prompt {error.code}: {body[:1500]}"}
+    if answer.get("node_errors"):
+        return {**row, "status": "rejected", "passed": False, "error": json.dumps(answer["node_errors"])[:1500]}
+    prompt_id = answer["prompt_id"]
+    steps: list[tuple[int, float]] = []
+    phases: list[tuple[float, str]] = []
+    first_step_at = interrupt_at = train_started = None
+    train_peak = None
+    entry = None
+    status = None
+    deadline = started + timeout_s
+    while entry is None:
+        for stamp, message in server.events.drain():
+            kind, data = message.get("type"), message.get("data") or {}
+            if kind == "leanlora.progress":
+                if data.get("kind") == "step":
+                    steps.append((int(data["step"]), float(data["seconds"])))
+                    first_step_at = first_step_at or stamp
+                elif data.get("kind") == "phase":
+                    phases.append((round(stamp - started, 2), str(data.get("text", ""))[:200]))
+            elif kind == "executing":  # ComfyUI names each node as it starts: the Train node's own NVML peak
+                node = data.get("node")
+                if node == "train" and train_started is None:
+                    train_started = stamp
+                    server.nvml.start_phase()
+                elif train_started is not None and train_peak is None and node != "train":
+                    train_peak = server.nvml.phase_peak()
+        if job.cancel_after and interrupt_at is None and steps and steps[-1][0] >= job.cancel_after:
+            http(f"{server.url}/interrupt", {}, timeout=10)
+            interrupt_at = time.monotonic()
+        try:
+            entry = http(f"{server.url}/history/{prompt_id}", timeout=10).get(prompt_id)
+        except Exception:
+            entry = None
+        if entry is not None:
+            break
+        if not server.alive_process():
+            status = "server died"
+            break
+        if time.monotonic() > deadline:
+            status = "timeout" if timeout_s >= job.timeout_s else "out of budget"
+            break
+        time.sleep(0.1)
+    finished = time.monotonic()
+    for stamp, message in server.events.drain():  # the last burst may come with the history entry
+        data = message.get("data") or {}
+        if message.get("type") == "leanlora.progress" and data.get("kind") == "step":
+            steps.append((int(data["step"]), float(data["seconds"])))
+    row["wall_s"] = round(finished - started, 2)
+    if status in ("timeout", "out of budget"):  # interrupt, then give up on the server: nothing may stall the matrix
+        try:
+            http(f"{server.url}/interrupt", {}, timeout=10)
+        except Exception:
+            pass
+        row["error"] = (f"no result after {timeout_s:.0f} s (interrupted; server restarted for the next job)"
+                        if status == "timeout" else f"the time budget ended the job after {timeout_s:.0f} s")
+    elif status == "server died":
+        row["error"] = f"the ComfyUI process exited (code {server.proc.returncode}) during the job"
+    else:
+        error = _execution_error(entry)
+        if error:
+            status = "error"
+            row["error"] = f"{error.get('node_type')}: {error.get('exception_type')}: {error.get('exception_message')}"[:2000]
+            row["traceback_tail"] = "".join(error.get("traceback") or [])[-1500:]
+        elif _interrupted(entry):
+            status = "cancelled"
+        else:
+            status = "ok"
+        outputs = entry.get("outputs", {})
+        report = "".join(outputs.get("report", {}).get("text", []) or [])
+        if report:
+            row["report"] = report[-6000:]
+            row.update(parse_report(report))
+        row["base_pixels"] = _image_pixels(server, outputs, "image_base")
+    peak, process_peak, samples = server.nvml.window() if server.nvml.available else (None, None, 0)
+    if train_started is not None and train_peak is None:  # the Train node was the last to run (or died)
+        train_peak = server.nvml.phase_peak()
+    if server.nvml.available:
+        row["nvml_peak_gib"] = round(peak / GIB, 3)
+        if train_peak is not None:
+            row["nvml_train_peak_gib"] = round(train_peak / GIB, 3)
+            row["nvml_train_peak_over_baseline_gib"] = round((train_peak - server.nvml_baseline) / GIB, 3)
+        row["nvml_peak_over_baseline_gib"] = round((peak - server.nvml_baseline) / GIB, 3)
+        row["nvml_process_peak_gib"] = round(process_peak / GIB, 3) if process_peak else None
+        row["nvml_samples"] = samples
+    else:
+        row["nvml"] = server.nvml.reason
+    per_step, measured = steady_step_time(steps)
+    row.update(steps_done=steps[-1][0] if steps else 0, s_per_step=round(per_step, 4) if per_step else None,
+               steady_steps=measured, first_step_after_s=round(first_step_at - started, 2) if first_step_at else None,
+               phases=phases[:20])
+    if job.cancel_after:
+        row["cancel"] = {"after_step": job.cancel_after, "latency_s": round(finished - interrupt_at, 2) if interrupt_at else None,
+                         "partial_loras": sorted(p.name for p in (server.base / "models" / "loras").glob(f"matrix_{run_tag}_partial_step*"))}
+    row["status"] = status
+    alive = server.alive()
+    row["server_alive_after"] = alive
+    stats = server.system_stats() if alive else None
+    if stats:
+        row["system_stats_after"] = [{k: d.get(k) for k in ("name", "vram_total", "vram_free", "torch_vram_total",
+                                                            "torch_vram_free")} for d in stats.get("devices", [])]
+    expected_ok = (status == "cancelled" and row["cancel"]["partial_loras"]) if job.cancel_after else status == "ok"
+    row["passed"] = bool(expected_ok and alive)
+    if not row["passed"]:
+        row["log_tail"] = server.log_tail()
+        row["abort_lines"] = server.abort_lines()
+    return row
+
+
+# --- the matrix ----------------------------------------------------------------------------------------------
+
+def job_estimate(job: Job) -> float:
+    steps = min(job.steps, job.cancel_after or job.steps) if job.kind == "train" else 0
+    return job.est_setup_s + steps * job.est_step_s + 8  # + sampling
+
+
+def select(servers: list[Server], only: list[str], cards: list[float] | None) -> list[Server]:
+    out = []
+    for spec in servers:
+        if cards is not None and (spec.card_gib or 0) not in cards:
+            continue
+        jobs = [j for j in spec.jobs if not only or spec.name in only or f"{spec.name}/{j.name}" in only or j.name in only]
+        if jobs:
+            out.append(replace(spec, jobs=jobs))
+    return out
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    fast = {}
+    for row in rows:
+        if row.get("job") == "fast" and row.get("s_per_step") and (row.get("card_gib") or 99) >= 24:
+            fast.setdefault(row["model"], row["s_per_step"])
+    lines = [f"ComfyUI {result['comfyui_version']} ({result['comfyui']}), plan {result['plan']}, {result['device']}; "
+             f"NVML baseline before each server in the JSON. s/step: trainer clock, first burst (warm-up, capture) left "
+             f"out; ratio vs the uncapped fast row of this run, else the issue's reference ({REFERENCE_FAST_S}).", "",
+             "| server | job | model/form | card | allocator | status | alive | NVML device peak, job; Train node (over baseline) GiB | "
+             "torch peak alloc/res GiB | s/step (steps) | × fast | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if row.get("status") == "skipped":
+            lines.append(f"| {row['server']} | {row['job']} | {row['model']}/{row.get('form', '')} | {row.get('card_gib') or '-'} "
+                         f"| {row.get('allocator', '')} | skipped ({row.get('error', '')}) | | | | | | |")
+            continue
+        nvml = (f"{row['nvml_peak_gib']:.2f} ({row['nvml_peak_over_baseline_gib']:.2f})"
+                if row.get("nvml_peak_gib") is not None else "n/a")
+        if row.get("nvml_train_peak_gib") is not None:
+            nvml += f"; Train {row['nvml_train_peak_gib']:.2f} ({row['nvml_train_peak_over_baseline_gib']:.2f})"
+        torch_peak = (f"{row['torch_peak_allocated_gib']:.2f} / {row['torch_peak_reserved_gib']:.2f}"
+                      if row.get("torch_peak_allocated_gib") is not None else "n/a")
+        per_step = f"{row['s_per_step']:.4f} ({row['steady_steps']})" if row.get("s_per_step") else "n/a"
+        ref = fast.get(row["model"]) or REFERENCE_FAST_S.get(row["model"])
+        ratio = f"{row['s_per_step'] / ref:.2f}" if row.get("s_per_step") and ref else ""
+        status = row["status"] + ("" if row.get("passed") else " ✗")
+        if row.get("error") and not row.get("passed"):
+            status += ": " + row["error"].replace("|", "/").replace("\n", " ")[:120]
+        lines.append(f"| {row['server']} | {row['job']} | {row['model']}/{row.get('form', '')} | {row.get('card_gib') or '-'} | "
+                     f"{row.get('allocator', '')} | {status} | {'yes' if row.get('server_alive_after') else 'NO'} | {nvml} | "
+                     f"{torch_peak} | {per_step} | {ratio} | {row.get('wall_s', '')} |")
+    summary = result["summary"]
+    lines += ["", f"jobs: {summary['jobs']}, passed {summary['passed']}, failed {summary['failed']}, skipped "
+              f"{summary['skipped']}; servers died/hung: {summary['servers_lost']}; base images identical: "
+              f"{summary['base_identity']}"]
+    return "\n".join(lines)
+
+
+def comfyui_version(path: Path) -> str:
+    match = re.search(r'__version__\s*=\s*"([^"]+)"', (path / "comfyui_version.py").read_text()) \
+        if (path / "comfyui_version.py").exists() else None
+    return match[1] if match else "unknown"
+
+
+def build_assets(out: Path, servers: list[Server], tiny: bool, comfyui: Path) -> dict:
+    """In a child process: building on the GPU creates a CUDA context, which must not sit in the NVML baseline."""
+    models = sorted({s.model for s in servers})
+    forms = sorted({j.form or s.form for s in servers for j in s.jobs})
+    cmd = [sys.executable, "-m", "bench.full_size_assets", "--out", str(out), "--models", ",".join(models),
+           "--forms", ",".join(forms)] + (["--tiny", "--images", "3"] if tiny else [])
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "COMFYUI_PATH": str(comfyui)})
+    sys.stderr.write(done.stderr[-3000:])
+    if done.returncode != 0:
+        raise SystemExit(f"matrix: building assets failed ({shlex.join(cmd)}):\n{done.stderr[-3000:]}")
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("[assets]")), flush=True)
+    return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+def run_matrix(args) -> dict:
+    begun = time.monotonic()
+    comfyui = Path(args.comfyui).resolve()
+    if not (comfyui / "main.py").is_file():
+        raise SystemExit(f"matrix: no ComfyUI at {comfyui} (main.py missing)")
+    servers = select(PLANS[args.plan](), [o for o in args.only.split(",") if o],
+                     [float(c) for c in args.cards.split(",")] if args.cards else None)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    web_root = out / "web"
+    web_root.mkdir(exist_ok=True)
+    (web_root / "index.html").write_text("<!doctype html><title>LeanLoRA matrix (API only)</title>\n")
+    nvml = NvmlSampler(enabled=not args.tiny, reason="NVML not used in CPU smoke mode (--tiny)")
+    assets_dir = Path(args.assets or out / "assets").resolve()
+    assets_started = time.monotonic()
+    # the files do not depend on the ComfyUI version: built with the pinned one where it is unpacked
+    pinned = REPO / ".cache" / "comfyui"
+    assets = build_assets(assets_dir, servers, args.tiny, pinned if (pinned / "main.py").is_file() else comfyui)
+    result = {"plan": args.plan, "command": shlex.join(sys.argv), "comfyui": str(comfyui),
+              "comfyui_version": comfyui_version(comfyui), "device": nvml.name if nvml.available else "CPU (no NVML)",
+              "device_total_gib": round(nvml.total / GIB, 3) if nvml.available else None,
+              "nvml": "available" if nvml.available else nvml.reason, "assets_s": round(time.monotonic() - assets_started, 1),
+              "s_per_step_source": "trainer clock: leanlora.progress step events' `seconds` (since the loop started, "
+                                   "read after each burst's device sync); first burst left out",
+              "rows": []}
+    results_path = out / "results.json"
+
+    def save():
+        rows = result["rows"]
+        result["summary"] = {
+            "jobs": len(rows), "passed": sum(1 for r in rows if r.get("passed")),
+            "failed": sum(1 for r in rows if r.get("status") not in ("skipped", "out of budget") and not r.get("passed")),
+            "skipped": sum(1 for r in rows if r.get("status") in ("skipped", "out of budget")),
+            "servers_lost": sum(1 for r in rows if r.get("status") in ("server died", "timeout")
+                                or r.get("server_alive_after") is False),
+            "base_identity": [r.get("base_identical") for r in rows if "base_identical" in r],
+            "wall_s": round(time.monotonic() - begun, 1)}
+        results_path.write_text(json.dumps(result, indent=1, default=str))
+
+    for spec in servers:
+        allocator = "cpu" if args.tiny else ("native (--disable-cuda-malloc)" if spec.native_allocator else "ComfyUI default")
+        common = {"server": spec.name, "model": spec.model, "card_gib": spec.card_gib, "allocator": allocator}
+        server = None
+        restarts = 0
+        base_pixels = None
+        for index, job in enumerate(spec.jobs):
+            left = args.budget_s - (time.monotonic() - begun)
+            need = job_estimate(job) + (spec.est_start_s if server is None else 0)
+            if need > left:
+                result["rows"].append({**common, "job": job.name, "status": "skipped", "passed": False,
+                                       "error": f"time budget: ~{need:.0f} s needed, {left:.0f} s left"})
+                save()
+                continue
+            if server is None:
+                server = MatrixServer(spec, comfyui, out / "servers", assets_dir, web_root, args.tiny, nvml, restarts)
+                server.nvml_baseline = nvml.used() if nvml.available else 0
+                try:
+                    server.start(timeout=min(180, max(30, left - 10)))
+                except Exception as error:
+                    result["rows"].append({**common, "job": job.name, "status": "server failed to start", "passed": False,
+                                           "error": f"{type(error).__name__}: {error}", "log_tail": server.log_tail(),
+                                           "abort_lines": server.abort_lines(), "command": shlex.join(server.command)})
+                    server.stop()
+                    server, restarts = None, restarts + 1
+                    save()
+                    continue
+                print(f"[matrix] {spec.name}: ComfyUI up in {server.start_s:.1f} s ({server.device_line() or 'cpu'})",
+                      flush=True)
+            timeout = min(job.timeout_s, max(20.0, args.budget_s - (time.monotonic() - begun) - 5))
+            row = {**common, **run_job(server, job, assets, f"{spec.name}_{index}_{job.name}", timeout,
+                                       args.sampler_steps, 1.0 if args.tiny else 5.0)}
+            row.update(server_start_s=round(server.start_s, 1), server_command=shlex.join(server.command),
+                       device_line=server.device_line(),
+                       nvml_baseline_gib=round(server.nvml_baseline / GIB, 3) if nvml.available else None)
+            if server.events and server.events.error:
+                row["websocket"] = server.events.error
+            pixels = row.pop("base_pixels", None)
+            if spec.base_identity and pixels is not None:
+                if base_pixels is None:
+                    base_pixels = pixels
+                else:
+                    row["base_identical"] = pixels == base_pixels
+                    row["passed"] = row["passed"] and row["base_identical"]
+            result["rows"].append(row)
+            print(f"[matrix] {spec.name}/{job.name}: {row['status']}{'' if row['passed'] else ' (FAILED)'}, "
+                  f"s/step {row.get('s_per_step')}, NVML peak {row.get('nvml_peak_gib')}, wall {row.get('wall_s')} s"
+                  + (f" — {row['error'][:300]}" if row.get("error") else ""), flush=True)
+            save()
+            if not row["server_alive_after"] or row["status"] in ("timeout", "out of budget"):
+                server.stop()
+                server, restarts = None, restarts + 1
+        if server is not None:
+            server.stop()
+    save()
+    return result
+
+
+LIVE_SERVERS: list[MatrixServer] = []
+
+
+def _stop_on_signal(signum, _frame) -> None:
+    """`timeout` (or the device tool) ending this process must not leave a ComfyUI holding the GPU."""
+    for server in list(LIVE_SERVERS):
+        server.stop()
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> None:
+    import signal
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", choices=sorted(PLANS), default="core")
+    parser.add_argument("--out", default="out/server_matrix")
+    parser.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH") or str(REPO / ".cache" / "comfyui"),
+                        help="the ComfyUI folder to run (default: .cache/comfyui, the pinned 0.3.75)")
+    parser.add_argument("--assets", default="", help="folder for the random weights and datasets (default OUT/assets)")
+    parser.add_argument("--budget-s", type=float, default=520, help="skip jobs that would end after this many seconds")
+    parser.add_argument("--only", default="", help="comma list of server names, job names or server/job")
+    parser.add_argument("--cards", default="", help="comma list of card sizes in GiB to keep (e.g. 2,3,4,6,8,12,24)")
+    parser.add_argument("--sampler-steps", type=int, default=None, help="KSampler steps after each job (4; 1 with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny SD1.5 assets, --cpu, no caps, no NVML")
+    parser.add_argument("--list", action="store_true", help="print the plan with time estimates and exit")
+    args = parser.parse_args(argv)
+    if args.sampler_steps is None:
+        args.sampler_steps = 1 if args.tiny else 4
+    if args.list:
+        servers = select(PLANS[args.plan](), [o for o in args.only.split(",") if o],
+                         [float(c) for c in args.cards.split(",")] if args.cards else None)
+        total = 0.0
+        for spec in servers:
+            est = spec.est_start_s + sum(job_estimate(j) for j in spec.jobs)
+            total += est
+            print(f"{spec.name:30} {spec.model} {spec.form:10} card {spec.card_gib or '-'} "
+                  f"{'native' if spec.native_allocator else 'default'}  ~{est:.0f} s: " +
+                  ", ".join(f"{j.name}({j.steps if j.kind == 'train' else 'sample'})" for j in spec.jobs))
+        print(f"total ~{total:.0f} s + assets")
+        return
+    result = run_matrix(args)
+    table = markdown(result)
+    (Path(args.out) / "table.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The GPU server matrix (bench/server_matrix.py) end to end on the CPU, before any device time is spent: a real
+ComfyUI with this pack, tiny SD1.5 files in both forms, train + KSampler, Cancel then a new queue, the base image
+pixel-identical after training; plus the card-emulation launcher's ordering and the SDXL file layouts (shapes
+only, on the meta device)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_launcher_caps_after_comfyuis_allocator_choice_and_before_main_goes_on(tmp_path):
+    """The hook fires once cuda_malloc (ComfyUI's allocator choice) has run and torch is imported, never imports
+    torch before cuda_malloc itself, and passes ComfyUI's arguments through unchanged."""
+    (tmp_path / "cuda_malloc.py").write_text("import os\nos.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'backend:cudaMallocAsync'\n")
+    (tmp_path / "main.py").write_text(textwrap.dedent("""\
+        import sys
+        print("torch before cuda_malloc:", "torch" in sys.modules, file=sys.stderr, flush=True)
+        import cuda_malloc
+        import torch
+        print("main goes on; argv", sys.argv[1:], file=sys.stderr, flush=True)
+        """))
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "comfy_launcher.py"), "--card-gib", "4", "--listen",
+                           "127.0.0.1", "--reserve-vram", "136"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith(("torch before", "[launcher]", "main goes"))]
+    assert lines[0] == "torch before cuda_malloc: False"
+    assert lines[1].startswith("[launcher]") and "4 GiB" in lines[1] and "'backend:cudaMallocAsync'" in lines[1]
+    assert lines[2] == "main goes on; argv ['--listen', '127.0.0.1', '--reserve-vram', '136']"
+
+
+def test_sdxl_files_have_the_layouts_comfyuis_loaders_read():
+    """Full-size SDXL on the meta device (no memory): the split UNet and the checkpoint detect as SDXL, the split
+    text encoders as CLIP-L / CLIP-G, and the checkpoint's text encoder and VAE keys map back through ComfyUI's
+    own loading conversion to exactly the split files' keys."""
+    import comfy.model_detection
+    import comfy.sd
+    import comfy.supported_models
+
+    from bench import full_size_assets as assets
+
+    parts = assets.model_state_dicts("sdxl", device="meta")
+    assert type(comfy.model_detection.model_config_from_unet(parts["unet"], "")) is comfy.supported_models.SDXL
+    assert comfy.sd.detect_te_model(parts["clip_l"]) == comfy.sd.TEModel.CLIP_L
+    assert comfy.sd.detect_te_model(parts["clip_g"]) == comfy.sd.TEModel.CLIP_G
+    assert "text_projection.weight" in parts["clip_g"]
+
+    checkpoint = assets.checkpoint_state_dict("sdxl", parts)
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(checkpoint)
+    assert prefix == "model.diffusion_model."
+    config = comfy.model_detection.model_config_from_unet(checkpoint, prefix)
+    assert type(config) is comfy.supported_models.SDXL
+    loaded_clip = set(config.process_clip_state_dict(dict(checkpoint)))
+    expected = {f"clip_l.transformer.{k}" for k in parts["clip_l"] if k != "text_projection.weight"} | \
+               {f"clip_g.transformer.{k}" for k in parts["clip_g"]}
+    assert loaded_clip - expected == {"clip_l.transformer.text_model.embeddings.position_ids"}
+    assert expected <= loaded_clip
+    vae = {k.removeprefix("first_stage_model.") for k in checkpoint if k.startswith("first_stage_model.")}
+    assert vae == set(parts["vae"])
+    assert {k.removeprefix(prefix) for k in checkpoint if k.startswith(prefix)} == set(parts["unet"])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix")
+    done = subprocess.run([sys.executable, "-m", "bench.server_matrix", "--plan", "smoke", "--tiny", "--out", str(out),
+                           "--budget-s", "300"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), done.stdout, out
+
+
+def test_smoke_trains_samples_cancels_and_requeues_in_one_live_server(smoke):
+    result, stdout, out = smoke
+    rows = {row["job"]: row for row in result["rows"]}
+    assert list(rows) == ["sample_base_before", "train_balanced", "cancel_fast", "after_cancel_checkpoint"]
+    assert all(row["passed"] and row["server_alive_after"] for row in rows.values()), \
+        [(r["job"], r["status"], r.get("error")) for r in rows.values()]
+
+    trained = rows["train_balanced"]
+    assert trained["status"] == "ok" and trained["steps_done"] == 3
+    assert "trained 3/3 steps" in trained["report"]
+    assert trained["s_per_step"] > 0 and trained["steady_steps"] == 2  # step 1 (its own burst on the CPU) left out
+    assert trained["base_identical"] is True  # the base MODEL's image after training = before
+    assert trained["nvml"].startswith("NVML not used") and trained.get("nvml_peak_gib") is None
+    assert trained["wall_s"] > 0 and trained["first_step_after_s"] > 0
+
+    cancelled = rows["cancel_fast"]
+    assert cancelled["status"] == "cancelled" and cancelled["steps_done"] < 2000
+    assert cancelled["cancel"]["partial_loras"] and cancelled["cancel"]["latency_s"] is not None
+    after = rows["after_cancel_checkpoint"]
+    assert after["status"] == "ok" and after["form"] == "checkpoint" and "trained 2/2 steps" in after["report"]
+
+    assert result["summary"]["failed"] == 0 and result["summary"]["servers_lost"] == 0
+    table = (out / "table.md").read_text()
+    assert "| smoke_sd15_cpu | train_balanced | sd15/split |" in table and table in stdout + "\n"
+    assert (out / "servers" / "smoke_sd15_cpu" / "comfyui.log").read_text().count("Prompt executed") >= 3

@@ -144,7 +144,7 @@ class ComfyAdapter:
         streaming are decided before anything lands on the GPU): cloning turns ComfyUI's inference tensors
         (which cannot be saved for backward) into normal ones. LoRAs already patched onto the MODEL are baked in."""
         comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
-        unet = copy.deepcopy(self.base.diffusion_model)
+        unet = _plain_copy(self.base.diffusion_model)
         for key, patches in self.patcher.patches.items():
             if key.startswith("diffusion_model."):
                 weight = _get_param(unet, key[len("diffusion_model."):])
@@ -271,6 +271,38 @@ def kohya_module_names(base) -> dict[str, str] | None:
     diffusers_to_ldm = comfy.utils.unet_to_diffusers(base.model_config.unet_config)
     return {ldm[: -len(".weight")]: diffusers[: -len(".weight")]
             for diffusers, ldm in diffusers_to_ldm.items() if diffusers.endswith(".weight")}
+
+
+# What a ComfyUI loader leaves on a layer (comfy/model_patcher.py, comfy/ops.py, comfy/pinned_memory.py):
+# - 0.33's dynamic VRAM loader (ModelPatcherDynamic, the default on CUDA) keeps it after unloading. `_v` and
+#   `_v_block` hold the model's VRAM allocation (a ModelVBAR), `_pin_state` and `_pins` its pinned host buffers,
+#   `_v_weight`, `_v_bias`, `_prefetch` and `_comfy_graph` GPU views and graphs over them. A copy of a ModelVBAR or
+#   HostBuffer frees the same native memory when it is garbage-collected, under the user's loaded model.
+# - Per-call casting that a dynamic or low-VRAM load switches on (`comfy_cast_weights` set on the instance, weight
+#   functions, LoRA patches applied per call): the copy keeps its ops' class defaults and bakes the LoRAs in.
+_LOADER_STATE = frozenset({
+    "_v", "_v_block", "_v_block_faulted", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_comfy_graph",
+    "_pin_state", "_pins", "seed_key", "weight_lowvram_function", "bias_lowvram_function",
+    "comfy_cast_weights", "prev_comfy_cast_weights", "weight_function", "bias_function",
+})
+_ATOMIC = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)  # deepcopy returns these as they are
+
+
+def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deepcopy of module without _LOADER_STATE: the same layers and weights as ComfyUI built them, in both
+    0.3.75 and 0.33, and the user's module untouched. The loader's objects are mapped to a placeholder in the memo
+    (so they are never copied) and the placeholders removed after; immutable values (flags, names) need no memo
+    entry, and must not get one: the memo is keyed by identity, and True or None appear all over a module.
+    Rebuilding through the loader (0.33's clone(disable_dynamic=True)) would read the checkpoint again and works
+    only for core loaders; a fresh UNet from the config would not carry ops a loader chose."""
+    dropped = object()
+    memo = {id(value): dropped for layer in module.modules() for name, value in vars(layer).items()
+            if name in _LOADER_STATE and not isinstance(value, _ATOMIC)}
+    copied = copy.deepcopy(module, memo)
+    for layer in copied.modules():
+        for name in _LOADER_STATE.intersection(vars(layer)):
+            delattr(layer, name)
+    return copied
 
 
 def _resblocks_worth_compiling(unet: torch.nn.Module) -> list[torch.nn.Module]:

@@ -721,8 +721,10 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                steady_steps=measured, first_step_after_s=round(first_step_at - started, 2) if first_step_at else None,
                phases=phases[:20])
     if job.cancel_after:
-        row["cancel"] = {"after_step": job.cancel_after, "latency_s": round(finished - interrupt_at, 2) if interrupt_at else None,
-                         "partial_loras": sorted(p.name for p in (server.base / "models" / "loras").glob(f"matrix_{run_tag}_partial_step*"))}
+        partial = (server.base / "models" / "loras").glob(f"matrix_{run_tag}_partial_step*")
+        row["cancel"] = {"after_step": job.cancel_after,
+                         "latency_s": round(finished - interrupt_at, 2) if interrupt_at else None,
+                         "partial_loras": sorted(p.name for p in partial)}
     row["status"] = status
     alive = server.alive()
     row["server_alive_after"] = alive
@@ -876,7 +878,9 @@ def run_matrix(args) -> dict:
                 continue
             if server is None:
                 server = MatrixServer(spec, comfyui, out / "servers", assets_dir, web_root, args.tiny, nvml, restarts)
-                server.nvml_baseline = nvml.used() if nvml.available else 0
+                if nvml.available:
+                    time.sleep(0.5)  # a server stopped just before may still be handing its memory back
+                    server.nvml_baseline = nvml.used()
                 try:
                     server.start(timeout=min(180, max(30, left - 10)))
                 except Exception as error:

@@ -208,8 +208,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="SD1.5 with a one-level UNet, built on the CPU")
     parser.add_argument("--images", type=int, default=6, help="images per dataset (the last one 5:4)")
     args = parser.parse_args(argv)
-    print(json.dumps(build_all(args.out, args.models.split(","), args.forms.split(","), args.tiny, args.images),
-                     indent=1))
+    assets = build_all(args.out, args.models.split(","), args.forms.split(","), args.tiny, args.images)
+    (args.out / "assets.json").write_text(json.dumps(assets, indent=1))  # what bench/server_matrix.py reads
+    print(json.dumps(assets, indent=1))
 
 
 if __name__ == "__main__":

@@ -57,32 +57,7 @@ if [ -n "$SOURCE_033" ]; then
   if [ -f "$SOURCE_033/main.py" ]; then
     cp -r "$SOURCE_033" "$TMP/src/comfyui"
   else  # a bare git directory whose largest blobs may be absent (the fetch tool's snapshots): skip those
-    python3 - "$SOURCE_033" "$TMP/src/comfyui" <<'PY'
-import os, subprocess, sys
-git_dir, out = sys.argv[1:]
-git = ["git", "--git-dir", git_dir]
-listing = subprocess.run([*git, "ls-tree", "-r", "-z", "HEAD"], capture_output=True, check=True).stdout
-cat = subprocess.Popen([*git, "cat-file", "--batch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-missing = []
-for line in filter(None, listing.split(b"\0")):
-    meta, path = line.split(b"\t", 1)
-    mode, kind, sha = meta.split()
-    if kind != b"blob":
-        continue
-    cat.stdin.write(sha + b"\n"); cat.stdin.flush()
-    header = cat.stdout.readline().split()
-    if header[1] == b"missing":
-        missing.append(path.decode()); continue
-    data = cat.stdout.read(int(header[2])); cat.stdout.read(1)
-    dest = os.path.join(out, path.decode())
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    if mode == b"120000":
-        os.symlink(data.decode(), dest)
-    else:
-        with open(dest, "wb") as f:
-            f.write(data)
-print(f"[carry] ComfyUI 0.33 from git: absent in the snapshot (not needed for SD1.5/SDXL): {missing}")
-PY
+    python3 bench/git_snapshot.py "$SOURCE_033" "$TMP/src/comfyui"
   fi
   grep -q '__version__ = "0.33' "$TMP/src/comfyui/comfyui_version.py" || echo "[carry] warning: $SOURCE_033 is not ComfyUI 0.33.x"
   rm -f "$TMP/src/comfyui/extra_model_paths.yaml"

@@ -40,7 +40,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -654,7 +654,10 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                 elif train_started is not None and train_peak is None and node != "train":
                     train_peak = server.nvml.phase_peak()
         if job.cancel_after and interrupt_at is None and steps and steps[-1][0] >= job.cancel_after:
-            http(f"{server.url}/interrupt", {}, timeout=10)
+            try:
+                http(f"{server.url}/interrupt", {}, timeout=10)
+            except Exception as error:  # a dead server is found just below
+                row["interrupt_error"] = f"{type(error).__name__}: {error}"
             interrupt_at = time.monotonic()
         try:
             entry = http(f"{server.url}/history/{prompt_id}", timeout=10).get(prompt_id)
@@ -718,8 +721,10 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                steady_steps=measured, first_step_after_s=round(first_step_at - started, 2) if first_step_at else None,
                phases=phases[:20])
     if job.cancel_after:
-        row["cancel"] = {"after_step": job.cancel_after, "latency_s": round(finished - interrupt_at, 2) if interrupt_at else None,
-                         "partial_loras": sorted(p.name for p in (server.base / "models" / "loras").glob(f"matrix_{run_tag}_partial_step*"))}
+        partial = (server.base / "models" / "loras").glob(f"matrix_{run_tag}_partial_step*")
+        row["cancel"] = {"after_step": job.cancel_after,
+                         "latency_s": round(finished - interrupt_at, 2) if interrupt_at else None,
+                         "partial_loras": sorted(p.name for p in partial)}
     row["status"] = status
     alive = server.alive()
     row["server_alive_after"] = alive
@@ -809,7 +814,7 @@ def build_assets(out: Path, servers: list[Server], tiny: bool, comfyui: Path) ->
     if done.returncode != 0:
         raise SystemExit(f"matrix: building assets failed ({shlex.join(cmd)}):\n{done.stderr[-3000:]}")
     print("\n".join(line for line in done.stdout.splitlines() if line.startswith("[assets]")), flush=True)
-    return json.loads(done.stdout[done.stdout.index("{"):])
+    return json.loads((out / "assets.json").read_text())
 
 
 def run_matrix(args) -> dict:
@@ -857,8 +862,14 @@ def run_matrix(args) -> dict:
         server = None
         restarts = 0
         base_pixels = None
+        start_failures = 0
         for index, job in enumerate(spec.jobs):
             left = args.budget_s - (time.monotonic() - begun)
+            if start_failures >= 2:  # a server that cannot start twice will not start for the next job either
+                result["rows"].append({**common, "job": job.name, "status": "skipped", "passed": False,
+                                       "error": "this server failed to start twice"})
+                save()
+                continue
             need = job_estimate(job) + (spec.est_start_s if server is None else 0)
             if need > left:
                 result["rows"].append({**common, "job": job.name, "status": "skipped", "passed": False,
@@ -867,7 +878,9 @@ def run_matrix(args) -> dict:
                 continue
             if server is None:
                 server = MatrixServer(spec, comfyui, out / "servers", assets_dir, web_root, args.tiny, nvml, restarts)
-                server.nvml_baseline = nvml.used() if nvml.available else 0
+                if nvml.available:
+                    time.sleep(0.5)  # a server stopped just before may still be handing its memory back
+                    server.nvml_baseline = nvml.used()
                 try:
                     server.start(timeout=min(180, max(30, left - 10)))
                 except Exception as error:
@@ -875,7 +888,7 @@ def run_matrix(args) -> dict:
                                            "error": f"{type(error).__name__}: {error}", "log_tail": server.log_tail(),
                                            "abort_lines": server.abort_lines(), "command": shlex.join(server.command)})
                     server.stop()
-                    server, restarts = None, restarts + 1
+                    server, restarts, start_failures = None, restarts + 1, start_failures + 1
                     save()
                     continue
                 print(f"[matrix] {spec.name}: ComfyUI up in {server.start_s:.1f} s ({server.device_line() or 'cpu'})",

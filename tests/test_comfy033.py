@@ -1,10 +1,12 @@
-"""The training copy under ComfyUI 0.33's dynamic VRAM loader (ModelPatcherDynamic, its default on CUDA).
+"""ComfyUI 0.33 beside the pinned 0.3.75: the training copy under 0.33's dynamic VRAM loader (ModelPatcherDynamic,
+its default on CUDA), and the bench's ComfyUI peer calling either version's TrainLoraNode.
 
 Once a model has been on the GPU, 0.33 leaves native handles on its layers (`_v`: the VRAM allocation, a ModelVBAR;
 `_pin_state`: pinned host buffers, HostBuffers) and per-call casting (`comfy_cast_weights=True`, LoRA patches as
 `weight_lowvram_function`); unloading keeps them. A copied handle frees the user's model's memory when the copy is
 garbage-collected. The first test builds that state by hand and runs on every ComfyUI; the second lets 0.33's own
 loader install it on the CPU (host buffers are real; only the VRAM allocation is a stand-in, it needs a GPU).
+Tests that need 0.33 skip on 0.3.75 (COMFYUI_PATH=<a 0.33 checkout> runs them).
 """
 import gc
 import importlib

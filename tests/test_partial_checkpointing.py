@@ -193,6 +193,8 @@ def test_ladder_visits_partial_shares_in_order_then_todays_next_rung(adapter, tw
         session.configure(memory)
         shares.append(memory.checkpoint_share if memory.gradient_checkpointing else None)
         wrapped.append(len(_wrapped(session)))
+        if len(shares) == 1:  # the first rung: the three transformer layers at the highest resolution
+            assert _wrapped(session) == {id(u) for u in _levels(session.unet)["layers 8²"]}
         descriptions.append(description)
     assert shares == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
     assert wrapped == [3, 6, 9, 12, 15, 15]

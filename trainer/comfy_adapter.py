@@ -17,8 +17,9 @@ import comfy.model_management
 import comfy.model_sampling
 import comfy.sd
 import comfy.utils
-from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, TimestepBlock
+from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
+from .checkpointing import most_memory_per_flop_first
 from .errors import LeanLoRAError
 from .frozen_weights import cast_frozen_weights
 from .layout import store_frozen_convs_channels_last
@@ -167,21 +168,35 @@ class ComfyAdapter:
         unet.requires_grad_(False)
         return unet
 
-    def checkpoint_blocks(self, unet: torch.nn.Module, depth: str = "per layer") -> list[torch.nn.Module]:
+    def checkpoint_blocks(self, unet: torch.nn.Module, depth: str = "per layer",
+                          latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
         """The units to recompute: every ResBlock, plus every transformer layer ("per layer") or every whole
         SpatialTransformer ("per block"). ComfyUI's UNet runs the layers of its TimestepEmbedSequential blocks
         one by one (forward_timestep_embed), never the block's own forward, so checkpointing must wrap the
         layers. SDXL's deep levels stack 10 transformer layers in one SpatialTransformer: per-layer units keep
         one layer's activations alive during recompute, not ten; per-block units keep fewer inputs (and
-        recompute the norm and projections around the layers too)."""
-        units = []
+        recompute the norm and projections around the layers too). With `latent_size` (height, width), the
+        units come best first for partial checkpointing (checkpointing.most_memory_per_flop_first), each
+        counted at its level's resolution."""
+        units, tokens = [], []
+        size, skip_sizes = latent_size or (1, 1), []  # Downsample rounds odd sizes up; Upsample returns to the skip's
         for block in [*unet.input_blocks, unet.middle_block, *unet.output_blocks]:
             for layer in block:
                 if hasattr(layer, "transformer_blocks"):
-                    units.extend(layer.transformer_blocks if depth == "per layer" else [layer])
+                    found = list(layer.transformer_blocks) if depth == "per layer" else [layer]
                 elif isinstance(layer, TimestepBlock):
-                    units.append(layer)
-        return units
+                    found = [layer]
+                else:
+                    found = []
+                units += found
+                tokens += [size[0] * size[1]] * len(found)
+                resampler = getattr(layer, "h_upd", layer)  # a ResBlock may resample too (resblock_updown)
+                if isinstance(resampler, Downsample):
+                    skip_sizes.append(size)
+                    size = ((size[0] + 1) // 2, (size[1] + 1) // 2)
+                elif isinstance(resampler, Upsample) and skip_sizes:
+                    size = skip_sizes.pop()
+        return units if latent_size is None else most_memory_per_flop_first(units, tokens)
 
     def prepare_compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
         """Makes the training copy ready for torch.compile and returns what compiles, each module on its own:

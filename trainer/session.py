@@ -349,7 +349,8 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
     device, lines = session.adapter.device, []
     while True:
         try:
-            estimate = session.estimate(raise_oom=True)
+            with probes_capped_at(card if isinstance(card, int) else card.usable(), device):
+                estimate = session.estimate(raise_oom=True)
             total = estimate.total
         except Exception as error:
             if not is_out_of_memory(error):
@@ -376,6 +377,23 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
                if total is not None else "the probe ran out of memory")
         session.configure(rung[0])
         lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
+
+
+@contextlib.contextmanager
+def probes_capped_at(budget: int, device: torch.device):
+    """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
+    out of memory at the budget, as it would on the card, instead of taking whatever the GPU has (an 8 GiB card
+    emulated on an H200 peaked at 9.4 GiB device-level in a probe that failed only at the process's own cap)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if device.type != "cuda" or get is None:
+        yield
+        return
+    before, total = get(device), torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(before, max(budget, 1) / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
 
 
 class CardBudget:

@@ -66,3 +66,21 @@ def test_a_model_that_fits_is_planned_without_an_error(card):
     budget = session_module.card_budget(memory.auto_fit, CUDA)
     planned, lines = session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
     assert planned == memory and lines == []
+
+
+def test_static_planning_leaves_checkpointing_to_the_probes(card):
+    """A card that needs smaller weights gets them without checkpointing every block on the way: the probes then
+    add only as much checkpointing as the activations need."""
+    torch.manual_seed(0)
+    unet = TinyNet(dim=512, depth=4)
+    for layer in unet.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.comfy_cast_weights = False  # as ComfyUI's ops have it: such layers can hold fp8 weights
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit="2 GiB")
+    # bf16 weights 8 MiB + LoRA, gradients, AdamW 1 MiB > 75% of 10 MiB; fp8 weights (4 MiB) fit
+    budget = 10 * 2 ** 20
+    planned, lines = session_module.plan_static(memory, unet, params, budget, CUDA)
+    assert planned.base_weights == "fp8", lines
+    assert not planned.gradient_checkpointing, lines
+    assert not any("checkpointing" in line for line in lines), lines

@@ -315,6 +315,22 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
     return description
 
 
+def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySettings, str] | None:
+    """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing rungs trade activations only:
+    skipped here, they stay for the probes (fit_to_budget), so a card that needs fp8 weights gets fp8 with as little
+    checkpointing as its activations need, not fp8 with every block recomputed."""
+    walked = memory
+    while True:
+        rung = next_rung(walked, device)
+        if rung is None:
+            return None
+        walked, description = rung
+        kept = replace(walked, gradient_checkpointing=memory.gradient_checkpointing,
+                       checkpoint_share=memory.checkpoint_share)
+        if kept != memory:
+            return kept, description
+
+
 def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, budget: int,
                 device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
@@ -327,7 +343,7 @@ def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, bud
             optimizer_state_bytes(memory.optimizer, params)
         if static <= budget * STATIC_SHARE:
             return memory, lines
-        rung = next_rung(memory, device)
+        rung = next_static_rung(memory, device)
         if rung is None:
             if card is not None and static > budget:
                 outside = card - budget

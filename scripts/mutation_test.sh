@@ -76,6 +76,7 @@ also_copy =
     example_workflows/
 process_isolation = forkserver
 use_git_change_detection = false
+debug = ${MUTMUT_DEBUG:-false}
 EOF
 export COMFYUI_PATH="${COMFYUI_PATH:-$REPO/.cache/comfyui}"
 "$VENV/bin/mutmut" run --max-children "${MUTMUT_CHILDREN:-2}" || true

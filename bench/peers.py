@@ -177,13 +177,32 @@ def run_diffusers_peer(work: Workload, warmup: int, steps: int) -> dict:
             "notes": [f"{recipe}, GC, AdamW8bit"]}
 
 
-# --- peer (b): ComfyUI's built-in TrainLoraNode (comfy_extras/nodes_train.py of the pinned ComfyUI) ---
+# --- peer (b): ComfyUI's built-in TrainLoraNode (comfy_extras/nodes_train.py of the ComfyUI in use) ---
 
-def run_comfyui_peer(work: Workload, warmup: int, steps: int) -> dict:
+def _node_arguments(node, chosen: dict) -> dict:
+    """TrainLoraNode.execute's arguments for the installed ComfyUI: the bench's choices, and the node's own schema
+    defaults for the inputs the bench leaves alone (0.33 added quantized_backward, checkpoint_depth, offloading,
+    bucket_mode and bypass_mode to 0.3.75's), each a one-element list (the node takes every input as a list)."""
+    import inspect
+    accepted = list(inspect.signature(node.execute).parameters)
+    unknown = sorted(set(chosen) - set(accepted))
+    if unknown:
+        raise PeerUnavailable(f"this ComfyUI's TrainLoraNode has no {', '.join(unknown)} input")
+    defaults = {entry.id: getattr(entry, "default", None) for entry in node.define_schema().inputs}
+    missing = [name for name in accepted if name not in chosen and defaults.get(name) is None]
+    if missing:
+        raise PeerUnavailable(f"this ComfyUI's TrainLoraNode needs {', '.join(missing)}, which the bench does not know")
+    return {name: chosen[name] if name in chosen else [defaults[name]] for name in accepted}
+
+
+def run_comfyui_peer(work: Workload, warmup: int, steps: int, offloading: bool = False) -> dict:
     """Calls TrainLoraNode.execute itself: its weight-wrapper LoRA on every >=2-D weight (alpha 1), its own
     TrainSampler loop through Guider_Basic, bf16, gradient checkpointing, AdamW, rank 16. Steps are timed by a
     global optimizer step hook, so its setup (adapter creation, load_models_gpu) lands in the first step,
-    which is always a warm-up step."""
+    which is always a warm-up step.
+
+    offloading (ComfyUI 0.33's lowest-memory setting): the weights wait in CPU memory and the node loads them
+    with its offloading input on, streaming them to the GPU layer by layer in forward and recompute."""
     import comfy.model_management
     import comfy.model_patcher
     import comfy.utils
@@ -191,12 +210,11 @@ def run_comfyui_peer(work: Workload, warmup: int, steps: int) -> dict:
         from comfy_extras.nodes_train import TrainLoraNode
     except ImportError as error:
         raise PeerUnavailable(f"this ComfyUI has no comfy_extras.nodes_train.TrainLoraNode ({error})") from error
-
-    device = work.device
-    # bf16 weights: what ComfyUI loads for a bf16 checkpoint, and the node's own training dtype (no casts).
-    base = work.build_comfy_model(torch.bfloat16)
-    # offload_device = load device, so unloading afterwards frees memory instead of copying weights to the CPU.
-    patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
+    chosen = dict(
+        batch_size=[work.batch], steps=[max(1, warmup) + steps], grad_accumulation_steps=[1], learning_rate=[5e-4],
+        rank=[LORA_RANK], optimizer=["AdamW"], loss_function=["MSE"], seed=[0], training_dtype=["bf16"],
+        lora_dtype=["bf16"], algorithm=["LoRA"], gradient_checkpointing=[True], existing_lora=["[None]"],
+        **({"offloading": [True]} if offloading else {}))
     extras = {}
     if work.pooled is not None:  # what CLIPTextEncodeSDXL puts next to the SDXL text embedding
         extras = {"pooled_output": work.pooled, "width": work.resolution, "height": work.resolution}
@@ -204,6 +222,25 @@ def run_comfyui_peer(work: Workload, warmup: int, steps: int) -> dict:
     # The 0.3.75 node crashes on a single LATENT input (`multi_res` unbound), so the latent comes as a list of
     # equal-shape LATENTs, which it concatenates into one dataset; batch_size picks from them.
     latents = [{"samples": work.latents[i % work.batch][None]} for i in range(max(2, work.batch))]
+    # before the model is built, so an input this ComfyUI lacks costs nothing
+    arguments = _node_arguments(TrainLoraNode, dict(chosen, model=None, latents=latents, positive=[positive]))
+    loss_output = [output.io_type for output in TrainLoraNode.define_schema().outputs].index("LOSS_MAP")
+
+    device = work.device
+    # bf16 weights: what ComfyUI loads for a bf16 checkpoint, and the node's own training dtype (no casts).
+    base = work.build_comfy_model(torch.bfloat16)
+    # Without offloading, offload_device = load device: unloading afterwards frees memory instead of copying the
+    # weights to the CPU. With it, the weights start where ComfyUI keeps an unloaded model: in CPU memory.
+    offload_device = torch.device("cpu") if offloading else device
+    patcher = comfy.model_patcher.ModelPatcher(base.to(offload_device), load_device=device,
+                                               offload_device=offload_device)
+    if hasattr(patcher, "cached_patcher_init"):
+        # 0.33's node trains on model.clone(force_deepcopy=True), which re-runs the loader that made the MODEL (a
+        # core loader records itself here). A server would then hold the user's MODEL in CPU memory and the
+        # node's copy on the GPU; re-building the bench's model would put both on the GPU. So its "loader" hands
+        # back this patcher: the node trains on the one model, as 0.3.75's node does on its plain clone.
+        patcher.cached_patcher_init = (lambda disable_dynamic=False: patcher, ())
+    arguments["model"] = [patcher]
 
     clock = StepClock(device)
     hook = register_optimizer_step_post_hook(clock.mark)
@@ -212,18 +249,16 @@ def run_comfyui_peer(work: Workload, warmup: int, steps: int) -> dict:
     work.reset_peak()
     clock.mark()
     try:
-        out = TrainLoraNode.execute(
-            model=[patcher], latents=latents, positive=[positive], batch_size=[work.batch],
-            steps=[max(1, warmup) + steps], grad_accumulation_steps=[1], learning_rate=[5e-4], rank=[LORA_RANK],
-            optimizer=["AdamW"], loss_function=["MSE"], seed=[0], training_dtype=["bf16"], lora_dtype=["bf16"],
-            algorithm=["LoRA"], gradient_checkpointing=[True], existing_lora=["[None]"])
+        out = TrainLoraNode.execute(**arguments)
         intervals = clock.intervals()
-        losses = list(out.args[2]["loss"])
+        losses = list(out.args[loss_output]["loss"])
     finally:
         hook.remove()
         comfy.utils.PROGRESS_BAR_ENABLED = progress_was
         comfy.model_management.unload_all_models()  # drops its loaded-model entry (holds the patcher)
     notes = ["bf16 weights + bf16 autocast, GC (every top-level block), AdamW, LoRA on every >=2-D weight, alpha 1"]
+    if offloading:
+        notes.append("offloading: weights streamed from CPU memory")
     if warmup < 1:
         notes.append("1 warm-up step forced: the node's setup is inside its first step")
     return {"intervals": intervals, "losses": losses, "setup_in_first_step": True, "warmup": max(1, warmup),

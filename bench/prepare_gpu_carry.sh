@@ -48,7 +48,8 @@ if [ -n "$SOURCE_033" ]; then
   # attention reach; fp16 SD1.5/SDXL and the DynamicVRAM patcher (comfy-aimdo, kept whole) do not.
   # (blake3, also listed, is imported guarded: without it 0.33 only warns.)
   mkdir -p .gpu/033/whl
-  download .gpu/033/whl comfy-aimdo==0.4.13 simpleeval==1.0.8 sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3
+  download .gpu/033/whl comfy-aimdo==0.4.13 simpleeval==1.0.8 sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3 \
+    pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2 pydantic-settings==2.12.0 python-dotenv==1.2.1
   download "$TMP" comfy-kitchen==0.2.31
   mkdir "$TMP/ck" && (cd "$TMP/ck" && python3 -m zipfile -e "$TMP"/comfy_kitchen-*.whl . \
     && find comfy_kitchen -name '_C.abi3.so' -delete \

@@ -376,6 +376,8 @@ def _parse_row(spec: str, token: str) -> RowConfig:
         return RowConfig(token, "ours", preset, float(cap), batch, autotune)  # a preset as is, under a cap
     if name in PEERS:
         return RowConfig(token, name, None, None, batch, autotune)
+    if name == "comfyui-offload":  # ComfyUI 0.33's node with its offloading input on
+        return RowConfig(token, "comfyui", "offloading", None, batch, autotune)
     if name.startswith("autofit@"):
         try:
             cap = float(name.split("@", 1)[1])
@@ -452,7 +454,7 @@ def _run_config(work: Workload, config: RowConfig, warmup: int, steps: int, coun
         return run_ours(work, config.preset, config.cap_gib, warmup, steps, count_flops)
     if config.kind == "diffusers":
         return run_diffusers_peer(work, warmup, steps)
-    return run_comfyui_peer(work, warmup, steps)
+    return run_comfyui_peer(work, warmup, steps, offloading=config.preset == "offloading")
 
 
 def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, count_flops: bool) -> dict:
@@ -546,7 +548,7 @@ def derive(rows: list[dict], flops: dict, peak_tflops: float) -> None:
             row["loss_vs_eager_max_rel"] = max(abs(a - b) / max(abs(b), 1e-8) for a, b in pairs)
         row["ratio"] = {}
         for peer in PEERS:
-            ref = next((r for r in rows if r["kind"] == peer and r["model"] == row["model"] and
+            ref = next((r for r in rows if r["kind"] == peer and not r.get("preset") and r["model"] == row["model"] and
                         r["batch"] == row["batch"] and r.get("s_per_step")), None)
             if ref is None or not s:
                 continue
@@ -663,7 +665,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--models", default="sd15,sdxl", help="comma list of sd15, sdxl")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma list: presets (fast, balanced, lean, leanest, gc+fp8, ...; <preset>-eager = without CUDA "
-                        "graphs; <preset>@GiB = under a per-process cap), diffusers, comfyui, autofit@GiB; optional "
+                        "graphs; <preset>@GiB = under a per-process cap), diffusers, comfyui, comfyui-offload (0.33's "
+                        "offloading), autofit@GiB; optional "
                         ":bsN batch")
     p.add_argument("--steps", type=int, default=12, help="timed optimizer steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per row (reported separately)")

@@ -1,10 +1,12 @@
-"""The training copy under ComfyUI 0.33's dynamic VRAM loader (ModelPatcherDynamic, its default on CUDA).
+"""ComfyUI 0.33 beside the pinned 0.3.75: the training copy under 0.33's dynamic VRAM loader (ModelPatcherDynamic,
+its default on CUDA), and the bench's ComfyUI peer calling either version's TrainLoraNode.
 
 Once a model has been on the GPU, 0.33 leaves native handles on its layers (`_v`: the VRAM allocation, a ModelVBAR;
 `_pin_state`: pinned host buffers, HostBuffers) and per-call casting (`comfy_cast_weights=True`, LoRA patches as
 `weight_lowvram_function`); unloading keeps them. A copied handle frees the user's model's memory when the copy is
 garbage-collected. The first test builds that state by hand and runs on every ComfyUI; the second lets 0.33's own
 loader install it on the CPU (host buffers are real; only the VRAM allocation is a stand-in, it needs a GPU).
+Tests that need 0.33 skip on 0.3.75 (COMFYUI_PATH=<a 0.33 checkout> runs them).
 """
 import gc
 import importlib
@@ -179,3 +181,55 @@ def test_training_copy_after_0_33s_own_dynamic_load_trains(patched_model, monkey
     _assert_unchanged(model, before)
     with torch.no_grad():
         assert torch.equal(model.model.diffusion_model(x, t, context=context), reference)
+
+
+def _spy_on_train_node(monkeypatch) -> dict:
+    """Records the arguments bench's ComfyUI peer passes to TrainLoraNode.execute (which still runs)."""
+    import functools
+    from comfy_extras.nodes_train import TrainLoraNode
+    seen, execute = {}, TrainLoraNode.execute
+
+    @functools.wraps(execute)  # keeps execute's signature, which the peer reads
+    def spy(**arguments):
+        seen.update(arguments)
+        return execute(**arguments)
+    monkeypatch.setattr(TrainLoraNode, "execute", spy)
+    return seen
+
+
+def _tiny_workload():
+    from bench.run import SPECS, make_workload
+    return make_workload(SPECS["sd15-tiny"], 1, torch.device("cpu"))
+
+
+def test_comfyui_peer_offloading_runs_where_the_node_has_it(monkeypatch):
+    """0.33's node gets offloading and trains; 0.3.75's has no such input, so the row says so before any work."""
+    import inspect
+    from bench.peers import PeerUnavailable, run_comfyui_peer
+    from comfy_extras.nodes_train import TrainLoraNode
+
+    seen = _spy_on_train_node(monkeypatch)
+    if "offloading" not in inspect.signature(TrainLoraNode.execute).parameters:
+        with pytest.raises(PeerUnavailable, match="TrainLoraNode has no offloading input"):
+            run_comfyui_peer(_tiny_workload(), 1, 1, offloading=True)
+        assert seen == {}
+        return
+    result = run_comfyui_peer(_tiny_workload(), 1, 1, offloading=True)
+    assert seen["offloading"] == [True] and seen["model"][0].offload_device == torch.device("cpu")
+    assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+    assert "offloading: weights streamed from CPU memory" in result["notes"]
+
+
+@pytest.mark.skipif(not IS_033, reason=f"needs ComfyUI 0.33's TrainLoraNode inputs; running ComfyUI is "
+                                       f"{comfyui_version.__version__}")
+def test_comfyui_peer_passes_every_input_of_0_33s_node(monkeypatch):
+    """The five inputs 0.3.75's node lacks come from the node's own schema defaults (offloading off)."""
+    from bench.peers import run_comfyui_peer
+
+    seen = _spy_on_train_node(monkeypatch)
+    result = run_comfyui_peer(_tiny_workload(), 1, 1)
+    assert {name: seen[name] for name in ("quantized_backward", "checkpoint_depth", "offloading", "bucket_mode",
+                                          "bypass_mode")} == {"quantized_backward": [False], "checkpoint_depth": [1],
+                                                              "offloading": [False], "bucket_mode": [False],
+                                                              "bypass_mode": [False]}
+    assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))

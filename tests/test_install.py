@@ -70,21 +70,21 @@ def _oldest_comfyui_lock(work: Path) -> dict[str, str]:
 
 
 def _host_torch_stack() -> set[str]:
-    """torch, torchvision and the binary wheels they need here (CUDA libraries, triton): linked, not installed."""
-    names, todo = set(), list(TORCH_FAMILY[:2])
+    """torch, torchvision and the binary wheels they need here (CUDA libraries, triton, with the extras asked for,
+    e.g. cuda-toolkit[cufft]): linked, not installed."""
+    names, todo = set(), [(name, frozenset()) for name in TORCH_FAMILY[:2]]
     while todo:
-        name = canonicalize_name(todo.pop())
-        if name in names:
-            continue
+        name, extras = todo.pop()
         try:
             dist = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
-        names.add(name)
+        names.add(canonicalize_name(name))
         for requirement in map(Requirement, dist.requires or ()):
-            if (requirement.marker is None or requirement.marker.evaluate({"extra": ""})) and \
-                    re.match(r"(nvidia|cuda|triton)", canonicalize_name(requirement.name)):
-                todo.append(requirement.name)
+            wanted = requirement.marker is None or any(requirement.marker.evaluate({"extra": extra})
+                                                        for extra in {"", *extras})
+            if wanted and re.match(r"(nvidia|cuda|triton)", canonicalize_name(requirement.name)):
+                todo.append((requirement.name, frozenset(requirement.extras)))
     return names
 
 
@@ -105,8 +105,10 @@ def _build_environment(work: Path) -> Path:
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(env)],
                    check=True, timeout=300)
     python = env / "bin" / "python"
+    # the lock's torch stack is PyPI's idea of torch's wheels; this machine's own torch stack stands in for it
     (work / "install.txt").write_text("".join(f"{name}=={version}\n" for name, version in lock.items()
-                                              if name not in linked))
+                                              if name not in linked and name not in TORCH_FAMILY
+                                              and not re.match(r"(nvidia|cuda|triton)", name)))
     _uv("pip", "install", "--python", str(python), "--no-deps", "-q", "-r", "install.txt", cwd=work)
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())

@@ -274,7 +274,7 @@ def test_a_diverging_run_stops_and_keeps_only_finite_weights(adapter, dataset, t
     with pytest.raises(LeanLoRAError) as failure:
         _train(adapter, dataset, tmp_path, steps=8, name="boom", lora=LoraSettings(rank=1, alpha=1e18), lr=0.05)
     message = str(failure.value)
-    step = int(message.split("the loss at step ")[1].split()[0])
+    step = int(message.split("diverged: at step ")[1].split()[0])
     assert "diverged" in message and "learning rate" in message and "alpha" in message and "precision" in message
     saved = sorted(tmp_path.glob("*.safetensors"))
     if step == 1:

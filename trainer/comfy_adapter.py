@@ -17,8 +17,9 @@ import comfy.model_management
 import comfy.model_sampling
 import comfy.sd
 import comfy.utils
-from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, TimestepBlock
+from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
+from .checkpointing import most_memory_per_flop_first
 from .errors import LeanLoRAError
 from .frozen_weights import cast_frozen_weights
 from .layout import store_frozen_convs_channels_last
@@ -59,6 +60,11 @@ def _hash_patch_value(digest, value) -> None:
 
 def weights_fingerprint(patcher, *extra: str) -> str:
     """Identity of a ComfyUI model as it encodes: its unpatched weights plus the patches (LoRAs) on top."""
+    with torch.inference_mode():  # ComfyUI's weights are read as ComfyUI reads them (see ComfyAdapter.encode_image)
+        return _weights_fingerprint(patcher, *extra)
+
+
+def _weights_fingerprint(patcher, *extra: str) -> str:
     digest = hashlib.sha256("\0".join((type(patcher.model).__name__, *extra)).encode())
     for name, weight in patcher.model.state_dict().items():
         original = patcher.backup.get(name)  # while loaded, patched weights are modified in place
@@ -101,16 +107,23 @@ class ComfyAdapter:
                 f"{sum(p.numel() for p in unet.parameters()) / 1e6:.1f}M UNet parameters, dtype {unet.dtype}")
 
     # --- encoders (used once, to fill the cache) ---
-    @torch.no_grad()
+    # Training runs in a thread of its own, outside the inference mode ComfyUI executes nodes in. ComfyUI's model
+    # management (loading, partial loading, unloading its models) must still run in inference mode: done in normal
+    # mode it turns the models' inference tensors into tensors without a version counter that are not inference
+    # tensors either, and every later use fails, ComfyUI's own CLIPTextEncode too ("Inference tensors do not track
+    # version counter": H200 server, low-VRAM SDXL, and any re-queue after a cancelled run). What the encoders
+    # return is cloned outside it, into normal tensors training can use.
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.base.process_latent_in(self.vae.encode(pixels).float())
+        with torch.inference_mode():
+            latent = self.base.process_latent_in(self.vae.encode(pixels).float())
+        return latent.clone()
 
-    @torch.no_grad()
     def encode_text(self, caption: str, width: int, height: int) -> dict[str, torch.Tensor]:
-        cond, pooled = self.clip.encode_from_tokens(self.clip.tokenize(caption), return_pooled=True)
-        conds = self.base.extra_conds(cross_attn=cond, pooled_output=pooled, width=width, height=height,
-                                      device=torch.device("cpu"))
-        return {name: c.cond for name, c in conds.items()}
+        with torch.inference_mode():
+            cond, pooled = self.clip.encode_from_tokens(self.clip.tokenize(caption), return_pooled=True)
+            conds = self.base.extra_conds(cross_attn=cond, pooled_output=pooled, width=width, height=height,
+                                          device=torch.device("cpu"))
+        return {name: c.cond.clone() for name, c in conds.items()}
 
     # --- encoder identities (cache keys): computed once per adapter ---
     def image_encoder_id(self) -> str:
@@ -135,15 +148,17 @@ class ComfyAdapter:
         return int(comfy.model_management.extra_reserved_memory())
 
     def release_encoders(self) -> None:
-        comfy.model_management.unload_all_models()
-        comfy.model_management.soft_empty_cache()
+        with torch.inference_mode():  # see encode_image
+            comfy.model_management.unload_all_models()
+            comfy.model_management.soft_empty_cache()
 
     # --- the diffusion model ---
     def training_unet(self) -> torch.nn.Module:
         """A private copy of the diffusion model, in CPU memory until the training session places it (so fp8 and
         streaming are decided before anything lands on the GPU): cloning turns ComfyUI's inference tensors
         (which cannot be saved for backward) into normal ones. LoRAs already patched onto the MODEL are baked in."""
-        comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
+        with torch.inference_mode():  # see encode_image
+            comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
         unet = _plain_copy(self.base.diffusion_model)
         for key, patches in self.patcher.patches.items():
             if key.startswith("diffusion_model."):
@@ -153,21 +168,35 @@ class ComfyAdapter:
         unet.requires_grad_(False)
         return unet
 
-    def checkpoint_blocks(self, unet: torch.nn.Module, depth: str = "per layer") -> list[torch.nn.Module]:
+    def checkpoint_blocks(self, unet: torch.nn.Module, depth: str = "per layer",
+                          latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
         """The units to recompute: every ResBlock, plus every transformer layer ("per layer") or every whole
         SpatialTransformer ("per block"). ComfyUI's UNet runs the layers of its TimestepEmbedSequential blocks
         one by one (forward_timestep_embed), never the block's own forward, so checkpointing must wrap the
         layers. SDXL's deep levels stack 10 transformer layers in one SpatialTransformer: per-layer units keep
         one layer's activations alive during recompute, not ten; per-block units keep fewer inputs (and
-        recompute the norm and projections around the layers too)."""
-        units = []
+        recompute the norm and projections around the layers too). With `latent_size` (height, width), the
+        units come best first for partial checkpointing (checkpointing.most_memory_per_flop_first), each
+        counted at its level's resolution."""
+        units, tokens = [], []
+        size, skip_sizes = latent_size or (1, 1), []  # Downsample rounds odd sizes up; Upsample returns to the skip's
         for block in [*unet.input_blocks, unet.middle_block, *unet.output_blocks]:
             for layer in block:
                 if hasattr(layer, "transformer_blocks"):
-                    units.extend(layer.transformer_blocks if depth == "per layer" else [layer])
+                    found = list(layer.transformer_blocks) if depth == "per layer" else [layer]
                 elif isinstance(layer, TimestepBlock):
-                    units.append(layer)
-        return units
+                    found = [layer]
+                else:
+                    found = []
+                units += found
+                tokens += [size[0] * size[1]] * len(found)
+                resampler = getattr(layer, "h_upd", layer)  # a ResBlock may resample too (resblock_updown)
+                if isinstance(resampler, Downsample):
+                    skip_sizes.append(size)
+                    size = ((size[0] + 1) // 2, (size[1] + 1) // 2)
+                elif isinstance(resampler, Upsample) and skip_sizes:
+                    size = skip_sizes.pop()
+        return units if latent_size is None else most_memory_per_flop_first(units, tokens)
 
     def prepare_compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
         """Makes the training copy ready for torch.compile and returns what compiles, each module on its own:
@@ -250,7 +279,8 @@ class ComfyAdapter:
 
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")
-        comfy.model_management.soft_empty_cache()
+        with torch.inference_mode():
+            comfy.model_management.soft_empty_cache()
 
 
 def base_model_kind(base, model_sampling) -> BaseModelKind:

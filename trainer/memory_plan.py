@@ -9,6 +9,11 @@ import torch
 from .settings import MemorySettings
 
 EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
+# Gradient checkpointing in steps of a fifth of the units, those that free the most memory per recomputed FLOP
+# first (trainer/checkpointing.py): a card that needs only part of the activations gone keeps most of the speed
+# (full checkpointing: ~1.36x an SDXL step). SDXL 1024², by that model: 0.2 frees 31% of the activations for 24%
+# of the recompute, 0.4 49% for 42%, 0.6 69% for 61%, 0.8 88% for 79%.
+CHECKPOINT_SHARES = (0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -35,7 +40,14 @@ def next_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySetti
         mode = "bf16" if bf16_supported(device) else "fp16"
         return replace(memory, mixed_precision=mode), f"mixed precision off -> {mode}"
     if not memory.gradient_checkpointing:
-        return replace(memory, gradient_checkpointing=True), "gradient checkpointing on"
+        share = CHECKPOINT_SHARES[0]
+        return (replace(memory, gradient_checkpointing=True, checkpoint_share=share),
+                f"gradient checkpointing on for {share:.0%} of the blocks")
+    if memory.checkpoint_share < 1:
+        share = next(s for s in CHECKPOINT_SHARES if s > memory.checkpoint_share)
+        return (replace(memory, checkpoint_share=share),
+                f"gradient checkpointing {memory.checkpoint_share:.0%} -> {share:.0%} of the blocks"
+                if share < 1 else "gradient checkpointing on for every block")
     if memory.optimizer in EIGHT_BIT:
         target = EIGHT_BIT[memory.optimizer]
         return (replace(memory, optimizer=target),

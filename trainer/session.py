@@ -14,7 +14,7 @@ import torch
 from .activation_offload import ActivationOffload
 from .allocator import apply_allocator_settings, backend as allocator_backend
 from .cache import CachedSample, batches, collate
-from .checkpointing import checkpoint_blocks, uses_randomness
+from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
@@ -41,7 +41,7 @@ class TrainingSession:
         self.sampling_on_cpu = copy.deepcopy(adapter.model_sampling).to("cpu")
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
-        self.checkpointed = False
+        self.checkpointed = 0.0  # the checkpoint share wrapped so far (units are never unwrapped)
         self.steps_done = 0  # kept by the caller; a rebuilt optimizer's LR schedule resumes from here
         self.restore_allocator = lambda: None
         self.micro_step = self.step = None
@@ -54,17 +54,25 @@ class TrainingSession:
         old, device = self.memory, self.adapter.device
         streamed = "streamed" in memory.base_weights
         random_forward = uses_randomness(self.unet)  # LoRA dropout: recompute must replay it, graphs cannot
-        if streamed and not memory.gradient_checkpointing:
-            memory = replace(memory, gradient_checkpointing=True)  # otherwise every streamed copy stays for backward
-            self.notes.append("streaming needs gradient checkpointing: turned it on")
+        if streamed and not (memory.gradient_checkpointing and memory.checkpoint_share == 1):
+            # otherwise every streamed copy stays for backward
+            memory = replace(memory, gradient_checkpointing=True, checkpoint_share=1.0)
+            self.notes.append("streaming needs every block checkpointed: turned full gradient checkpointing on")
         if memory.compile and self.compiled is None:
             # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
             # and every unit's compiled forward is the same code, shared by units of equal shapes.
             self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet))
-        if memory.gradient_checkpointing and not self.checkpointed:
-            checkpoint_blocks(self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth),
-                              preserve_rng_state=random_forward)
-            self.checkpointed = True
+        if memory.gradient_checkpointing and self.checkpointed < memory.checkpoint_share:
+            # A larger share wraps the next units of the same best-first order (never unwraps, never twice).
+            units = self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth,
+                                                   latent_size=tuple(self._largest_sample().latent.shape[-2:]))
+            count = units_for_share(len(units), memory.checkpoint_share)
+            checkpoint_blocks(units[:count], preserve_rng_state=random_forward)
+            self.checkpointed = memory.checkpoint_share
+            self.notes = [n for n in self.notes if not n.startswith("gradient checkpointing: ")]
+            if count < len(units):
+                self.notes.append(f"gradient checkpointing: {count} of {len(units)} blocks recomputed, those that "
+                                  "free the most activation memory per recomputed FLOP")
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)
             self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
@@ -341,7 +349,8 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
     device, lines = session.adapter.device, []
     while True:
         try:
-            estimate = session.estimate(raise_oom=True)
+            with probes_capped_at(card if isinstance(card, int) else card.usable(), device):
+                estimate = session.estimate(raise_oom=True)
             total = estimate.total
         except Exception as error:
             if not is_out_of_memory(error):
@@ -368,6 +377,23 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
                if total is not None else "the probe ran out of memory")
         session.configure(rung[0])
         lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
+
+
+@contextlib.contextmanager
+def probes_capped_at(budget: int, device: torch.device):
+    """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
+    out of memory at the budget, as it would on the card, instead of taking whatever the GPU has (an 8 GiB card
+    emulated on an H200 peaked at 9.4 GiB device-level in a probe that failed only at the process's own cap)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if device.type != "cuda" or get is None:
+        yield
+        return
+    before, total = get(device), torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(before, max(budget, 1) / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
 
 
 class CardBudget:

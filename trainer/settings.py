@@ -53,6 +53,7 @@ class MemorySettings:
     compile: bool = False
     lora_weights: str = "fp32"
     checkpoint_depth: str = "per layer"
+    checkpoint_share: float = 1.0  # with checkpointing: the fraction of units recomputed (trainer/checkpointing.py)
 
     def __post_init__(self):
         _require_choice(self, "mixed_precision", MIXED_PRECISION)
@@ -67,6 +68,10 @@ class MemorySettings:
         _require(self.lora_weights == "fp32" or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
         _require_choice(self, "checkpoint_depth", CHECKPOINT_DEPTH)
+        share = self.checkpoint_share
+        _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1,
+                 "checkpoint_share", f"got {share!r}; use a fraction above 0 up to 1 (1 = every block recomputed, "
+                 "0.5 = the half that frees the most memory per recompute)")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -75,9 +80,13 @@ class MemorySettings:
     def effective_batch(self) -> int:
         return self.batch_size * self.gradient_accumulation
 
+    @property
+    def _share_text(self) -> str:
+        return f", {self.checkpoint_share:.0%} of the blocks" if self.checkpoint_share < 1 else ""
+
     def describe(self) -> str:
         return (f"precision {self.mixed_precision}, gradient checkpointing "
-                f"{f'on ({self.checkpoint_depth})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
+                f"{f'on ({self.checkpoint_depth}{self._share_text})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
                 f"base weights {self.base_weights}"
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")

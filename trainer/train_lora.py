@@ -229,7 +229,8 @@ def _diverged(step: int, saved: Path | None, lora: LoraSettings, train: TrainSet
     precision = ("use mixed precision bf16 (fp16's range overflows)" if memory.mixed_precision == "fp16" else
                  f"mixed precision 'no' (fp32) if it persists (now {memory.mixed_precision})")
     return LeanLoRAError(
-        f"training diverged: the loss at step {step} was NaN/inf, so training stopped there; {kept}"
+        f"training diverged: at step {step} the loss (or its gradients) turned NaN/inf, so training stopped "
+        f"there; {kept}"
         + (f" ({save_note})" if save_note else "")
         + f". To fix: lower the learning rate (now {train.learning_rate:g}; 1e-4 is a safe start), lower alpha "
         f"relative to rank (alpha {lora.alpha:g} / rank {lora.rank} = scale {lora.alpha / lora.rank:g}; 1 is usual), "

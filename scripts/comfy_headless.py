@@ -103,7 +103,7 @@ class ComfyServer:
         if not link.exists():
             link.symlink_to(REPO, target_is_directory=True)
 
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = 600) -> None:  # ~15 s idle; minutes on a loaded 2-core machine
         self.prepare_base_dir()
         self.port = self.port or free_port()
         cmd = [venv_python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),

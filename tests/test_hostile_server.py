@@ -45,6 +45,7 @@ TWIN = REPO / "workflows" / "api" / "train_then_generate.json"
 CHECKPOINT = "leanlora_tiny_sd15.safetensors"
 MEMORY_LIMIT = 10 * 2**30  # the idle CPU server maps ~5 GiB; training the tiny model adds under 1 GiB
 BASE_IMAGES = 2
+START_TIMEOUT = 600  # ComfyUI starts in ~15 s on 2 idle cores; a loaded CI machine has taken 100 s
 # The message says what to do: one of these verbs (or a rule such as "must be inside").
 FIX_WORDS = re.compile(r"\b(use|set|give|put|add|remove|replace|delete|fix|lower|raise|reduce|increase|pick|choose|"
                        r"rename|free|make|check|try|move|convert|re-?save|type|change|must|should|needs?)\b", re.I)
@@ -143,7 +144,7 @@ def hostile(tmp_path_factory, tiny_assets, request):
     except OSError:
         shutil.copy(tiny_assets["checkpoint"], checkpoints / CHECKPOINT)
     server = ComfyServer(base, memory_limit=MEMORY_LIMIT)
-    server.start()
+    server.start(timeout=START_TIMEOUT)
     # An earlier LoRA of the user's: no case may change it.
     sentinel = base / "models" / "loras" / "users_earlier_lora.safetensors"
     save_file({"lora_unet_x.lora_down.weight": torch.ones(2, 2)}, sentinel, metadata={"ss_network_dim": "2"})
@@ -913,18 +914,44 @@ def test_read_only_loras_folder_fails_before_step_1_or_saves_elsewhere(hostile, 
     expect_error(result, [str(hostile.loras)], before_training=True)
 
 
-def test_full_loras_disk_keeps_the_trained_lora_elsewhere(hostile, invariants, mounts):
+def test_full_loras_disk_before_training_is_a_clear_error(hostile, invariants, mounts):
+    """No room for the LoRA when the run starts: say so before step 1 (nothing is lost yet)."""
     folder = hostile.dataset("fault_full_loras")
-    mounts.tiny(hostile.loras, "16k")  # a 1x1 test LoRA is ~0.4 MB: it cannot fit
+    mounts.tiny(hostile.loras, "16k")  # the test LoRA is ~0.4 MB: it cannot fit
     result = run(hostile, "full_loras_disk", train_prompt(folder.name, "fault_full_loras", steps=2))
+    expect_error(result, [str(hostile.loras)], before_training=True)
+
+
+def test_disk_filling_up_during_training_keeps_the_lora_elsewhere(hostile, invariants, mounts):
+    """Room at the start, none at the end: the trained LoRA is saved to the output folder and the run says where."""
+    folder = hostile.dataset("fault_fills_loras")
+    mounts.tiny(hostile.loras, "2m")
+    stem = "fault_fills_loras"
+    result = Result("disk_fills_during_training")
+    log_start = len(hostile.server.log_text())
+    result.prompt_id = queue(hostile.server, train_prompt(folder.name, stem, steps=40))
+    deadline = time.monotonic() + 300
+    while "LeanLoRA step 1/40" not in hostile.server.log_text()[log_start:]:
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.05)
+    with open(hostile.loras / "filler.bin", "wb") as filler:  # another program fills the disk
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError:
+            pass
+    finish(hostile.server, result)
     text = result.report + result.message
-    saved = [p for p in (hostile.base / "output").rglob("fault_full_loras*.safetensors")]
+    saved = [p for p in (hostile.base / "output").rglob(f"{stem}*.safetensors")]
+    if "LeanLoRA step 40/40" not in hostile.server.log_text()[log_start:]:
+        return record(result.case, "other failure", f"the disk filled before the run ended: {text[:300]}")
     if not saved:
         outcome = "traceback without a name" if str(hostile.loras) not in text else "other failure"
-        return record("full_loras_disk", outcome, f"nothing saved anywhere; {text[:400]}")
+        return record(result.case, outcome, f"finished work thrown away, nothing saved anywhere; {text[:400]}")
     if not any(p.name in text for p in saved) or not all_finite(saved[0]):
-        return record("full_loras_disk", "silent wrong result", f"saved {saved} but not said where: {text[:300]}")
-    record("full_loras_disk", "correct result")
+        return record(result.case, "silent wrong result", f"saved {saved} but not said where: {text[:300]}")
+    record(result.case, "correct result")
 
 
 @pytest.mark.parametrize("fault", ["read_only", "full", "a_file"])
@@ -1088,7 +1115,7 @@ def test_kill_9_mid_training_then_a_fresh_server_trains_the_same_prompt(tmp_path
     shutil.copytree(tiny_assets["dataset"], base / "input" / "kill_ds")
     prompt = train_prompt("kill_ds", "killed_run", steps=100000)
     server = ComfyServer(base, memory_limit=MEMORY_LIMIT)
-    server.start()
+    server.start(timeout=START_TIMEOUT)
     try:
         log_start = len(server.log_text())
         queue(server, prompt)
@@ -1106,11 +1133,14 @@ def test_kill_9_mid_training_then_a_fresh_server_trains_the_same_prompt(tmp_path
         with safe_open(str(path), "pt") as f:
             list(f.keys())
     fresh = ComfyServer(base, memory_limit=MEMORY_LIMIT)
-    with fresh:
+    fresh.start(timeout=START_TIMEOUT)
+    try:
         prompt["5"]["inputs"]["steps"] = 3
         result = Result("kill_9_then_requeue", prompt_id=queue(fresh, prompt))
         finish(fresh, result)
         assert requests.get(f"{fresh.url}/system_stats", timeout=10).ok
+    finally:
+        fresh.stop()
 
     def check(r):
         path = loras / r.lora_name

@@ -129,7 +129,11 @@ def resolve_folder(folder: str, input_dir: str | Path) -> Path:
     if not text:
         raise LeanLoRAError(f"folder is empty; give a folder name inside ComfyUI's input folder ({input_dir}) "
                             "or an absolute path")
-    path = Path(text).expanduser()
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError as error:  # "~name" of a user this machine does not know
+        raise LeanLoRAError(f"folder {text!r}: {error}; give an absolute path or a folder name inside ComfyUI's "
+                            f"input folder ({input_dir})") from None
     if path.is_absolute():
         return path
     inside = Path(os.path.normpath(input_dir / path))
@@ -323,7 +327,10 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
                 buckets: bool = False) -> Dataset:
     """Finds images and their captions: `<image>.txt` next to the image wins, then `metadata.csv`; a caption
     whose name differs from its image's only in case is matched when that is unambiguous."""
-    folder = Path(folder).expanduser()
+    try:
+        folder = Path(folder).expanduser()
+    except RuntimeError as error:
+        raise LeanLoRAError(f"dataset folder {folder}: {error}; give an absolute path") from None
     if not folder.is_dir():
         raise LeanLoRAError(f"dataset folder {folder} does not exist or is not a folder; give an absolute path "
                             "or a folder name inside ComfyUI's input folder")
@@ -332,10 +339,13 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
     notes: list[tuple[str, str]] = []
     csv_captions = _read_caption_csv(folder, notes)
     try:
-        files = sorted(p for p in folder.iterdir() if p.is_file())
+        entries = sorted(folder.iterdir())
     except OSError as error:
         raise LeanLoRAError(f"dataset folder {folder} cannot be listed ({error.strerror or error}); fix its "
                             "permissions") from error
+    files = [p for p in entries if p.is_file()]
+    # a link to nothing (or to what cannot be read) is not silently dropped: it is listed with its reason
+    broken = [(p.name, "a link to a file that does not exist") for p in entries if p.is_symlink() and not p.exists()]
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
     folded_image_count: dict[str, int] = {}
     for p in images:
@@ -348,7 +358,7 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
                                 "later); close it on its own line, and write a quote inside a caption as \"\"")
 
     trigger = trigger_word.strip()
-    samples, skipped = [], []
+    samples, skipped = [], list(broken)
     used_sidecars, used_rows = set(), set()
     own_sidecars, own_names = {f"{p.stem}.txt" for p in images}, {p.name for p in images}
     for path in files:

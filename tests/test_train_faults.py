@@ -416,4 +416,5 @@ def test_a_disk_cache_that_fills_up_while_caching_warns_and_trains_in_ram(adapte
     monkeypatch.setattr(files, "save_file", full_disk)
     outcome = _train(adapter, dataset, tmp_path / "loras", steps=1, store=LatentTextStore(cache, ram=RamCache(2 ** 20)))
     assert outcome.lora_path.is_file()
-    assert "latent cache on disk off for this run: could not write" in outcome.report and "No space left" in outcome.report
+    assert "latent cache on disk off for this run: latent cache folder" in outcome.report
+    assert "cannot be written" in outcome.report and "No space left" in outcome.report

@@ -54,7 +54,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         try:
             check_writable(store.folder, 0, "latent cache folder")
         except LeanLoRAError as error:  # the disk layer is optional: warn and cache in RAM only
-            store.disk_problem, store.folder = f"latent cache on disk off for this run, cached in RAM only: {error}", None
+            store.disk_problem, store.folder = str(error), None
     memory, device_notes = resolve_for_device(memory, device)
     # an unusable attention backend fails here, before any encoding
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
@@ -76,6 +76,10 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     except cancel_errors as cancel:
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
     report.append(stats.describe())
+    if store is not None and store.disk_problem:  # the disk layer is optional: training goes on from RAM
+        note = f"WARNING: latent cache on disk off for this run: {store.disk_problem}; cached in RAM only"
+        report.append(note)
+        emit(kind="phase", text=note)
     adapter.release_encoders()
     if should_stop():
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved")

@@ -3,6 +3,7 @@ reason, or a clear error naming the file and line; one bad file never stops the 
 import os
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -394,7 +395,9 @@ def test_server_retrains_with_an_edited_caption(comfy_server):
     """The same Train prompt after a caption edit trains again with the new text (not ComfyUI's old result)."""
     from test_comfy_e2e import training_prompt
     import tiny_assets
-    tiny_assets.build_tiny_dataset(comfy_server.base_dir / "input" / "recaption_dataset", n=3)
+    folder = tiny_assets.build_tiny_dataset(comfy_server.base_dir / "input" / "recaption_dataset", n=3)
+    for caption in sorted(Path(folder).glob("*.txt")):  # captions no earlier test in this server has cached
+        caption.write_text(f"recaption test, {caption.stem}")
     prompt = training_prompt(folder="recaption_dataset", steps=2, output_name="recaption")
     prompt["3"]["inputs"]["latent_cache"] = "RAM"
     first = _run_ok(comfy_server, prompt)["outputs"]["17"]["text"][0]

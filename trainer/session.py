@@ -19,7 +19,7 @@ from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
 from . import frozen_weights
-from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
+from .frozen_weights import park_frozen_on_cpu, place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
 from .memory_plan import next_rung
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
@@ -81,10 +81,14 @@ class TrainingSession:
                 note = self.adapter.set_conv_layout(self.unet, device, self.precision.compute_dtype)
                 if note:
                     self.notes.append(note)
-        if memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded"):
+        to_fp8 = memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded")
+        to_stream = streamed and (old is None or "streamed" not in old.base_weights)
+        if (to_fp8 or to_stream) and device.type == "cuda":
+            park_frozen_on_cpu(self.unet)
+        if to_fp8:
             saved = store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
-        if streamed and (old is None or "streamed" not in old.base_weights):
+        if to_stream:
             moved = stream_weights_from_cpu(self.unet)
             self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
@@ -131,7 +135,10 @@ class TrainingSession:
         if card is not None:
             self.notes.append(f"auto-fit: {memory.auto_fit} = a {card.card / GIB:.2f} GiB card; "
                               f"{CardBudget.outside_torch(self.adapter.device) / GIB:.2f} GiB of it is held outside "
-                              f"PyTorch (CUDA context, libraries), {budget / GIB:.2f} GiB left for training")
+                              f"PyTorch (CUDA context, libraries)"
+                              + (f", {card.pool_slack / GIB:.2f} GiB is kept for cudaMallocAsync's pool chunks"
+                                 if card.pool_slack else "")
+                              + f"; {budget / GIB:.2f} GiB left for training")
         if budget is None:
             self.configure(memory)
             lines = self.compile_now()
@@ -418,8 +425,14 @@ class CardBudget:
     outside PyTorch's allocator (the CUDA context, library kernels loaded on first use, other programs on the card)
     comes off it, measured again whenever asked (probe steps load more kernels)."""
 
+    # cudaMallocAsync caps what PyTorch has handed out (set_per_process_memory_fraction counts used bytes), but the
+    # driver's pool holds whole chunks around them: probes stopped at the cap peaked 0.094-0.098 GiB above it on
+    # every emulated card from 2 to 8 GiB (NVML, H200). PyTorch's native allocator caps its reserved segments.
+    ASYNC_POOL_SLACK = 160 * 2 ** 20
+
     def __init__(self, card: int, device: torch.device):
         self.card, self.device = card, device
+        self.pool_slack = self.ASYNC_POOL_SLACK if allocator_backend() == "cudaMallocAsync" else 0
 
     @staticmethod
     def outside_torch(device: torch.device) -> int:
@@ -429,7 +442,7 @@ class CardBudget:
 
     def usable(self) -> int:
         """Bytes training's own allocations (the estimate's total) may take now."""
-        return max(0, self.card - self.outside_torch(self.device))
+        return max(0, self.card - self.outside_torch(self.device) - self.pool_slack)
 
 
 def card_budget(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:

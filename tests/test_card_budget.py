@@ -94,3 +94,25 @@ def test_static_planning_leaves_checkpointing_to_the_probes(card):
     assert planned.base_weights == "fp8", lines
     assert not planned.gradient_checkpointing, lines
     assert not any("checkpointing" in line for line in lines), lines
+
+
+def test_probes_are_capped_and_uncapped_where_pytorch_cannot_tell_the_cap(monkeypatch):
+    # ComfyUI 0.33 (comfy-aimdo) makes the getter read 122888273.8 on an H200 whatever was set; setting that back
+    # raised "Invalid fraction value" and failed every auto-fit run there.
+    caps = []
+
+    def set_fraction(fraction, device=None):
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        caps.append(fraction)
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 122888273.80573021)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 141 * GIB}))
+    with session_module.probes_capped_at(4 * GIB, CUDA):
+        assert caps == [pytest.approx(4 / 141)]
+    assert caps[-1] == 1.0
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 8 / 141)
+    with session_module.probes_capped_at(4 * GIB, CUDA):
+        pass
+    assert caps[-2:] == [pytest.approx(4 / 141), pytest.approx(8 / 141)]  # a known cap is put back

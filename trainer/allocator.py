@@ -32,6 +32,17 @@ def backend() -> str:
         return "none"
 
 
+def memory_fraction(device: torch.device) -> float | None:
+    """This process's cap (set_per_process_memory_fraction) on `device`, None where PyTorch cannot tell: under
+    ComfyUI 0.33 (comfy-aimdo hooks the driver's memory queries) the getter read 122888273.8 on an H200, whatever
+    cap was set, and setting that value back raised."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get is None:
+        return None
+    fraction = get(device)
+    return fraction if 0.0 < fraction <= 1.0 else None
+
+
 def compiled_kernels_blocked() -> bool:
     """Whether torch.compile's Triton kernels must not run here: inside a CUDA-graph capture under cudaMallocAsync.
     There memory allocated during the capture has no mapping until the graph is launched, and Triton's launcher

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from .activation_offload import ActivationOffload
-from .allocator import backend as allocator_backend, compiled_kernels_blocked
+from .allocator import backend as allocator_backend, compiled_kernels_blocked, memory_fraction
 from .errors import is_compile_error, is_out_of_memory, one_line
 from .precision import Precision
 from .vram import device_memory_bytes
@@ -75,8 +75,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _memory_limit(device: torch.device, budget: int | None) -> int | None:
     """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
     limits = [budget] if budget else []
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
-    if fraction < 1.0:
+    fraction = memory_fraction(device)
+    if fraction is not None and fraction < 1.0:
         limits.append(int(fraction * torch.cuda.get_device_properties(device).total_memory))
     return min(limits) if limits else None
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from .activation_offload import ActivationOffload
-from .allocator import apply_allocator_settings, backend as allocator_backend
+from .allocator import apply_allocator_settings, backend as allocator_backend, memory_fraction
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
@@ -407,11 +407,13 @@ def probes_capped_at(budget: int, device: torch.device):
     """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
     out of memory at the budget, as it would on the card, instead of taking whatever the GPU has (an 8 GiB card
     emulated on an H200 peaked at 9.4 GiB device-level in a probe that failed only at the process's own cap)."""
-    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if device.type != "cuda" or get is None:
+    if device.type != "cuda" or not hasattr(torch.cuda, "get_per_process_memory_fraction"):
         yield
         return
-    before, total = get(device), torch.cuda.get_device_properties(device).total_memory
+    # Where PyTorch cannot tell the cap (ComfyUI 0.33), none is assumed: the probes are capped all the same and
+    # the process is left uncapped after them, as an unemulated card is.
+    before = memory_fraction(device) or 1.0
+    total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(before, max(budget, 1) / total), device)
     try:
         yield

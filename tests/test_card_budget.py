@@ -24,10 +24,15 @@ def card(monkeypatch):
     return state
 
 
+MARGIN = session_module.CardBudget.MARGIN
+
+
 def test_a_card_of_n_gib_leaves_training_what_the_cuda_context_does_not_hold(card):
-    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB)
+    # and a margin: probes stopped at the cap peaked 0.07-0.1 GiB above 2-8 GiB cards (NVML, H200)
+    assert int(0.1 * GIB) <= MARGIN <= int(0.25 * GIB)
+    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
     card["torch_reserved"] = 2 * GIB  # what PyTorch holds is the run's own to plan, not the context's
-    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB)
+    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
 
 
 def test_the_budget_is_measured_again_as_libraries_load(card):
@@ -37,19 +42,9 @@ def test_the_budget_is_measured_again_as_libraries_load(card):
     assert budget.usable() == before - int(0.3 * GIB)
 
 
-def test_under_cudamallocasync_the_pools_chunks_come_off_the_budget(card, monkeypatch):
-    # The fraction cap counts the bytes PyTorch handed out; the driver's pool holds whole chunks around them (probes
-    # stopped at the cap peaked ~0.1 GiB above the card, NVML, on 2-8 GiB emulated cards).
-    native = session_module.budget_bytes("4 GiB", CUDA)
-    monkeypatch.setattr(session_module, "allocator_backend", lambda: "cudaMallocAsync")
-    slack = session_module.CardBudget.ASYNC_POOL_SLACK
-    assert slack >= int(0.1 * GIB)
-    assert session_module.budget_bytes("4 GiB", CUDA) == native - slack
-
-
 def test_free_vram_is_the_card_less_comfyuis_reserve_and_what_is_held_outside_pytorch(card):
     reserve = 137 * GIB  # ComfyUI started with --reserve-vram 137 on a 141 GiB card: a 4 GiB card
-    assert session_module.budget_bytes("free VRAM", CUDA, comfy_reserve=reserve) == 4 * GIB - int(0.6 * GIB)
+    assert session_module.budget_bytes("free VRAM", CUDA, comfy_reserve=reserve) == 4 * GIB - int(0.6 * GIB) - MARGIN
     assert session_module.budget_bytes("off", CUDA) is None
     assert session_module.budget_bytes("4 GiB", torch.device("cpu")) is None
 
@@ -116,3 +111,13 @@ def test_probes_are_capped_and_uncapped_where_pytorch_cannot_tell_the_cap(monkey
     with session_module.probes_capped_at(4 * GIB, CUDA):
         pass
     assert caps[-2:] == [pytest.approx(4 / 141), pytest.approx(8 / 141)]  # a known cap is put back
+
+
+def test_streamed_weights_are_never_graphed_under_cudamallocasync():
+    # A captured streamed step aborted a ComfyUI server (SD1.5, auto-fit 2 GiB, H200): the error was raised in
+    # autograd's own thread, where nothing can catch it. The native allocator keeps graphed streaming.
+    reason = session_module.graphs_incompatible(False, True, "cudaMallocAsync")
+    assert reason and "--disable-cuda-malloc" in reason
+    assert session_module.graphs_incompatible(False, True, "native") is None
+    assert session_module.graphs_incompatible(False, False, "cudaMallocAsync") is None
+    assert "dropout" in session_module.graphs_incompatible(True, False, "native")

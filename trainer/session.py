@@ -118,7 +118,7 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=getattr(self.adapter, "cancel_errors", ()),
-            incompatible="LoRA dropout draws random numbers inside the step" if random_forward else None,
+            incompatible=graphs_incompatible(random_forward, streamed, allocator_backend()),
             offload=ActivationOffload() if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -135,10 +135,8 @@ class TrainingSession:
         if card is not None:
             self.notes.append(f"auto-fit: {memory.auto_fit} = a {card.card / GIB:.2f} GiB card; "
                               f"{CardBudget.outside_torch(self.adapter.device) / GIB:.2f} GiB of it is held outside "
-                              f"PyTorch (CUDA context, libraries)"
-                              + (f", {card.pool_slack / GIB:.2f} GiB is kept for cudaMallocAsync's pool chunks"
-                                 if card.pool_slack else "")
-                              + f"; {budget / GIB:.2f} GiB left for training")
+                              f"PyTorch (CUDA context, libraries), {card.MARGIN / GIB:.2f} GiB kept free for "
+                              f"allocator rounding; {budget / GIB:.2f} GiB left for training")
         if budget is None:
             self.configure(memory)
             lines = self.compile_now()
@@ -402,6 +400,19 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
         lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
 
 
+def graphs_incompatible(random_forward: bool, streamed: bool, allocator: str) -> str | None:
+    """Why this run's steps cannot be CUDA graphs, None when they can."""
+    if random_forward:
+        return "LoRA dropout draws random numbers inside the step"
+    if streamed and allocator == "cudaMallocAsync":
+        # The capture failed inside autograd's own thread, where the error cannot be caught, and the process
+        # aborted (SD1.5 auto-fit 2 GiB, fp8 streamed + activation offload, ComfyUI 0.3.75, H200, 1 Dec 2026).
+        return ("frozen weights are streamed under ComfyUI's default cudaMallocAsync allocator, where a captured "
+                "streamed step aborted a ComfyUI server; start ComfyUI with --disable-cuda-malloc for graphed "
+                "streaming")
+    return None
+
+
 @contextlib.contextmanager
 def probes_capped_at(budget: int, device: torch.device):
     """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
@@ -427,14 +438,14 @@ class CardBudget:
     outside PyTorch's allocator (the CUDA context, library kernels loaded on first use, other programs on the card)
     comes off it, measured again whenever asked (probe steps load more kernels)."""
 
-    # cudaMallocAsync caps what PyTorch has handed out (set_per_process_memory_fraction counts used bytes), but the
-    # driver's pool holds whole chunks around them: probes stopped at the cap peaked 0.094-0.098 GiB above it on
-    # every emulated card from 2 to 8 GiB (NVML, H200). PyTorch's native allocator caps its reserved segments.
-    ASYNC_POOL_SLACK = 160 * 2 ** 20
+    # Kept free beyond what is measured: probes stopped at the cap still peaked above the card, NVML, H200 (1 Dec
+    # 2026): 0.094-0.098 GiB under cudaMallocAsync on 2-8 GiB cards (its fraction cap counts the bytes PyTorch
+    # handed out, the driver's pool holds whole chunks around them), 0.07 GiB under the native allocator on 6 GiB
+    # (library workspaces a probe step loads on first use, after the budget was measured).
+    MARGIN = 160 * 2 ** 20
 
     def __init__(self, card: int, device: torch.device):
         self.card, self.device = card, device
-        self.pool_slack = self.ASYNC_POOL_SLACK if allocator_backend() == "cudaMallocAsync" else 0
 
     @staticmethod
     def outside_torch(device: torch.device) -> int:
@@ -444,7 +455,7 @@ class CardBudget:
 
     def usable(self) -> int:
         """Bytes training's own allocations (the estimate's total) may take now."""
-        return max(0, self.card - self.outside_torch(self.device) - self.pool_slack)
+        return max(0, self.card - self.outside_torch(self.device) - self.MARGIN)
 
 
 def card_budget(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:

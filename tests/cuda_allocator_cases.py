@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from helpers import TinyNet  # noqa: E402
 from trainer.activation_offload import ActivationOffload  # noqa: E402
-from trainer.fast_path import BatchStep, EagerMicroStep, GraphedMicroStep, allocator_backend  # noqa: E402
+from trainer.fast_path import BatchStep, EagerMicroStep, GraphedMicroStep, allocator_backend, compile_blocks  # noqa: E402
 from trainer.loop import train_loop  # noqa: E402
 from trainer.lora import inject_lora  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
@@ -24,14 +24,16 @@ from trainer.settings import LoraSettings  # noqa: E402
 DEVICE = torch.device("cuda")
 
 
-def _net(compiled_part: bool = False):
+def _net(compiled_part: str | None = None):
     torch.manual_seed(0)
     net = TinyNet(dim=64).to(DEVICE)
     params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0)
     for p in params:
         p.data.normal_(0, 0.05)
-    if compiled_part:  # a torch.compile'd function inside the step, as fp8 upcasts and compiled blocks are
-        block = net.input_blocks[1]["attn1"]
+    block = net.input_blocks[1]["attn1"]
+    if compiled_part == "blocks":  # the trainer's compiled blocks (the fp8 upcast is guarded the same way)
+        compile_blocks([block])
+    elif compiled_part == "raw":  # a plain torch.compile'd function inside the step
         block.forward = torch.compile(block.forward, dynamic=False)
     return net, params
 
@@ -44,7 +46,7 @@ def _batches(shapes, count, seed=1):
         yield {"x": x.to(DEVICE), "y": torch.tanh(x).to(DEVICE)}
 
 
-def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=False, precision_mode="bf16",
+def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
            optimizer_name="AdamW", fail_capture=False):
     net, params = _net(compiled_part)
     precision = Precision(precision_mode, DEVICE)
@@ -67,10 +69,14 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=Fals
     return result.losses, weights, micro
 
 
-def _same_as_eager(**kwargs):
+def _same_as_eager(graphs_fail: str | None = None, **kwargs):
+    """graphs_fail: the reason expected where capture cannot work (steps then run eagerly, named)."""
     eager_losses, eager_weights, _ = _train(False, **kwargs)
     losses, weights, micro = _train(True, **kwargs)
-    assert micro.disabled is None, micro.notes
+    if graphs_fail:
+        assert micro.disabled and graphs_fail in micro.disabled, micro.notes
+    else:
+        assert micro.disabled is None, micro.notes
     for a, b in zip(losses, eager_losses):
         assert abs(a - b) <= 2e-2 * abs(b) + 1e-6, (losses, eager_losses)
     for a, b in zip(weights, eager_weights):
@@ -114,7 +120,16 @@ def with_offload():
 
 
 def with_compiled_code():
-    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, compiled_part=True)
+    """The trainer's compiled blocks capture their eager forms under cudaMallocAsync: graphs stay on."""
+    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, compiled_part="blocks")
+
+
+def with_raw_compiled_code():
+    """Triton kernels cannot be captured under cudaMallocAsync (CUDA driver error: invalid argument, H200, torch
+    2.11): a compiled function the trainer does not guard makes the capture fail, and the steps run eagerly."""
+    async_allocator = allocator_backend() == "cudaMallocAsync"
+    _same_as_eager(graphs_fail="invalid argument" if async_allocator else None,
+                   shapes=((2, 8), (1, 12)), steps=6, compiled_part="raw")
 
 
 def with_8bit_optimizer():
@@ -133,7 +148,8 @@ def failed_capture():
 
 
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
-                                     with_offload, with_compiled_code, with_8bit_optimizer, fp16_loss_scaling,
+                                     with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
+                                     fp16_loss_scaling,
                                      failed_capture)}
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 CASES = Path(__file__).with_name("cuda_allocator_cases.py")
 ALLOCATORS = {"native": "backend:native", "cudaMallocAsync": "backend:cudaMallocAsync"}
 SCENARIOS = ["shape_captured_last_never_replayed", "rebuilt_mid_run", "with_offload", "with_compiled_code",
-             "with_8bit_optimizer", "fp16_loss_scaling", "failed_capture"]
+             "with_raw_compiled_code", "with_8bit_optimizer", "fp16_loss_scaling", "failed_capture"]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")
 

@@ -19,7 +19,8 @@ from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
 from . import frozen_weights
-from .frozen_weights import park_frozen_on_cpu, place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
+from .frozen_weights import (park_frozen_on_cpu, place_on_device, projected_weight_bytes, store_weights_fp8,
+                             stream_weights_from_cpu)
 from .memory_plan import next_rung
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes

@@ -126,7 +126,7 @@ def presets() -> dict:
     base = {"fast": M("bf16", False, 1, 1, "AdamW"),
             "balanced": M("bf16", True, 1, 1, "AdamW"),
             "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True),
-            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU", activation_offload=True)}
+            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8_streamed", activation_offload=True)}
     # the lean preset's parts one at a time, to show what each costs
     parts = {"gc+fp8": M("bf16", True, 1, 1, "AdamW", "fp8"), "gc+8bit": M("bf16", True, 1, 1, "AdamW8bit"),
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
@@ -135,7 +135,7 @@ def presets() -> dict:
              # compile experiments (bench only, see COMPILE_VARIANTS): fast+compile-<variant>, lean+compile-<variant>
              **{f"{preset}+compile-{variant}": replace(base[preset], compile=True)
                 for preset in ("fast", "lean") for variant in COMPILE_VARIANTS},
-             "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
+             "lean+bf16w": replace(base["lean"], lora_weights="bf16_stochastic_rounding"),
              "lean+compile": replace(base["lean"], compile=True),
              "balanced+compile": replace(base["balanced"], compile=True),
              # lean's parts compiled: what each costs at equal (compiled) settings
@@ -239,12 +239,13 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.loop import train_loop
+    from trainer.settings import AutoFit
     from trainer.train_lora import LOSS_READ_EVERY
 
     device = work.device
     memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
     if preset == "autofit":
-        memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
+        memory = replace(memory, auto_fit=AutoFit(card_gib=cap_gib))
     _forget_graphs_compiled_otherwise(memory.compile)
     session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
                                                           compile_variant=_compile_variant(preset),

@@ -11,7 +11,7 @@ from ..trainer.comfy_adapter import ComfyAdapter, apply_lora
 from ..trainer.errors import TrainingCancelled
 from ..trainer.jobs import JOBS, Job
 from ..trainer.plot import loss_chart
-from ..trainer.settings import LR_SCHEDULES, TrainSettings
+from ..trainer.settings import LR_SCHEDULES, LatentCache, TrainSettings
 from ..trainer.train_lora import train_lora
 from .common import CATEGORY, pil_to_image
 
@@ -73,10 +73,10 @@ def wait_for(job: Job, total: int):
     return job.result
 
 
-def latent_store(choice: str) -> LatentTextStore | None:
-    if choice == "off":
+def latent_store(choice: LatentCache) -> LatentTextStore | None:
+    if choice is LatentCache.OFF:
         return None
-    if choice == "RAM + disk":  # a folder that cannot be written is reported and skipped by train_lora
+    if choice is LatentCache.RAM_AND_DISK:  # a folder that cannot be written is reported and skipped by train_lora
         return LatentTextStore(Path(folder_paths.models_dir) / "leanlora_cache")
     return LatentTextStore()
 

@@ -9,7 +9,7 @@ from trainer.loop import train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import build_optimizer
 from trainer.precision import Precision
-from trainer.settings import LoraSettings
+from trainer.settings import FastPath, LoraSettings
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")
 
@@ -46,13 +46,13 @@ def _train(device, graphed: bool, precision_mode="no", optimizer_name="AdamW", a
 
 
 def test_cpu_falls_back_to_the_eager_step():
-    micro, note = build_micro_step("CUDA graphs", lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
+    micro, note = build_micro_step(FastPath.CUDA_GRAPHS, lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
                                    torch.device("cpu"))
     assert type(micro) is EagerMicroStep and "need an NVIDIA GPU" in note
 
 
 def test_incompatible_settings_say_why():
-    micro, note = build_micro_step("CUDA graphs", lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
+    micro, note = build_micro_step(FastPath.CUDA_GRAPHS, lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
                                    torch.device("cuda"), incompatible="LoRA dropout draws random numbers")
     assert type(micro) is EagerMicroStep and "LoRA dropout" in note
 

@@ -14,7 +14,7 @@ from trainer.jobs import JobManager
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.loop import train_loop
 from trainer.precision import Precision
-from trainer.settings import LoraSettings, MemorySettings, TrainSettings
+from trainer.settings import BaseWeights, LoraSettings, MemorySettings, TrainSettings
 
 from helpers import TinyNet
 
@@ -303,7 +303,7 @@ def test_memory_ladder_order_keeps_effective_batch():
         assert memory.effective_batch == 8
     assert [s[0] for s in steps] == ["batch", "mixed", *["gradient"] * 5, "optimizer", "frozen"]
     assert (memory.batch_size, memory.mixed_precision, memory.gradient_checkpointing, memory.optimizer,
-            memory.base_weights) == (1, "bf16", True, "AdamW8bit", "fp8")
+            memory.base_weights) == (1, "bf16", True, "AdamW8bit", BaseWeights.FP8)
 
 
 def test_memory_ladder_on_cuda_ends_with_offload_then_streaming():
@@ -312,7 +312,7 @@ def test_memory_ladder_on_cuda_ends_with_offload_then_streaming():
     memory, first = next_rung(memory, torch.device("cuda"))
     assert memory.activation_offload and first.startswith("activations")
     memory, second = next_rung(memory, torch.device("cuda"))
-    assert memory.base_weights == "fp8 streamed from CPU" and "streamed" in second
+    assert memory.base_weights is BaseWeights.FP8_STREAMED and "streamed" in second
     assert next_rung(memory, torch.device("cuda")) is None
 
 

@@ -31,6 +31,7 @@ from .activation_offload import ActivationOffload
 from .allocator import backend as allocator_backend, compiled_kernels_blocked
 from .errors import is_compile_error, is_out_of_memory, one_line
 from .precision import Precision
+from .settings import FastPath
 from .vram import device_memory_bytes
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
@@ -298,13 +299,13 @@ class BatchStep:
         self.micro_step.zero_grad(optimizer)
 
 
-def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Precision,
+def build_micro_step(fast_path: FastPath, compute_loss: ComputeLoss, precision: Precision,
                      params: list[torch.nn.Parameter], device: torch.device,
                      passthrough_errors: tuple[type[BaseException], ...] = (),
                      incompatible: str | None = None,
                      offload: ActivationOffload | None = None) -> tuple[EagerMicroStep, str | None]:
     """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
-    if fast_path == "off":
+    if fast_path is FastPath.OFF:
         return EagerMicroStep(compute_loss, precision, offload), None
     if device.type != "cuda":
         return EagerMicroStep(compute_loss, precision, offload), \

@@ -17,6 +17,7 @@ from .allocator import compiled_kernels_blocked
 from .errors import is_compile_error, is_out_of_memory, one_line
 from .layer_patch import mix_into
 from .layout import is_channels_last
+from .settings import BaseWeights
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -196,9 +197,9 @@ def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
             tensor.data = tensor.data.to(device)
 
 
-def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: str) -> int:
+def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: BaseWeights) -> int:
     """Device bytes the frozen weights will take under `base_weights`, before any conversion is made."""
-    streamed, fp8 = "streamed" in base_weights, base_weights != "as loaded"
+    streamed, fp8 = base_weights.streamed, base_weights.fp8
     total = 0
     for layer in module.modules():
         castable = hasattr(layer, "comfy_cast_weights")

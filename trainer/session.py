@@ -24,7 +24,7 @@ from .memory_plan import next_rung
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
-from .settings import MemorySettings, TrainSettings
+from .settings import AutoFit, LoraWeights, MemorySettings, TrainSettings
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
@@ -52,7 +52,7 @@ class TrainingSession:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
         rung saves more), which is all that first configuration, OOM recovery and auto-fit need."""
         old, device = self.memory, self.adapter.device
-        streamed = "streamed" in memory.base_weights
+        streamed = memory.base_weights.streamed
         random_forward = uses_randomness(self.unet)  # LoRA dropout: recompute must replay it, graphs cannot
         if streamed and not (memory.gradient_checkpointing and memory.checkpoint_share == 1):
             # otherwise every streamed copy stays for backward
@@ -81,10 +81,10 @@ class TrainingSession:
                 note = self.adapter.set_conv_layout(self.unet, device, self.precision.compute_dtype)
                 if note:
                     self.notes.append(note)
-        if memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded"):
+        if memory.base_weights.fp8 and (old is None or not old.base_weights.fp8):
             saved = store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
-        if streamed and (old is None or "streamed" not in old.base_weights):
+        if streamed and (old is None or not old.base_weights.streamed):
             moved = stream_weights_from_cpu(self.unet)
             self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
@@ -92,7 +92,7 @@ class TrainingSession:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
                                                    device=device, flat=True,
-                                                   bf16_weights=memory.lora_weights != "fp32")
+                                                   bf16_weights=memory.lora_weights is not LoraWeights.FP32)
             self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
                                                  self.train.steps, self.steps_done)
             if note:
@@ -129,7 +129,7 @@ class TrainingSession:
         card = card_budget(memory.auto_fit, self.adapter.device, self.comfy_reserve())
         budget = None if card is None else card.usable()
         if card is not None:
-            self.notes.append(f"auto-fit: {memory.auto_fit} = a {card.card / GIB:.2f} GiB card; "
+            self.notes.append(f"auto-fit: {memory.auto_fit.describe()} = a {card.card / GIB:.2f} GiB card; "
                               f"{CardBudget.outside_torch(self.adapter.device) / GIB:.2f} GiB of it is held outside "
                               f"PyTorch (CUDA context, libraries), {budget / GIB:.2f} GiB left for training")
         if budget is None:
@@ -288,7 +288,7 @@ class TrainingSession:
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
             (self.compiled.report() if self.compiled is not None else [])
-        if frozen_weights.fused_dequantize_failure and self.memory.base_weights != "as loaded":
+        if frozen_weights.fused_dequantize_failure and self.memory.base_weights.fp8:
             extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
                          f"({frozen_weights.fused_dequantize_failure}); upcasts run as two eager kernels (slower)")
         graphs = len(getattr(self.micro_step, "graphs", {}))
@@ -296,7 +296,7 @@ class TrainingSession:
             extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
                          "(one per batch shape)")
             compiled = [what for what, used in (("the compiled blocks", self.is_compiled),
-                                                 ("the fp8 upcasts", self.memory.base_weights != "as loaded")) if used]
+                                                 ("the fp8 upcasts", self.memory.base_weights.fp8)) if used]
             if compiled and allocator_backend() == "cudaMallocAsync":
                 extra.append(f"fast path: inside the CUDA graphs {' and '.join(compiled)} run uncompiled: under "
                              "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "
@@ -432,18 +432,18 @@ class CardBudget:
         return max(0, self.card - self.outside_torch(self.device))
 
 
-def card_budget(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
-    """The budget an auto_fit setting names ('N GiB' or 'free VRAM'), None when off or not on CUDA.
+def card_budget(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
+    """The budget an auto_fit setting names (a card size or the free VRAM), None when off or not on CUDA.
     comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
-    if auto_fit == "off" or device.type != "cuda":
+    if not auto_fit.on or device.type != "cuda":
         return None
-    if auto_fit == "free VRAM":
+    if auto_fit.free_vram:
         _, total = torch.cuda.mem_get_info(device)
         return CardBudget(total - comfy_reserve, device)
-    return CardBudget(int(float(auto_fit.split()[0]) * GIB), device)
+    return CardBudget(int(auto_fit.card_gib * GIB), device)
 
 
-def budget_bytes(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> int | None:
+def budget_bytes(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> int | None:
     """Bytes training's own allocations may take now under an auto_fit setting (see CardBudget)."""
     budget = card_budget(auto_fit, device, comfy_reserve)
     return None if budget is None else budget.usable()

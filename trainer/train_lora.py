@@ -60,7 +60,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
     device_notes += [attention_note] if attention_note else []
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
-              f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
+              f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets.value}",
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
 

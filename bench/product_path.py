@@ -98,7 +98,7 @@ def main(argv=None):
 
     import comfy.sd
     import tiny_assets
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.dataset import scan_folder
     from trainer.settings import MemorySettings
 

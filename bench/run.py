@@ -174,7 +174,7 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     import comfy.model_patcher
 
     from trainer.cache import CachedSample
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.lora import inject_lora
     from trainer.session import TrainingSession
     from trainer.settings import LoraSettings, TrainSettings

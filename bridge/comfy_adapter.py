@@ -1,4 +1,5 @@
-"""The one bridge between the trainer and ComfyUI objects (MODEL = ModelPatcher, CLIP, VAE).
+"""The one bridge between the trainer and ComfyUI objects (MODEL = ModelPatcher, CLIP, VAE): ComfyAdapter
+implements the trainer's ModelAdapter (trainer/model_adapter.py) for ComfyUI's SD1.5/SDXL UNets.
 
 The user's MODEL is never modified: training runs on a private copy of the diffusion model with normal
 (non-inference) tensors, and the trained LoRA comes back as ordinary ComfyUI patches on fresh clones."""
@@ -19,12 +20,22 @@ import comfy.sd
 import comfy.utils
 from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
-from .checkpointing import most_memory_per_flop_first
-from .errors import LeanLoRAError
-from .frozen_weights import cast_frozen_weights
-from .layout import store_frozen_convs_channels_last
-from .lora import BaseModelKind
-from .settings import Attention, CheckpointDepth
+from . import cast_weights
+
+if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
+    from ..trainer.checkpointing import most_memory_per_flop_first
+    from ..trainer.errors import LeanLoRAError
+    from ..trainer.frozen_weights import cast_frozen_weights
+    from ..trainer.layout import store_frozen_convs_channels_last
+    from ..trainer.lora import BaseModelKind
+    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.checkpointing import most_memory_per_flop_first
+    from trainer.errors import LeanLoRAError
+    from trainer.frozen_weights import cast_frozen_weights
+    from trainer.layout import store_frozen_convs_channels_last
+    from trainer.lora import BaseModelKind
+    from trainer.settings import Attention, BaseWeights, CheckpointDepth
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -83,6 +94,8 @@ class ComfyAdapter:
     # ComfyUI's ops check (and clear) the Cancel flag on every layer call, in whatever thread runs them: in the
     # forward pass, in checkpointed recomputation during backward, in VAE/CLIP encoding. Any of these means Cancel.
     cancel_errors = (comfy.model_management.InterruptProcessingException,)
+    # ComfyUI's cross-attention context: captions over 75 tokens encode to longer ones (CONDCrossAttn)
+    sequence_conditioning = ("c_crossattn",)
 
     def __init__(self, model, clip, vae):
         for name, value in (("model", model), ("clip", clip), ("vae", vae)):
@@ -245,6 +258,17 @@ class ComfyAdapter:
             return None
         self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: kernel(*a, **k)}
         return note
+
+    # --- frozen weights through ComfyUI's cast ops (bridge/cast_weights.py) ---
+    def store_weights_fp8(self, unet: torch.nn.Module) -> int:
+        return cast_weights.store_weights_fp8(unet)
+
+    def stream_weights_from_cpu(self, unet: torch.nn.Module) -> int:
+        return cast_weights.stream_weights_from_cpu(unet)
+
+    def projected_weight_bytes(self, unet: torch.nn.Module, compute_dtype: torch.dtype,
+                               base_weights: BaseWeights) -> int:
+        return cast_weights.projected_weight_bytes(unet, compute_dtype, base_weights)
 
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)

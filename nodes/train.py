@@ -7,7 +7,7 @@ import comfy.utils
 import folder_paths
 
 from ..trainer.cache_store import LatentTextStore
-from ..trainer.comfy_adapter import ComfyAdapter, apply_lora
+from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
 from ..trainer.errors import TrainingCancelled
 from ..trainer.jobs import JOBS, Job
 from ..trainer.plot import loss_chart

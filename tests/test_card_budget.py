@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import TinyNet
+from bridge.cast_weights import projected_weight_bytes
 from trainer import session as session_module
 from trainer.errors import LeanLoRAError
 from trainer.estimate import GIB
@@ -44,6 +45,11 @@ def test_free_vram_is_the_card_less_comfyuis_reserve_and_what_is_held_outside_py
     assert session_module.budget_bytes(AutoFit(card_gib=4), torch.device("cpu")) is None
 
 
+def _weight_bytes(unet):
+    """What the session hands plan_static: the adapter's projection (ComfyUI's, whose cast ops TinyNet mimics)."""
+    return lambda dtype, base_weights: projected_weight_bytes(unet, dtype, base_weights)
+
+
 def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training_naming_the_smallest_card(card):
     torch.manual_seed(0)
     unet = TinyNet(dim=512, depth=4)  # 12.6 MB of fp32 frozen weights stand in for a UNet
@@ -52,7 +58,7 @@ def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training
     card["outside"] = 2 * GIB - 4 * 2 ** 20  # a 2 GiB card whose context leaves 4 MiB: nothing fits
     budget = session_module.card_budget(memory.auto_fit, CUDA)
     with pytest.raises(LeanLoRAError) as failure:
-        session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
+        session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
     message = str(failure.value)
     assert "2.0 GiB card" in message and "smallest card it trains on is about" in message
     assert "raise auto_fit" in message
@@ -64,7 +70,7 @@ def test_a_model_that_fits_is_planned_without_an_error(card):
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
     memory = MemorySettings(auto_fit=AutoFit(card_gib=4))
     budget = session_module.card_budget(memory.auto_fit, CUDA)
-    planned, lines = session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
+    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
     assert planned == memory and lines == []
 
 
@@ -80,7 +86,7 @@ def test_static_planning_leaves_checkpointing_to_the_probes(card):
     memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2))
     # bf16 weights 8 MiB + LoRA, gradients, AdamW 1 MiB > 75% of 10 MiB; fp8 weights (4 MiB) fit
     budget = 10 * 2 ** 20
-    planned, lines = session_module.plan_static(memory, unet, params, budget, CUDA)
+    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
     assert planned.base_weights is BaseWeights.FP8, lines
     assert not planned.gradient_checkpointing, lines
     assert not any("checkpointing" in line for line in lines), lines

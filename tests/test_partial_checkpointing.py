@@ -42,7 +42,7 @@ def two_level_unet():
 
 @pytest.fixture()
 def adapter(comfy_objects):
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     adapter = ComfyAdapter(*comfy_objects)
     adapter.set_attention(Attention.SDPA)  # CPU's default, sub-quadratic attention, is several times slower
     return adapter

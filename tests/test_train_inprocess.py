@@ -8,7 +8,8 @@ import torch
 
 from trainer.dataset import scan_folder
 from trainer.errors import LeanLoRAError
-from trainer.frozen_weights import FP8, frozen_weight_bytes, store_weights_fp8
+from bridge.cast_weights import store_weights_fp8
+from trainer.frozen_weights import FP8, frozen_weight_bytes
 from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraWeights, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 
@@ -21,7 +22,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture()
 def adapter(comfy_objects):
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     return ComfyAdapter(*comfy_objects)
 
 
@@ -164,7 +165,8 @@ def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
 
 
 def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
-    from trainer.frozen_weights import device_bound, projected_weight_bytes, stream_weights_from_cpu
+    from bridge.cast_weights import projected_weight_bytes, stream_weights_from_cpu
+    from trainer.frozen_weights import device_bound
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
     params = inject_lora(unet, LoraSettings(rank=4), seed=0)
@@ -235,7 +237,7 @@ def test_training_targets_follow_the_models_own_prediction_type(comfy_objects):
     """eps models learn the noise, v models learn v = (noise - sigma * x0) / sqrt(1 + sigma^2), and a
     v_prediction patch from ComfyUI's ModelSamplingDiscrete node is what training sees."""
     from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.objective import output_target
     model, clip, vae = comfy_objects
     patched = ModelSamplingDiscrete().patch(model, "v_prediction", False)[0]
@@ -273,7 +275,7 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     # transformer layers at different places in the UNet share graphs: their position is not part of the trace
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from comfy.ldm.modules.attention import BasicTransformerBlock
-    from trainer.comfy_adapter import _position_free_forward
+    from bridge.comfy_adapter import _position_free_forward
     layers = sum(isinstance(m, BasicTransformerBlock) for m in adapter.training_unet().modules())
     layer_graphs = len(_debug_get_cache_entry_list(_position_free_forward.__code__))
     assert 0 < layer_graphs < layers, (layer_graphs, layers)

@@ -235,7 +235,7 @@ def test_batches_cover_every_sample_each_epoch_and_pad_long_captions():
         assert cond["c_crossattn"].shape[1] in (77, 154)
         seen += latents[:, 0, 0, 0].tolist()
     assert sorted(seen) == [0, 0, 1, 1, 2, 2, 3, 3]
-    latents, cond = collate([cache[0], cache[1]])
+    latents, cond = collate([cache[0], cache[1]], sequence_keys=("c_crossattn",))
     assert cond["c_crossattn"].shape == (2, 154, 8)
 
 
@@ -513,7 +513,7 @@ def test_split_geglu_computes_comfyuis_geglu_and_leaves_per_call_cast_projection
     (backward then needs no concatenation): same output and input gradient as ComfyUI's GEGLU; a projection whose
     weight is computed per call (fp8, LoRA patches) keeps ComfyUI's forward."""
     from comfy.ldm.modules.attention import GEGLU
-    from trainer.comfy_adapter import _split_geglu_forward
+    from bridge.comfy_adapter import _split_geglu_forward
     g = torch.Generator().manual_seed(0)
     geglu = GEGLU(16, 24)
     geglu.proj.weight.data = torch.randn(48, 16, generator=g) / 4
@@ -554,7 +554,7 @@ def test_compile_leaves_the_resblocks_of_the_widest_level_eager(comfy_objects):
     import comfy.ops
     from comfy.ldm.modules.attention import BasicTransformerBlock
     from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, UNetModel
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     adapter = ComfyAdapter(*comfy_objects)
     two_widths = UNetModel(image_size=8, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1, 1],
                            channel_mult=[1, 2], transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
@@ -576,7 +576,7 @@ def test_compile_preparation_splits_geglus_only_for_whole_layers(comfy_objects):
     """prepare_compile_units installs the split GEGLU with whole transformer layers, not with the older
     "modules" scope (whose feed-forward modules compile as they are)."""
     from comfy.ldm.modules.attention import GEGLU
-    from trainer.comfy_adapter import ComfyAdapter, _split_geglu_forward
+    from bridge.comfy_adapter import ComfyAdapter, _split_geglu_forward
     adapter = ComfyAdapter(*comfy_objects)
     for scope, split in (("modules", False), ("layers", True)):
         unet = adapter.training_unet()

@@ -8,6 +8,7 @@ import copy
 import gc
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -19,12 +20,13 @@ from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
 from . import frozen_weights
-from .frozen_weights import place_on_device, projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
+from .frozen_weights import place_on_device
 from .memory_plan import next_rung
+from .model_adapter import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
-from .settings import AutoFit, LoraWeights, MemorySettings, TrainSettings
+from .settings import AutoFit, BaseWeights, LoraWeights, MemorySettings, TrainSettings
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
@@ -33,7 +35,7 @@ STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budge
 class TrainingSession:
     """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
 
-    def __init__(self, adapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings):
+    def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings):
         self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
             adapter, unet, params, cache, repeats, train
         self.generator = torch.Generator().manual_seed(train.seed)
@@ -82,10 +84,10 @@ class TrainingSession:
                 if note:
                     self.notes.append(note)
         if memory.base_weights.fp8 and (old is None or not old.base_weights.fp8):
-            saved = store_weights_fp8(self.unet)
+            saved = self.adapter.store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
         if streamed and (old is None or not old.base_weights.streamed):
-            moved = stream_weights_from_cpu(self.unet)
+            moved = self.adapter.stream_weights_from_cpu(self.unet)
             self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
         if old is None or old.optimizer != memory.optimizer:
@@ -98,7 +100,8 @@ class TrainingSession:
             if note:
                 self.notes.append(note)
         if old is None or old.batch_size != memory.batch_size:
-            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
+            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator,
+                                self.adapter.sequence_conditioning)
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
@@ -113,7 +116,7 @@ class TrainingSession:
             torch.cuda.empty_cache()
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
-            passthrough_errors=getattr(self.adapter, "cancel_errors", ()),
+            passthrough_errors=self.adapter.cancel_errors,
             incompatible="LoRA dropout draws random numbers inside the step" if random_forward else None,
             offload=ActivationOffload() if memory.activation_offload else None)
         if note and note not in self.notes:
@@ -139,7 +142,8 @@ class TrainingSession:
         else:
             # The ladder's probes run uncompiled (each rung's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
-            memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device, card.card)
+            weight_bytes = lambda dtype, base: self.adapter.projected_weight_bytes(self.unet, dtype, base)  # noqa: E731
+            memory, lines = plan_static(memory, weight_bytes, self.params, budget, self.adapter.device, card.card)
             self.configure(memory)
             estimate, more_lines = fit_to_budget(self, card)
             lines += more_lines
@@ -153,7 +157,7 @@ class TrainingSession:
 
     def comfy_reserve(self) -> int:
         """VRAM the host application keeps for itself (ComfyUI's --reserve-vram), from the adapter."""
-        return int(getattr(self.adapter, "reserved_vram", lambda: 0)())
+        return int(self.adapter.reserved_vram())
 
     def compile_now(self) -> list[str]:
         """With compile on: compiles before step 1 with one forward+backward on the largest bucket's batch
@@ -231,7 +235,7 @@ class TrainingSession:
 
     def largest_batch(self, batch_size: int = 1) -> tuple:
         """The largest sample, `batch_size` times: the biggest bucket sets the peak."""
-        return collate([self._largest_sample()] * batch_size)
+        return collate([self._largest_sample()] * batch_size, self.adapter.sequence_conditioning)
 
     def run_batch_size(self) -> int:
         """How many images the largest bucket's batches hold: the batch size, or the whole bucket (with its
@@ -331,15 +335,17 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
             return kept, description
 
 
-def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, budget: int,
-                device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
+def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights], int], params: list,
+                budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
-    leave room for activations. A model larger than the budget never has to be loaded to find that out."""
+    leave room for activations. A model larger than the budget never has to be loaded to find that out.
+    weight_bytes(compute dtype, base weights): device bytes the frozen weights would take (the model adapter's
+    projected_weight_bytes)."""
     lines = []
     while True:
         dtype = DTYPES[memory.mixed_precision] or torch.float32
         lora = sum(p.numel() * 4 for p in params)
-        static = projected_weight_bytes(unet, dtype, memory.base_weights) + 2 * lora + \
+        static = weight_bytes(dtype, memory.base_weights) + 2 * lora + \
             optimizer_state_bytes(memory.optimizer, params)
         if static <= budget * STATIC_SHARE:
             return memory, lines

@@ -1,7 +1,7 @@
 """One LoRA training run, top to bottom: cache -> training copy + LoRA -> steps -> LoRA file.
 
-`adapter` is the thin bridge to the model (ComfyUI's in production, see comfy_adapter.py): encoders, a
-training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`.
+`adapter` is the model as the trainer needs it (trainer/model_adapter.py; ComfyUI's is bridge/comfy_adapter.py):
+encoders, a training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`.
 An out-of-memory inside a step frees memory, moves one rung down the memory ladder and repeats that step."""
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .files import check_writable, non_finite_tensors, sanitize_name, save_with_
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
+from .model_adapter import ModelAdapter
 from .session import TrainingSession, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import GIB, TIMELINE, DevicePeak, device_memory_gib, reset_peak
@@ -42,7 +43,7 @@ class TrainOutcome:
     save_note: str | None = None  # set when the loras folder failed and the file went to the fallback folder
 
 
-def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
+def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
                store: LatentTextStore | None = None, fallback_dir: Path | None = None) -> TrainOutcome:
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
@@ -64,7 +65,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
 
-    cancel_errors = (TrainingCancelled, *getattr(adapter, "cancel_errors", ()))
+    cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
     started_at = time.time()  # wall clock, for the file's metadata
     emit(kind="phase", text="caching latents and text embeddings")
     stats = CacheStats()

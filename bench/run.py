@@ -157,16 +157,17 @@ COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, fast
                     "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)",
                     "no-combo": "the product's units without inductor's combo kernels (the product before "
                                 "campaign 10: a layer's small independent kernels launched one by one)"}
-# compile experiments change the product's inductor options (trainer.fast_path.INDUCTOR_OPTIONS) for their row
+# compile experiments: inductor options over the product's (trainer.fast_path.INDUCTOR_OPTIONS) for their row,
+# handed to the session (TrainingSession's inductor_settings)
 INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "no-combo": {"combo_kernels": False}}
-# offload experiments: preset -> ActivationOffload class settings for that row
-OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
-                    "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
+# offload experiments: preset -> ActivationOffload keyword arguments for that row (TrainingSession's offload_settings)
+OFFLOAD_VARIANTS = {"lean+inflight8": {"in_flight": 8}, "lean+ahead3": {"fetch_ahead": 3},
+                    "lean+inflight8+ahead3": {"in_flight": 8, "fetch_ahead": 3}}
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
-                  compile_variant: str | None = None, channels_last: bool = False):
+                  compile_variant: str | None = None, channels_last: bool = False, offload_settings: dict | None = None):
     """The Train node's TrainingSession on a bench model, started (compile, auto-fit, estimate): (session,
     estimate, fit lines, seconds the start took). With a cap (or start_on_cpu) the checkpoint waits in CPU memory,
     as in ComfyUI, and the session places only what it decided to; the cap then counts everything training puts
@@ -212,7 +213,8 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     unet.train()
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
-    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(steps, 1e-4, 0, "bench"))
+    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(steps, 1e-4, 0, "bench"),
+                              inductor_settings=row_inductor_options(compile_variant), offload_settings=offload_settings)
     started = time.perf_counter()
     estimate, fit_lines = session.start(memory)
     return session, estimate, fit_lines, time.perf_counter() - started
@@ -220,19 +222,12 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
 
 def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
-    from trainer.activation_offload import ActivationOffload
-    overrides = OFFLOAD_VARIANTS.get(preset.removesuffix("-eager"), {})
-    defaults = {name: getattr(ActivationOffload, name) for name in overrides}
-    product_options = fast_path.INDUCTOR_OPTIONS
-    try:
-        for name, value in overrides.items():
-            setattr(ActivationOffload, name, value)
-        fast_path.INDUCTOR_OPTIONS = {**product_options, **INDUCTOR_OPTIONS.get(_compile_variant(preset), {})}
-        return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
-    finally:
-        for name, value in defaults.items():
-            setattr(ActivationOffload, name, value)
-        fast_path.INDUCTOR_OPTIONS = product_options
+    return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
+
+
+def row_inductor_options(compile_variant: str | None) -> dict:
+    """The inductor options a row compiles with: the product's, with its compile experiment's over them."""
+    return {**fast_path.INDUCTOR_OPTIONS, **INDUCTOR_OPTIONS.get(compile_variant, {})}
 
 
 def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
@@ -246,10 +241,11 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
     if preset == "autofit":
         memory = replace(memory, auto_fit=AutoFit(card_gib=cap_gib))
-    _forget_graphs_compiled_otherwise(memory.compile)
-    session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
-                                                          compile_variant=_compile_variant(preset),
-                                                          channels_last=preset.removesuffix("-eager").endswith("+cl"))
+    _forget_graphs_compiled_otherwise(memory.compile, row_inductor_options(_compile_variant(preset)))
+    session, estimate, fit_lines, start_s = start_session(
+        work, memory, warmup + steps, cap_gib, compile_variant=_compile_variant(preset),
+        channels_last=preset.removesuffix("-eager").endswith("+cl"),
+        offload_settings=OFFLOAD_VARIANTS.get(preset.removesuffix("-eager")))
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
 
@@ -289,15 +285,16 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
 _compiled_with: dict | None = None  # the inductor options of this process's compiled graphs
 
 
-def _forget_graphs_compiled_otherwise(compiles: bool) -> None:
+def _forget_graphs_compiled_otherwise(compiles: bool, options: dict) -> None:
     """Dynamo hands a row the graphs an earlier row compiled (same code, guards pass), whatever inductor options
-    are set now: a compile row whose options differ from the last compile row's starts from a reset dynamo."""
+    the row compiles with: a compile row whose options differ from the last compile row's starts from a reset
+    dynamo."""
     global _compiled_with
-    if not compiles or fast_path.INDUCTOR_OPTIONS == _compiled_with:
+    if not compiles or options == _compiled_with:
         return
     if _compiled_with is not None:
         torch._dynamo.reset()
-    _compiled_with = dict(fast_path.INDUCTOR_OPTIONS)
+    _compiled_with = dict(options)
 
 
 def _compile_variant(preset: str) -> str | None:

@@ -14,6 +14,7 @@ from ..trainer.plot import loss_chart
 from ..trainer.settings import LR_SCHEDULES, LatentCache, TrainSettings
 from ..trainer.train_lora import train_lora
 from .common import CATEGORY, pil_to_image
+from .monitor import LATEST_TRAINING
 
 PREVIEW_EVERY_S = 2.0
 LOG_EVERY_STEPS = 10
@@ -142,7 +143,8 @@ class LeanLoRATrain:
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
-                                                job.emit, lambda: job.cancelled, store, fallback_dir))
+                                                job.emit, lambda: job.cancelled, store, fallback_dir,
+                                                LATEST_TRAINING))
         outcome = wait_for(job, steps)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:

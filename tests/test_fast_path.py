@@ -263,7 +263,6 @@ def test_a_backward_that_fails_still_joins_the_copy_stream_and_drops_fetched_ten
 def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_streams, saves_per_node, fetch_ahead,
                                                                       monkeypatch):
     from trainer.activation_offload import ActivationOffload
-    monkeypatch.setattr(ActivationOffload, "FETCH_AHEAD", fetch_ahead)
     fetch, in_flight = ActivationOffload._fetch, []
 
     def counted_fetch(self, saved, compute):
@@ -284,13 +283,13 @@ def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_s
     expected = [t.grad.clone() for t in (x, *factors) if t.grad is not None]
     for t in (x, *factors):
         t.grad = None
-    offload = ActivationOffload(min_bytes=1)
+    offload = ActivationOffload(min_bytes=1, fetch_ahead=fetch_ahead)
     for attempt in ("first pass: guesses reverse pack order", "second pass: the order backward asked in before"):
         for t in (x, *factors):
             t.grad = None
         with offload.saving():
             loss = loss_of()
-            assert len(offload._to_host) <= ActivationOffload.IN_FLIGHT  # device memory held for copies in flight
+            assert len(offload._to_host) <= offload.in_flight  # device memory held for copies in flight
         assert not offload._to_host  # released once the pass is over
         packs = offload.offloaded_bytes // (64 * 64 * 4)
         loss.backward()
@@ -406,11 +405,12 @@ def test_compiled_blocks_compile_with_the_inductor_options_this_torch_knows(monk
     """Combo kernels are on for the compiled blocks (campaign 10: lean with compile 7% faster); a setting this
     torch's inductor lacks is dropped instead of failing the compile, which would leave the whole model eager."""
     from trainer import fast_path
-    monkeypatch.setattr(fast_path, "INDUCTOR_OPTIONS", {**fast_path.INDUCTOR_OPTIONS, "no_such_inductor_setting": 1})
-    assert fast_path.inductor_options() == {"combo_kernels": True}
+    wanted = {**fast_path.INDUCTOR_OPTIONS, "no_such_inductor_setting": 1}
+    assert fast_path.inductor_options(wanted) == {"combo_kernels": True}
     torch._dynamo.reset()
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
-    compiled = fast_path.CompiledBlocks([block])
+    compiled = fast_path.CompiledBlocks([block], wanted)
+    assert compiled.options == {"combo_kernels": True}
     x = torch.randn(3, 8)
     torch.testing.assert_close(block(x), block[1](block[0](x)))
     assert compiled.failed is None and fast_path.compiled_graph_count() >= 1
@@ -422,10 +422,10 @@ def test_blocks_compile_without_the_extra_inductor_options_where_those_fail(monk
     compile without it (and the report says so) instead of the whole model running eagerly."""
     from trainer import fast_path
     # known to inductor, and fails while compiling a Linear: no GEMM backend to choose from
-    monkeypatch.setattr(fast_path, "INDUCTOR_OPTIONS", {"max_autotune": True, "max_autotune_gemm_backends": "NONE"})
+    failing = {"max_autotune": True, "max_autotune_gemm_backends": "NONE"}
     torch._dynamo.reset()
     blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)]
-    compiled = fast_path.CompiledBlocks(blocks)
+    compiled = fast_path.CompiledBlocks(blocks, failing)
     before = fast_path.compiled_graph_count()
     x = torch.randn(3, 8)
     for block in blocks:

@@ -49,3 +49,47 @@ def test_importing_every_trainer_module_loads_no_comfyui():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _trainer_attribute_writes(source: str, name: str) -> list[str]:
+    """Assignments (`x.attr = ...`, `setattr(x, ...)`) whose object is a trainer module or something imported from
+    trainer/: how an experiment would patch the product instead of passing it arguments."""
+    tree = ast.parse(source, name)
+    from_trainer = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trainer":
+            from_trainer |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            from_trainer |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                             if alias.name.split(".")[0] == "trainer"}
+    writes = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        for target in targets:
+            while isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute):
+                target = target.value  # trainer.fast_path.X = ...
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                    and target.value.id in from_trainer:
+                writes.append(f"{name}:{node.lineno}: {target.value.id}.{target.attr}")
+    return writes
+
+
+def test_the_bench_sets_no_attribute_on_trainer_modules():
+    """The bench's experiment knobs are arguments of the public API (TrainingSession's inductor_settings and
+    offload_settings), not patches of the product's modules or classes."""
+    writes = [w for path in sorted((REPO / "bench").glob("*.py"))
+              for w in _trainer_attribute_writes(path.read_text(), path.relative_to(REPO).as_posix())]
+    assert not writes, writes
+
+
+def test_the_attribute_scan_sees_the_patches_it_must_refuse():
+    sample = ("from trainer import fast_path\nimport trainer.session\n"
+              "def f():\n    from trainer.activation_offload import ActivationOffload\n"
+              "    setattr(ActivationOffload, 'IN_FLIGHT', 8)\n    fast_path.INDUCTOR_OPTIONS = {}\n"
+              "    trainer.session.FIT_HEADROOM = 1\n    ok = object(); ok.x = 1\n")
+    assert sorted(_trainer_attribute_writes(sample, "s")) == ["s:5: ActivationOffload.?",
+                                                              "s:6: fast_path.INDUCTOR_OPTIONS", "s:7: trainer.session"]

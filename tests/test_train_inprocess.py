@@ -103,16 +103,15 @@ def test_fp8_storage_quarters_fp32_weights_and_stays_close(adapter):
 def test_fp8_run_trains(adapter, dataset, tmp_path, monkeypatch):
     """Also where the fused upcast cannot be compiled (a GPU box without Triton): driven on CPU here."""
     from trainer import frozen_weights
-    monkeypatch.setattr(frozen_weights, "FUSED_DEVICES", ("cpu",))
-    for name, value in (("_fused_dequantize", None), ("_fused_verified", False), ("fused_dequantize_failure", None)):
-        monkeypatch.setattr(frozen_weights, name, value)
+    upcast = frozen_weights.FusedUpcast(devices=("cpu",))  # the CUDA-only path, driven on CPU
+    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", upcast)
 
     def no_triton(*args):
         raise RuntimeError("Cannot find a working triton installation")
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: no_triton)
     outcome = _run(adapter, dataset, MemorySettings("bf16", True, 2, 1, base_weights="fp8"), tmp_path, steps=20, name="fp8")
     assert "frozen weights stored as fp8" in outcome.report
-    assert frozen_weights._fused_dequantize is False
+    assert upcast.kernel is False
     assert "fused upcast kernel could not be compiled here (RuntimeError: Cannot find a working triton" in outcome.report
     assert sum(outcome.losses[-10:]) < sum(outcome.losses[:10])
 

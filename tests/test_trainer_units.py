@@ -88,31 +88,30 @@ def test_fp8_dequantize_falls_back_to_eager_when_compiling_fails_but_not_on_late
     weight = (torch.randn(8, 4) * 100).to(frozen_weights.FP8)
     scale = torch.tensor(0.01)
     eager = frozen_weights._dequantize_eager(weight, scale, torch.bfloat16)
-    monkeypatch.setattr(frozen_weights, "FUSED_DEVICES", ("cpu",))  # the CUDA-only path, driven on CPU
-    for name, value in (("_fused_dequantize", None), ("_fused_verified", False), ("fused_dequantize_failure", None)):
-        monkeypatch.setattr(frozen_weights, name, value)
+    upcast = frozen_weights.FusedUpcast(devices=("cpu",))  # the CUDA-only path, driven on CPU
+    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", upcast)
 
     def no_triton(*args):
         raise RuntimeError("Cannot find a working triton installation")
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: no_triton)
     assert torch.equal(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager)
-    assert frozen_weights._fused_dequantize is False and "triton" in frozen_weights.fused_dequantize_failure
+    assert upcast.kernel is False and "triton" in upcast.failure
 
     from torch._dynamo.exc import TorchRuntimeError
     later_errors = [torch.OutOfMemoryError("CUDA out of memory"), TorchRuntimeError("recompiling for fp16 failed")]
     def compiled(*args):  # compiles and runs fine once, then the later errors
-        if frozen_weights._fused_verified:
+        if upcast.verified:
             raise later_errors.pop(0)
         return frozen_weights._dequantize_fused(*args)
-    monkeypatch.setattr(frozen_weights, "_fused_dequantize", None)
+    monkeypatch.setattr(upcast, "kernel", None)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled)
     assert torch.allclose(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager, rtol=2 ** -7, atol=0)
     with pytest.raises(torch.OutOfMemoryError):  # OOM recovery needs it, not a silent switch to eager
         frozen_weights.dequantize(weight, scale, torch.bfloat16)
-    assert frozen_weights._fused_dequantize is compiled
+    assert upcast.kernel is compiled
     # a compile error after it once ran (a new dtype or device recompiles): eager from now on, not a crash
     assert torch.equal(frozen_weights.dequantize(weight, scale, torch.bfloat16), eager)
-    assert frozen_weights._fused_dequantize is False and "recompiling" in frozen_weights.fused_dequantize_failure
+    assert upcast.kernel is False and "recompiling" in upcast.failure
 
 
 def test_fused_fp8_dequantize_keeps_a_channels_last_conv_weight_channels_last(monkeypatch):
@@ -121,10 +120,10 @@ def test_fused_fp8_dequantize_keeps_a_channels_last_conv_weight_channels_last(mo
     from trainer import frozen_weights
     weight = (torch.randn(8, 4, 3, 3) * 100).to(frozen_weights.FP8).contiguous(memory_format=torch.channels_last)
     scale = torch.tensor(0.01)
-    monkeypatch.setattr(frozen_weights, "FUSED_DEVICES", ("cpu",))
+    fused = frozen_weights.FusedUpcast(devices=("cpu",))
+    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", fused)
     flats = []  # the fused kernel's input; the math runs uncompiled
-    monkeypatch.setattr(frozen_weights, "_fused_dequantize",
-                        lambda flat, *args: flats.append(flat) or frozen_weights._dequantize_fused(flat, *args))
+    fused.kernel = lambda flat, *args: flats.append(flat) or frozen_weights._dequantize_fused(flat, *args)
     upcast = frozen_weights.dequantize(weight, scale, torch.bfloat16)
     assert flats[0].data_ptr() == weight.data_ptr()  # a view, not a copy
     assert upcast.is_contiguous(memory_format=torch.channels_last) and not upcast.is_contiguous()
@@ -139,7 +138,7 @@ def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
     scale = torch.tensor(0.0123, device="cuda")
     for dtype in (torch.bfloat16, torch.float16):
         fused = frozen_weights.dequantize(weight, scale, dtype)
-        assert frozen_weights._fused_dequantize not in (None, False), "the compiled kernel did not run"
+        assert frozen_weights._FUSED_UPCAST.kernel not in (None, False), "the compiled kernel did not run"
         assert fused.shape == weight.shape and fused.dtype == dtype
         assert torch.equal(fused, frozen_weights._dequantize_fused(weight, scale, dtype))  # the same math, eager
         # eager PyTorch rounds a 0-dim fp32 scale to the weight's dtype first: within one rounding of that

@@ -326,7 +326,7 @@ class CompiledBlocks:
 
     RECOMPILE_LIMIT = 64  # compiled variants per block type: SDXL's compiled ResBlocks come in 8 shapes (13 in all)
 
-    def __init__(self, units: list[torch.nn.Module]):
+    def __init__(self, units: list[torch.nn.Module], inductor_settings: dict | None = None):
         import torch._dynamo.config as dynamo_config
         # dynamo's default (8) would leave the rest of the shapes eager without a word in the report
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
@@ -335,7 +335,8 @@ class CompiledBlocks:
         self.notes: list[str] = []
         self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
         self.paused = False  # blocks run their eager forward meanwhile (see uncompiled)
-        self.options = inductor_options()  # emptied if compiling with them fails (drop_options)
+        # emptied if compiling with them fails (drop_options)
+        self.options = inductor_options(INDUCTOR_OPTIONS if inductor_settings is None else inductor_settings)
         for unit in units:
             unit.forward = self._guarded(unit.forward)
 
@@ -410,12 +411,12 @@ class CompiledBlocks:
         self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
 
 
-def inductor_options() -> dict:
-    """INDUCTOR_OPTIONS this torch's inductor knows: an older one without a setting compiles without it, where
-    torch.compile would refuse the unknown name and leave the whole model eager."""
+def inductor_options(wanted: dict) -> dict:
+    """The options of `wanted` this torch's inductor knows: an older one without a setting compiles without it,
+    where torch.compile would refuse the unknown name and leave the whole model eager."""
     import torch._inductor.config as inductor_config
     known = inductor_config.get_config_copy()
-    return {name: value for name, value in INDUCTOR_OPTIONS.items() if name in known}
+    return {name: value for name, value in wanted.items() if name in known}
 
 
 def compiled_graph_count() -> int:
@@ -435,6 +436,7 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
-def compile_blocks(units: list[torch.nn.Module]) -> CompiledBlocks:
-    """Installs compiled forwards on `units` (modules of the private training copy, not yet checkpointed)."""
-    return CompiledBlocks(list(units))
+def compile_blocks(units: list[torch.nn.Module], inductor_settings: dict | None = None) -> CompiledBlocks:
+    """Installs compiled forwards on `units` (modules of the private training copy, not yet checkpointed), compiled
+    with `inductor_settings` (default: INDUCTOR_OPTIONS)."""
+    return CompiledBlocks(list(units), inductor_settings)

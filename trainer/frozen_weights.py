@@ -25,38 +25,52 @@ def _dequantize_fused(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (weight.float() * scale).to(dtype)
 
 
-FUSED_DEVICES = ("cuda",)  # on CPU the eager form is as good
-_fused_dequantize = None  # torch.compile'd on first use; False once it failed here
-_fused_verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
-fused_dequantize_failure: str | None = None  # why the compiled kernel is unavailable here, for the report
+class FusedUpcast:
+    """fp8 weight * its scale as one compiled elementwise kernel (one for every shape: flat, dynamic size), for
+    this process: compiled on first use, given up for good where compiling fails here, with the reason kept for
+    the report (`failure`). Eager PyTorch takes two passes with slow kernels (an unvectorized fp8 cast, a
+    mixed-dtype multiply): 40 ms of an SDXL step with checkpointing on an H200, a third of the step."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        self.devices = devices  # on CPU the eager form is as good
+        self.kernel = None  # torch.compile'd on first use; False once it failed here
+        self.verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
+        self.failure: str | None = None  # why the compiled kernel is unavailable here
+
+    def __call__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if weight.device.type not in self.devices or self.kernel is False or compiled_kernels_blocked():
+            return _dequantize_eager(weight, scale, dtype)
+        if self.kernel is None:
+            self.kernel = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
+        flat, shape_like_weight = _memory_order_view(weight)
+        try:
+            fused = shape_like_weight(self.kernel(flat, scale, dtype))
+        except Exception as error:
+            if is_out_of_memory(error) or (self.verified and not is_compile_error(error)):
+                raise
+            # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here";
+            # so does a compile error later (a new dtype or device recompiles)
+            self.kernel, self.failure = False, one_line(error)
+            return _dequantize_eager(weight, scale, dtype)
+        self.verified = True
+        return fused
+
+
+_FUSED_UPCAST = FusedUpcast()  # one per process, as its compiled kernel is
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 weight * its scale, in `dtype`. Eager PyTorch takes two passes with slow kernels (an unvectorized
-    fp8 cast, a mixed-dtype multiply): 40 ms of an SDXL step with checkpointing on an H200, a third of the step.
-    On CUDA one compiled elementwise kernel does both (one for every shape: flat, dynamic size). Inside a
-    compiled block inductor fuses it into the block. Where compiling fails (no Triton, e.g. many Windows
-    installs) the upcasts stay eager and the report says so."""
-    global _fused_dequantize, _fused_verified, fused_dequantize_failure
+    """fp8 weight * its scale, in `dtype`: on CUDA the fused kernel (FusedUpcast). Inside a compiled block
+    inductor fuses it into the block. Where compiling fails (no Triton, e.g. many Windows installs) the upcasts
+    stay eager and the report says so (fused_upcast_failure)."""
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
-    if weight.device.type not in FUSED_DEVICES or _fused_dequantize is False or compiled_kernels_blocked():
-        return _dequantize_eager(weight, scale, dtype)
-    if _fused_dequantize is None:
-        _fused_dequantize = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
-    flat, shape_like_weight = _memory_order_view(weight)
-    try:
-        fused = shape_like_weight(_fused_dequantize(flat, scale, dtype))
-    except Exception as error:
-        if is_out_of_memory(error) or (_fused_verified and not is_compile_error(error)):
-            raise
-        # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here";
-        # so does a compile error later (a new dtype or device recompiles)
-        _fused_dequantize = False
-        fused_dequantize_failure = one_line(error)
-        return _dequantize_eager(weight, scale, dtype)
-    _fused_verified = True
-    return fused
+    return _FUSED_UPCAST(weight, scale, dtype)
+
+
+def fused_upcast_failure() -> str | None:
+    """Why this process upcasts fp8 weights eagerly (None: the fused kernel works, or was never needed)."""
+    return _FUSED_UPCAST.failure
 
 
 def _memory_order_view(weight: torch.Tensor):

@@ -19,8 +19,7 @@ from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
-from . import frozen_weights
-from .frozen_weights import place_on_device
+from .frozen_weights import fused_upcast_failure, place_on_device
 from .memory_plan import next_rung
 from .model_adapter import ModelAdapter
 from .objective import denoising_loss, draw_noise
@@ -35,9 +34,14 @@ STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budge
 class TrainingSession:
     """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
 
-    def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings):
+    def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings,
+                 inductor_settings: dict | None = None, offload_settings: dict | None = None):
+        """inductor_settings, offload_settings: experiment knobs (the bench's), the product's defaults if None:
+        the inductor options compiled blocks use (fast_path.INDUCTOR_OPTIONS) and ActivationOffload's keyword
+        arguments."""
         self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
             adapter, unet, params, cache, repeats, train
+        self.inductor_settings, self.offload_settings = inductor_settings, offload_settings or {}
         self.generator = torch.Generator().manual_seed(train.seed)
         # Random draws and timesteps are computed from a CPU copy of the schedule: no step waits for the GPU.
         self.sampling_on_cpu = copy.deepcopy(adapter.model_sampling).to("cpu")
@@ -63,7 +67,7 @@ class TrainingSession:
         if memory.compile and self.compiled is None:
             # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
             # and every unit's compiled forward is the same code, shared by units of equal shapes.
-            self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet))
+            self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet), self.inductor_settings)
         if memory.gradient_checkpointing and self.checkpointed < memory.checkpoint_share:
             # A larger share wraps the next units of the same best-first order (never unwraps, never twice).
             units = self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth,
@@ -118,7 +122,7 @@ class TrainingSession:
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=self.adapter.cancel_errors,
             incompatible="LoRA dropout draws random numbers inside the step" if random_forward else None,
-            offload=ActivationOffload() if memory.activation_offload else None)
+            offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())
@@ -292,9 +296,10 @@ class TrainingSession:
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
             (self.compiled.report() if self.compiled is not None else [])
-        if frozen_weights.fused_dequantize_failure and self.memory.base_weights.fp8:
+        upcast_failure = fused_upcast_failure()
+        if upcast_failure and self.memory.base_weights.fp8:
             extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
-                         f"({frozen_weights.fused_dequantize_failure}); upcasts run as two eager kernels (slower)")
+                         f"({upcast_failure}); upcasts run as two eager kernels (slower)")
         graphs = len(getattr(self.micro_step, "graphs", {}))
         if graphs:
             extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "

@@ -26,7 +26,7 @@ from .memory_plan import resolve_for_device
 from .model_adapter import ModelAdapter
 from .session import TrainingSession, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
-from .vram import GIB, TIMELINE, DevicePeak, device_memory_gib, reset_peak
+from .vram import GIB, DevicePeak, Timeline, device_memory_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
@@ -41,13 +41,17 @@ class TrainOutcome:
     report: str
     recoveries: list[str] = field(default_factory=list)
     save_note: str | None = None  # set when the loras folder failed and the file went to the fallback folder
+    timeline: Timeline = field(default_factory=Timeline)  # device memory per step
 
 
 def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
-               store: LatentTextStore | None = None, fallback_dir: Path | None = None) -> TrainOutcome:
+               store: LatentTextStore | None = None, fallback_dir: Path | None = None,
+               timeline: Timeline | None = None) -> TrainOutcome:
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
-    `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full)."""
+    `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full).
+    `timeline` records device memory per step (emptied first); the caller may read it during the run."""
+    timeline = timeline if timeline is not None else Timeline()
     device = adapter.device
     loras_dir = Path(loras_dir)
     check_writable(loras_dir, 0, "loras folder")  # before any encoding or training
@@ -98,10 +102,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     def on_step(info: StepInfo):
         losses.append(info.loss)
         session.steps_done = info.step
-        TIMELINE.record(info.step, device)
+        timeline.record(info.step, device)
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds)
 
-    TIMELINE.reset()
+    timeline.reset()
     recoveries: list[str] = []
     failure: BaseException | None = None
     cancelled = False
@@ -218,7 +222,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         report.append(save_note)
     report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
                    if cancelled else "saved ") + str(path))
-    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries, save_note)
+    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries, save_note, timeline)
 
 
 def batch_used(cache: list, repeats: int, batch_size: int) -> int:

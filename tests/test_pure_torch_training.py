@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from trainer.dataset import scan_folder
 from trainer.frozen_weights import cast_frozen_weights
 from trainer.lora import BaseModelKind
+from trainer.report import Recovery
 from trainer.settings import Attention, FastPath, LatentCache, LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 
@@ -197,6 +198,10 @@ def test_eager_training_saves_a_kohya_lora_of_every_step(tmp_path):
     # rank 4 down/up and alpha for q, k, v and out of both blocks: the LoRA trained what the settings name
     assert len(saved) == 2 * 4 * 3 and all(torch.isfinite(t).all() for t in saved.values())
     assert all(key.startswith("lora_unet_blocks_") for key in saved)
+    # the typed report: settings kept, the estimate's exact static terms (on the CPU nothing is probed)
+    assert outcome.run.used == EAGER and outcome.run.steps_done == 6 and outcome.run.estimate.total is None
+    lora_weights = sum(t.numel() for key, t in saved.items() if key.endswith(("lora_down.weight", "lora_up.weight")))
+    assert outcome.run.estimate.lora_parameters == 4 * lora_weights  # fp32 while training
     assert any(t.abs().sum() > 0 for key, t in saved.items() if "lora_up" in key)  # trained away from zero init
     assert [e["step"] for e in events if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
 
@@ -213,8 +218,10 @@ def test_an_out_of_memory_step_moves_down_the_ladder_and_training_goes_on(tmp_pa
     memory = MemorySettings("no", False, 2, 1, latent_cache=LatentCache.OFF, fast_path=FastPath.OFF)
     outcome, events = train(tmp_path / "data", tmp_path / "loras", adapter, memory)
     # batches of 2: steps 1 and 2 ran, step 3's forward failed and was repeated as 2 micro-batches of 1
-    assert outcome.recoveries == ["step 3: out of memory -> batch 2 -> 1 with gradient accumulation 2 "
-                                  "(effective batch stays 2)"]
+    assert outcome.run.recoveries == [Recovery(3, "batch 2 -> 1 with gradient accumulation 2 (effective batch stays 2)")]
+    assert outcome.run.requested == memory and outcome.run.steps_done == 6
+    assert (outcome.run.used.batch_size, outcome.run.used.gradient_accumulation) == (1, 2)
+    assert outcome.recoveries == [f"step 3: out of memory -> {outcome.run.recoveries[0].rung}"]
     assert not outcome.partial and len(outcome.losses) == 6 and outcome.lora_path.exists()
     assert calls["n"] == 2 + 1 + 4 * 2  # 2 steps, the failed forward, 4 steps of 2 micro-batches
     assert any(e["kind"] == "phase" and "recovered from out of memory" in e["text"] for e in events)
@@ -222,6 +229,7 @@ def test_an_out_of_memory_step_moves_down_the_ladder_and_training_goes_on(tmp_pa
 
 def _assert_partial_after(outcome, steps: int):
     assert outcome.partial and len(outcome.losses) == steps
+    assert outcome.run.cancelled and outcome.run.steps_done == steps and outcome.run.used == EAGER
     assert outcome.lora_path.name == f"tiny_partial_step{steps}.safetensors"
     assert all(torch.isfinite(t).all() for t in load_file(outcome.lora_path).values())
     assert f"CANCELLED after step {steps}: partial LoRA (what was learned so far) saved" in outcome.report

@@ -24,6 +24,7 @@ from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, w
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
 from .model_adapter import ModelAdapter
+from .report import Recovery, RunReport
 from .session import TrainingSession, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .vram import GIB, DevicePeak, Timeline, device_memory_gib, reset_peak
@@ -38,10 +39,14 @@ class TrainOutcome:
     lora_state_dict: dict[str, torch.Tensor]
     losses: list[float]
     partial: bool
-    report: str
-    recoveries: list[str] = field(default_factory=list)
+    report: str  # for people, written from `run`
+    run: RunReport
     save_note: str | None = None  # set when the loras folder failed and the file went to the fallback folder
     timeline: Timeline = field(default_factory=Timeline)  # device memory per step
+
+    @property
+    def recoveries(self) -> list[str]:
+        return [recovery.describe() for recovery in self.run.recoveries]
 
 
 def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
@@ -60,6 +65,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             check_writable(store.folder, 0, "latent cache folder")
         except LeanLoRAError as error:  # the disk layer is optional: warn and cache in RAM only
             store.disk_problem, store.folder = str(error), None
+    run = RunReport(requested=memory)
     memory, device_notes = resolve_for_device(memory, device)
     # an unusable attention backend fails here, before any encoding
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
@@ -106,7 +112,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds)
 
     timeline.reset()
-    recoveries: list[str] = []
+    recoveries = run.recoveries
     failure: BaseException | None = None
     cancelled = False
     diverged_at: int | None = None
@@ -118,6 +124,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         emit(kind="phase", text="compiling the diffusion model (torch.compile: about a minute the first time), "
              "then measuring memory" if memory.compile else "measuring memory before step 1")
         estimate, fit_lines = session.start(memory)
+        run.estimate, run.before_step_one = estimate, fit_lines
         for line in fit_lines:
             report.append(line)
             emit(kind="phase", text=line)
@@ -144,7 +151,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                 if not is_out_of_memory(error):
                     raise
                 rung = recover(session, error, device)
-                recoveries.append(f"step {len(losses) + 1}: out of memory -> {rung}")
+                recoveries.append(Recovery(len(losses) + 1, rung))
                 emit(kind="phase", text=f"recovered from out of memory: {rung}")
     except cancel_errors:  # Cancel while measuring memory, before the first step
         cancelled = True
@@ -155,7 +162,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     session.close()
     # after a divergence the weights are back at the last step checked finite (later losses were reported)
     steps_done = result.steps_done if diverged_at is not None else len(losses)
-    report += session.report_notes()
+    run.notes, run.used = session.report_notes(), session.memory
+    run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
+    report += run.notes
 
     partial = cancelled or failure is not None or diverged_at is not None
     if steps_done == 0:
@@ -204,7 +213,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     report.append(f"trained {steps_done}/{train.steps} steps in {seconds:.1f} s ({seconds / steps_done:.3f} s/step)")
     if recoveries:
         report.append(f"out-of-memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
-        report += [f"  {line}" for line in recoveries]
+        report += [f"  {recovery.describe()}" for recovery in recoveries]
     if session.precision.skipped_steps:
         report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")
     if losses:
@@ -222,7 +231,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         report.append(save_note)
     report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
                    if cancelled else "saved ") + str(path))
-    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries, save_note, timeline)
+    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), run, save_note, timeline)
 
 
 def batch_used(cache: list, repeats: int, batch_size: int) -> int:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from trainer.dataset import scan_folder
 from trainer.frozen_weights import cast_frozen_weights
 from trainer.lora import BaseModelKind
+from trainer.model_adapter import ModelAdapter
 from trainer.report import Recovery
 from trainer.settings import Attention, FastPath, LatentCache, LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
@@ -170,6 +171,17 @@ class TinyAdapter:
 
     def kohya_module_names(self):
         return None
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """The attributes and methods a typing.Protocol asks for."""
+    return {name for name in dir(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
+
+
+def test_the_tiny_adapter_is_a_whole_model_adapter():
+    members = protocol_members(ModelAdapter)
+    assert {"cancel_errors", "predict", "store_weights_fp8", "sequence_conditioning"} <= members
+    assert not members - set(dir(TinyAdapter()))
 
 
 EAGER = MemorySettings("no", False, 1, 1, latent_cache=LatentCache.OFF, fast_path=FastPath.OFF)

@@ -26,6 +26,12 @@ def adapter(comfy_objects):
     return ComfyAdapter(*comfy_objects)
 
 
+def test_the_comfy_adapter_implements_the_model_adapter_protocol(adapter):
+    from test_pure_torch_training import protocol_members
+    from trainer.model_adapter import ModelAdapter
+    assert not protocol_members(ModelAdapter) - set(dir(adapter))
+
+
 def _oom_when(adapter, condition):
     """Makes the adapter's forward raise CUDA's OOM error whenever condition(x, unet) holds."""
     predict = adapter.predict

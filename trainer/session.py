@@ -18,7 +18,8 @@ from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
-from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
+from .compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
+from .micro_steps import BatchStep, build_micro_step
 from .frozen_weights import fused_upcast_failure, place_on_device
 from .memory_plan import next_rung
 from .model_adapter import ModelAdapter
@@ -37,7 +38,7 @@ class TrainingSession:
     def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings,
                  inductor_settings: dict | None = None, offload_settings: dict | None = None):
         """inductor_settings, offload_settings: experiment knobs (the bench's), the product's defaults if None:
-        the inductor options compiled blocks use (fast_path.INDUCTOR_OPTIONS) and ActivationOffload's keyword
+        the inductor options compiled blocks use (compiled_blocks.INDUCTOR_OPTIONS) and ActivationOffload's keyword
         arguments."""
         self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
             adapter, unet, params, cache, repeats, train

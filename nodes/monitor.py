@@ -1,6 +1,6 @@
 from PIL import Image
 
-from ..trainer.plot import RAW, SMOOTH, bar_chart, line_chart
+from .plot import RAW, SMOOTH, bar_chart, line_chart
 from ..trainer.vram import Timeline, format_snapshot, snapshot
 from .common import CATEGORY, pil_to_image
 

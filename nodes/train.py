@@ -9,12 +9,12 @@ import folder_paths
 from ..trainer.cache_store import LatentTextStore
 from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
 from ..trainer.errors import TrainingCancelled
-from ..trainer.jobs import JOBS, Job
-from ..trainer.plot import loss_chart
 from ..trainer.settings import LR_SCHEDULES, LatentCache, TrainSettings
 from ..trainer.train_lora import train_lora
 from .common import CATEGORY, pil_to_image
+from .jobs import JOBS, Job
 from .monitor import LATEST_TRAINING
+from .plot import loss_chart
 
 PREVIEW_EVERY_S = 2.0
 LOG_EVERY_STEPS = 10

@@ -2,26 +2,13 @@
 label can be renamed without changing how training runs, and workflows saved with today's labels keep working."""
 import ast
 import importlib
-import importlib.util
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
+from helpers import PACK, node_module as _node_module
+
 REPO = Path(__file__).resolve().parents[1]
-PACK = "leanlora_labels_under_test"
-
-
-def _node_module(name: str):
-    """nodes/<name>.py imported as a pack submodule (relative imports) without nodes/__init__.py, which imports
-    every node (and ComfyUI with the Train node)."""
-    if PACK not in sys.modules:
-        for package, folder in ((PACK, REPO), (f"{PACK}.nodes", REPO / "nodes")):
-            module = types.ModuleType(package)
-            module.__path__ = [str(folder)]
-            sys.modules[package] = module
-    return importlib.import_module(f"{PACK}.nodes.{name}")
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,8 @@ STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budge
 class TrainingSession:
     """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
 
-    def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings,
-                 inductor_settings: dict | None = None, offload_settings: dict | None = None):
+    def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int,
+                 train: TrainSettings, inductor_settings: dict | None = None, offload_settings: dict | None = None):
         """inductor_settings, offload_settings: experiment knobs (the bench's), the product's defaults if None:
         the inductor options compiled blocks use (compiled_blocks.INDUCTOR_OPTIONS) and ActivationOffload's keyword
         arguments."""

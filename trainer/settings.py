@@ -192,7 +192,8 @@ class MemorySettings:
 _BASE_WEIGHTS_TEXT = {BaseWeights.AS_LOADED: "base weights as loaded", BaseWeights.FP8: "base weights fp8",
                       BaseWeights.FP8_STREAMED: "base weights fp8 streamed from CPU"}
 _ATTENTION_TEXT = {Attention.AUTO: "attention auto", Attention.SDPA: "attention pytorch SDPA",
-                   Attention.XFORMERS: "attention xformers", Attention.SUB_QUADRATIC: "attention chunked (sub-quadratic)"}
+                   Attention.XFORMERS: "attention xformers",
+                   Attention.SUB_QUADRATIC: "attention chunked (sub-quadratic)"}
 _FAST_PATH_TEXT = {FastPath.CUDA_GRAPHS: "fast path CUDA graphs", FastPath.OFF: "fast path off"}
 
 

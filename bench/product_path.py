@@ -33,7 +33,7 @@ def settings_table():
         "bf16 + GC + fp8 base": M("bf16", True, 1, 1, "AdamW", "fp8"),
         "GC + AdamW8bit + fp8": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
         "lean: GC + 8bit + fp8 + offload": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True),
-        "leanest: + fp8 streamed": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU",
+        "leanest: + fp8 streamed": M("bf16", True, 1, 1, "AdamW8bit", "fp8_streamed",
                                      activation_offload=True),
         "lean, eager steps": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True, fast_path="off"),
         "bs4 + GC": M("bf16", True, 4, 1),
@@ -98,7 +98,7 @@ def main(argv=None):
 
     import comfy.sd
     import tiny_assets
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.dataset import scan_folder
     from trainer.settings import MemorySettings
 

@@ -52,8 +52,8 @@ from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_AL
                          PeerUnavailable, StepClock, Workload, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
 from trainer.errors import is_out_of_memory, one_line  # noqa: E402
-from trainer import fast_path  # noqa: E402
-from trainer.fast_path import compiled_graph_count, inductor_cache_counts  # noqa: E402
+from trainer import compiled_blocks  # noqa: E402
+from trainer.compiled_blocks import compiled_graph_count, inductor_cache_counts  # noqa: E402
 
 
 # --- models ---
@@ -126,7 +126,7 @@ def presets() -> dict:
     base = {"fast": M("bf16", False, 1, 1, "AdamW"),
             "balanced": M("bf16", True, 1, 1, "AdamW"),
             "lean": M("bf16", True, 1, 1, "AdamW8bit", "fp8", activation_offload=True),
-            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8 streamed from CPU", activation_offload=True)}
+            "leanest": M("bf16", True, 1, 1, "AdamW8bit", "fp8_streamed", activation_offload=True)}
     # the lean preset's parts one at a time, to show what each costs
     parts = {"gc+fp8": M("bf16", True, 1, 1, "AdamW", "fp8"), "gc+8bit": M("bf16", True, 1, 1, "AdamW8bit"),
              "gc+fp8+8bit": M("bf16", True, 1, 1, "AdamW8bit", "fp8"),
@@ -135,7 +135,7 @@ def presets() -> dict:
              # compile experiments (bench only, see COMPILE_VARIANTS): fast+compile-<variant>, lean+compile-<variant>
              **{f"{preset}+compile-{variant}": replace(base[preset], compile=True)
                 for preset in ("fast", "lean") for variant in COMPILE_VARIANTS},
-             "lean+bf16w": replace(base["lean"], lora_weights="bf16 + stochastic rounding"),
+             "lean+bf16w": replace(base["lean"], lora_weights="bf16_stochastic_rounding"),
              "lean+compile": replace(base["lean"], compile=True),
              "balanced+compile": replace(base["balanced"], compile=True),
              # lean's parts compiled: what each costs at equal (compiled) settings
@@ -157,16 +157,17 @@ COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, fast
                     "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)",
                     "no-combo": "the product's units without inductor's combo kernels (the product before "
                                 "campaign 10: a layer's small independent kernels launched one by one)"}
-# compile experiments change the product's inductor options (trainer.fast_path.INDUCTOR_OPTIONS) for their row
+# compile experiments: inductor options over the product's (trainer.compiled_blocks.INDUCTOR_OPTIONS) for their row,
+# handed to the session (TrainingSession's inductor_settings)
 INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "no-combo": {"combo_kernels": False}}
-# offload experiments: preset -> ActivationOffload class settings for that row
-OFFLOAD_VARIANTS = {"lean+inflight8": {"IN_FLIGHT": 8}, "lean+ahead3": {"FETCH_AHEAD": 3},
-                    "lean+inflight8+ahead3": {"IN_FLIGHT": 8, "FETCH_AHEAD": 3}}
+# offload experiments: preset -> ActivationOffload keyword arguments for that row (TrainingSession's offload_settings)
+OFFLOAD_VARIANTS = {"lean+inflight8": {"in_flight": 8}, "lean+ahead3": {"fetch_ahead": 3},
+                    "lean+inflight8+ahead3": {"in_flight": 8, "fetch_ahead": 3}}
 _NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
-                  compile_variant: str | None = None, channels_last: bool = False):
+                  compile_variant: str | None = None, channels_last: bool = False, offload_settings: dict | None = None):
     """The Train node's TrainingSession on a bench model, started (compile, auto-fit, estimate): (session,
     estimate, fit lines, seconds the start took). With a cap (or start_on_cpu) the checkpoint waits in CPU memory,
     as in ComfyUI, and the session places only what it decided to; the cap then counts everything training puts
@@ -174,7 +175,7 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     import comfy.model_patcher
 
     from trainer.cache import CachedSample
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.lora import inject_lora
     from trainer.session import TrainingSession
     from trainer.settings import LoraSettings, TrainSettings
@@ -212,7 +213,8 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     unet.train()
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]
-    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(steps, 1e-4, 0, "bench"))
+    session = TrainingSession(adapter, unet, params, cache, 1, TrainSettings(steps, 1e-4, 0, "bench"),
+                              inductor_settings=row_inductor_options(compile_variant), offload_settings=offload_settings)
     started = time.perf_counter()
     estimate, fit_lines = session.start(memory)
     return session, estimate, fit_lines, time.perf_counter() - started
@@ -220,35 +222,30 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
 
 def run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     """TrainingSession is what the Train node runs: settings, auto-fit, estimate and steps are the product's."""
-    from trainer.activation_offload import ActivationOffload
-    overrides = OFFLOAD_VARIANTS.get(preset.removesuffix("-eager"), {})
-    defaults = {name: getattr(ActivationOffload, name) for name in overrides}
-    product_options = fast_path.INDUCTOR_OPTIONS
-    try:
-        for name, value in overrides.items():
-            setattr(ActivationOffload, name, value)
-        fast_path.INDUCTOR_OPTIONS = {**product_options, **INDUCTOR_OPTIONS.get(_compile_variant(preset), {})}
-        return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
-    finally:
-        for name, value in defaults.items():
-            setattr(ActivationOffload, name, value)
-        fast_path.INDUCTOR_OPTIONS = product_options
+    return _run_ours(work, preset, cap_gib, warmup, steps, count_flops)
+
+
+def row_inductor_options(compile_variant: str | None) -> dict:
+    """The inductor options a row compiles with: the product's, with its compile experiment's over them."""
+    return {**compiled_blocks.INDUCTOR_OPTIONS, **INDUCTOR_OPTIONS.get(compile_variant, {})}
 
 
 def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.loop import train_loop
+    from trainer.settings import AutoFit
     from trainer.train_lora import LOSS_READ_EVERY
 
     device = work.device
     memory = replace(presets()["fast" if preset == "autofit" else preset], batch_size=work.batch)
     if preset == "autofit":
-        memory = replace(memory, auto_fit=f"{cap_gib:g} GiB")
-    _forget_graphs_compiled_otherwise(memory.compile)
-    session, estimate, fit_lines, start_s = start_session(work, memory, warmup + steps, cap_gib,
-                                                          compile_variant=_compile_variant(preset),
-                                                          channels_last=preset.removesuffix("-eager").endswith("+cl"))
+        memory = replace(memory, auto_fit=AutoFit(card_gib=cap_gib))
+    _forget_graphs_compiled_otherwise(memory.compile, row_inductor_options(_compile_variant(preset)))
+    session, estimate, fit_lines, start_s = start_session(
+        work, memory, warmup + steps, cap_gib, compile_variant=_compile_variant(preset),
+        channels_last=preset.removesuffix("-eager").endswith("+cl"),
+        offload_settings=OFFLOAD_VARIANTS.get(preset.removesuffix("-eager")))
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
 
@@ -288,15 +285,16 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
 _compiled_with: dict | None = None  # the inductor options of this process's compiled graphs
 
 
-def _forget_graphs_compiled_otherwise(compiles: bool) -> None:
+def _forget_graphs_compiled_otherwise(compiles: bool, options: dict) -> None:
     """Dynamo hands a row the graphs an earlier row compiled (same code, guards pass), whatever inductor options
-    are set now: a compile row whose options differ from the last compile row's starts from a reset dynamo."""
+    the row compiles with: a compile row whose options differ from the last compile row's starts from a reset
+    dynamo."""
     global _compiled_with
-    if not compiles or fast_path.INDUCTOR_OPTIONS == _compiled_with:
+    if not compiles or options == _compiled_with:
         return
     if _compiled_with is not None:
         torch._dynamo.reset()
-    _compiled_with = dict(fast_path.INDUCTOR_OPTIONS)
+    _compiled_with = dict(options)
 
 
 def _compile_variant(preset: str) -> str | None:

@@ -1,6 +1,6 @@
 import math
 
-from ..trainer.comfy_adapter import apply_lora
+from ..bridge.comfy_adapter import apply_lora
 from ..trainer.errors import LeanLoRAError
 from ..trainer.files import non_finite_tensors
 from .common import CATEGORY

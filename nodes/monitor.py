@@ -1,8 +1,12 @@
 from PIL import Image
 
-from ..trainer.plot import RAW, SMOOTH, bar_chart, line_chart
-from ..trainer.vram import TIMELINE, format_snapshot, snapshot
+from .plot import RAW, SMOOTH, bar_chart, line_chart
+from ..trainer.vram import Timeline, format_snapshot, snapshot
 from .common import CATEGORY, pil_to_image
+
+
+# The latest Train node run's device memory per step: LeanLoRATrain passes it to train_lora, this node reads it.
+LATEST_TRAINING = Timeline()
 
 
 class AnyType(str):
@@ -39,7 +43,7 @@ class LeanLoRAVRAMMonitor:
             bars = [(f"system RAM (no NVIDIA GPU): {snap['ram_used_gib']:.1f}/{snap['ram_total_gib']:.1f} GiB",
                      snap["ram_used_gib"], snap["ram_total_gib"])]
         charts = [bar_chart(bars, "memory now")]
-        allocated, reserved = TIMELINE.copy()
+        allocated, reserved = LATEST_TRAINING.copy()
         if allocated:
             charts.append(line_chart([(reserved, SMOOTH), (allocated, RAW)],
                                      "last training: GiB allocated (blue) / reserved (orange) per step"))

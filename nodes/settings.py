@@ -1,7 +1,6 @@
-from ..trainer.settings import (ALLOCATOR, ATTENTION, AUTO_FIT, BASE_WEIGHTS, CHECKPOINT_DEPTH, FAST_PATH,
-                                LATENT_CACHE, LORA_TARGETS, LORA_WEIGHTS, MIXED_PRECISION, OPTIMIZERS, LoraSettings,
-                                MemorySettings)
+from ..trainer.settings import MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
 from .common import CATEGORY
+from .labels import choices, values_of
 
 
 class LeanLoRAMemorySettings:
@@ -25,28 +24,28 @@ class LeanLoRAMemorySettings:
                     "smaller. PagedAdamW8bit: state can spill to CPU RAM. Lion: one moment instead of two (use a "
                     "3-10x lower learning rate). Adafactor: factored state, smallest. Without bitsandbytes the "
                     "8-bit choices fall back to AdamW/Lion and the report says so."}),
-                "base_weights": (list(BASE_WEIGHTS), {"default": "as loaded", "tooltip":
+                "base_weights": (choices("base_weights"), {"default": "as loaded", "tooltip":
                     "fp8: store the frozen checkpoint weights of the training copy in fp8 (half of fp16), upcast "
                     "layer by layer while computing. fp8 streamed from CPU: also keep those weights in CPU RAM "
                     "and copy each layer to the GPU just before it runs (least VRAM, slower; CUDA only)."}),
-                "auto_fit": (list(AUTO_FIT), {"default": "off", "tooltip":
+                "auto_fit": (choices("auto_fit"), {"default": "off", "tooltip":
                     "Before step 1, measure the memory these settings need and, if it exceeds the budget, take "
                     "the next memory saver (batch -> accumulation, bf16, checkpointing, 8-bit optimizer, fp8, activation offload, "
                     "streaming) until it fits. 'free VRAM' = what the GPU has free now. The report says what "
                     "was chosen and why."}),
-                "latent_cache": (list(LATENT_CACHE), {"default": "RAM", "tooltip":
+                "latent_cache": (choices("latent_cache"), {"default": "RAM", "tooltip":
                     "Keep image latents and caption embeddings between runs, keyed by file content, crop and "
                     "encoder: re-queuing with other settings skips the VAE/CLIP, and only changed images are "
                     "re-encoded. RAM: up to 2 GiB in this ComfyUI process. RAM + disk: also in "
                     "models/leanlora_cache (survives restarts). off: encode every run."}),
-                "attention": (list(ATTENTION), {"default": "auto", "tooltip":
+                "attention": (choices("attention"), {"default": "auto", "tooltip":
                     "Attention kernel used while training. auto: what ComfyUI picked at start-up. pytorch SDPA: "
                     "flash / memory-efficient kernels where the GPU has them. xformers: only if installed for "
                     "your torch on an NVIDIA GPU. chunked: sub-quadratic attention in slices, least memory, slowest."}),
             },
             # Optional so workflows saved before these existed still load with the defaults.
             "optional": {
-                "checkpoint_depth": (list(CHECKPOINT_DEPTH), {"default": "per layer", "tooltip":
+                "checkpoint_depth": (choices("checkpoint_depth"), {"default": "per layer", "tooltip":
                     "With gradient checkpointing: recompute each ResBlock and each single transformer layer (per "
                     "layer: least memory during backward on SDXL, whose deep blocks stack 10 layers) or each whole "
                     "transformer block (per block: fewer stored block inputs, more memory while one block is "
@@ -57,7 +56,7 @@ class LeanLoRAMemorySettings:
                     "recomputed FLOP go first (SDXL 1024, estimated: 0.4 frees about half the activation memory for 42% of "
                     "the extra compute). With checkpointing off, auto_fit and out-of-memory recovery try 0.2, 0.4, 0.6 "
                     "and 0.8 before all blocks."}),
-                "fast_path": (list(FAST_PATH), {"default": "CUDA graphs", "tooltip":
+                "fast_path": (choices("fast_path"), {"default": "CUDA graphs", "tooltip":
                     "CUDA graphs: record each step's GPU work once per image size and replay it, removing the "
                     "Python overhead that dominates small batches (often 3-6x faster steps). Falls back to normal "
                     "steps, saying why, where capture is not possible. off: plain PyTorch steps."}),
@@ -74,12 +73,12 @@ class LeanLoRAMemorySettings:
                     "SDXL 1024 (H200): 33-62 s of compiling the first time (about 9 s after a restart, 2 s when "
                     "re-queued), then at batch 8 14% faster steps and 7 GiB less memory; with fp8 weights, "
                     "checkpointing and offload (lean) 15-24% faster steps."}),
-                "lora_weights": (list(LORA_WEIGHTS), {"default": "fp32", "tooltip":
+                "lora_weights": (choices("lora_weights"), {"default": "fp32", "tooltip":
                     "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
                     "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "
                     "down at random so small steps still add up; ~10% faster steps. The optimizer steps fp32 "
                     "copies of a few million weights at a time. Needs mixed_precision bf16."}),
-                "allocator": (list(ALLOCATOR), {"default": "expandable segments", "tooltip":
+                "allocator": (choices("allocator"), {"default": "expandable segments", "tooltip":
                     "expandable segments: PyTorch's allocator grows one mapping instead of many fixed blocks, so "
                     "reserved VRAM stays close to what is used (less fragmentation), for this run only. Needs "
                     "PyTorch's native allocator (start ComfyUI with --disable-cuda-malloc); otherwise the report "
@@ -96,7 +95,8 @@ class LeanLoRAMemorySettings:
                    "repeats that step; the report lists each recovery.")
 
     def execute(self, **settings):
-        return (MemorySettings(**settings),)  # input names are MemorySettings' fields; omitted optionals default
+        # input names are MemorySettings' fields; omitted optionals default
+        return (MemorySettings(**values_of(settings)),)
 
 
 class LeanLoRALoraConfig:
@@ -110,7 +110,7 @@ class LeanLoRALoraConfig:
                     "LoRA alpha (network_alpha): the update is scaled by alpha / rank. Equal to rank = scale 1."}),
                 "dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, "tooltip":
                     "Dropout on the LoRA input during training; a little (0.05-0.1) can reduce overfitting."}),
-                "targets": (list(LORA_TARGETS), {"default": "attention", "tooltip":
+                "targets": (choices("targets"), {"default": "attention", "tooltip":
                     "Which UNet layers get LoRA: attention (q/k/v/out projections) or attention plus feed-forward."}),
             }
         }
@@ -120,4 +120,4 @@ class LeanLoRALoraConfig:
     CATEGORY = CATEGORY
 
     def execute(self, rank, alpha, dropout, targets):
-        return (LoraSettings(rank, alpha, dropout, targets),)
+        return (LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"]),)

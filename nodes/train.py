@@ -7,13 +7,14 @@ import comfy.utils
 import folder_paths
 
 from ..trainer.cache_store import LatentTextStore
-from ..trainer.comfy_adapter import ComfyAdapter, apply_lora
+from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
 from ..trainer.errors import TrainingCancelled
-from ..trainer.jobs import JOBS, Job
-from ..trainer.plot import loss_chart
-from ..trainer.settings import LR_SCHEDULES, TrainSettings
+from ..trainer.settings import LR_SCHEDULES, LatentCache, TrainSettings
 from ..trainer.train_lora import train_lora
 from .common import CATEGORY, pil_to_image
+from .jobs import JOBS, Job
+from .monitor import LATEST_TRAINING
+from .plot import loss_chart
 
 PREVIEW_EVERY_S = 2.0
 LOG_EVERY_STEPS = 10
@@ -73,10 +74,10 @@ def wait_for(job: Job, total: int):
     return job.result
 
 
-def latent_store(choice: str) -> LatentTextStore | None:
-    if choice == "off":
+def latent_store(choice: LatentCache) -> LatentTextStore | None:
+    if choice is LatentCache.OFF:
         return None
-    if choice == "RAM + disk":  # a folder that cannot be written is reported and skipped by train_lora
+    if choice is LatentCache.RAM_AND_DISK:  # a folder that cannot be written is reported and skipped by train_lora
         return LatentTextStore(Path(folder_paths.models_dir) / "leanlora_cache")
     return LatentTextStore()
 
@@ -142,7 +143,8 @@ class LeanLoRATrain:
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
-                                                job.emit, lambda: job.cancelled, store, fallback_dir))
+                                                job.emit, lambda: job.cancelled, store, fallback_dir,
+                                                LATEST_TRAINING))
         outcome = wait_for(job, steps)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:

@@ -4,6 +4,7 @@ Tests marked `comfy` share one real ComfyUI server per session (start ~10 s), wh
 SD1.5 checkpoint and dataset built by scripts/tiny_assets.py.
 """
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,44 @@ for path in (REPO / "tests", REPO / "scripts", REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from comfy_headless import comfyui_path  # noqa: E402
+import importlib.abc  # noqa: E402
+import importlib.machinery  # noqa: E402
 
-# The real ComfyUI goes first on sys.path: ComfyUI's top-level `nodes` module must win over this pack's
-# `nodes/` package, and pytest imports the pack's root __init__.py (the repo root is a package), which needs
-# `comfy`. Tests run on the CPU, as in CI.
+from comfy_headless import comfyui_path  # noqa: E402  (a path and a subprocess harness: imports no ComfyUI)
+
+# The real ComfyUI goes first on sys.path: ComfyUI's top-level `nodes` module must win over this pack's `nodes/`
+# package. Tests run ComfyUI on the CPU, as in CI. Nothing here imports ComfyUI: unit tests (test_imports.py,
+# test_pure_torch_training.py) run without it, and the first `import comfy...` of a test that needs it sets the CPU
+# flag on ComfyUI's arguments before any ComfyUI module reads them.
 sys.path.insert(0, str(comfyui_path()))
-import comfy.cli_args  # noqa: E402
 
-comfy.cli_args.args.cpu = True
+
+class _ComfyOnCpu(importlib.abc.MetaPathFinder):
+    """Sets comfy.cli_args.args.cpu the moment comfy.cli_args is first imported (comfy.model_management reads it
+    while importing)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "comfy.cli_args":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module.args.cpu = True
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _ComfyOnCpu())
+
+# pytest imports the root's __init__.py before the first test (the repo root is a package: the pack), and that file
+# registers every node, importing ComfyUI. Registered here as a bare package (its folder, no __init__ run), which
+# pytest's importlib mode takes as already imported; tests that need the nodes import the pack themselves.
+_pack_root = types.ModuleType(REPO.name)
+_pack_root.__path__ = [str(REPO)]
+sys.modules.setdefault(REPO.name, _pack_root)
 
 import tiny_assets as tiny_assets_lib  # noqa: E402  (importable thanks to the sys.path entries above)
 from comfy_headless import ComfyServer  # noqa: E402

@@ -14,7 +14,8 @@ import torch  # noqa: E402
 
 from helpers import TinyNet  # noqa: E402
 from trainer.activation_offload import ActivationOffload  # noqa: E402
-from trainer.fast_path import BatchStep, EagerMicroStep, GraphedMicroStep, allocator_backend, compile_blocks  # noqa: E402
+from trainer.compiled_blocks import compile_blocks  # noqa: E402
+from trainer.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, allocator_backend  # noqa: E402
 from trainer.loop import train_loop  # noqa: E402
 from trainer.lora import inject_lora  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402

@@ -170,7 +170,7 @@ def _clip_lora(clip, strength):
 
 def test_encoder_ids_follow_weights_and_clip_patches(comfy_objects, tiny_assets):
     import comfy.sd
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     model, clip, vae = comfy_objects
     plain = ComfyAdapter(model, clip, vae)
     image_id, text_id = plain.image_encoder_id(), plain.text_encoder_id()

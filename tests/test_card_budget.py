@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from helpers import TinyNet
+from bridge.cast_weights import projected_weight_bytes
 from trainer import session as session_module
 from trainer.errors import LeanLoRAError
 from trainer.estimate import GIB
 from trainer.lora import inject_lora
-from trainer.settings import LoraSettings, MemorySettings
+from trainer.settings import AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, AutoFit, BaseWeights, LoraSettings, MemorySettings
 
 CUDA = torch.device("cuda")
 
@@ -30,13 +31,13 @@ MARGIN = session_module.CardBudget.MARGIN
 def test_a_card_of_n_gib_leaves_training_what_the_cuda_context_does_not_hold(card):
     # and a margin: probes stopped at the cap peaked 0.07-0.1 GiB above 2-8 GiB cards (NVML, H200)
     assert int(0.1 * GIB) <= MARGIN <= int(0.25 * GIB)
-    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
+    assert session_module.budget_bytes(AutoFit(card_gib=4), CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
     card["torch_reserved"] = 2 * GIB  # what PyTorch holds is the run's own to plan, not the context's
-    assert session_module.budget_bytes("4 GiB", CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
+    assert session_module.budget_bytes(AutoFit(card_gib=4), CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
 
 
 def test_the_budget_is_measured_again_as_libraries_load(card):
-    budget = session_module.card_budget("6 GiB", CUDA)
+    budget = session_module.card_budget(AutoFit(card_gib=6), CUDA)
     before = budget.usable()
     card["outside"] += int(0.3 * GIB)  # cuDNN/cuBLAS kernels loaded by the first probe step
     assert budget.usable() == before - int(0.3 * GIB)
@@ -44,20 +45,26 @@ def test_the_budget_is_measured_again_as_libraries_load(card):
 
 def test_free_vram_is_the_card_less_comfyuis_reserve_and_what_is_held_outside_pytorch(card):
     reserve = 137 * GIB  # ComfyUI started with --reserve-vram 137 on a 141 GiB card: a 4 GiB card
-    assert session_module.budget_bytes("free VRAM", CUDA, comfy_reserve=reserve) == 4 * GIB - int(0.6 * GIB) - MARGIN
-    assert session_module.budget_bytes("off", CUDA) is None
-    assert session_module.budget_bytes("4 GiB", torch.device("cpu")) is None
+    assert session_module.budget_bytes(AUTO_FIT_FREE_VRAM, CUDA, comfy_reserve=reserve) == \
+        4 * GIB - int(0.6 * GIB) - MARGIN
+    assert session_module.budget_bytes(AUTO_FIT_OFF, CUDA) is None
+    assert session_module.budget_bytes(AutoFit(card_gib=4), torch.device("cpu")) is None
+
+
+def _weight_bytes(unet):
+    """What the session hands plan_static: the adapter's projection (ComfyUI's, whose cast ops TinyNet mimics)."""
+    return lambda dtype, base_weights: projected_weight_bytes(unet, dtype, base_weights)
 
 
 def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training_naming_the_smallest_card(card):
     torch.manual_seed(0)
     unet = TinyNet(dim=512, depth=4)  # 12.6 MB of fp32 frozen weights stand in for a UNet
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
-    memory = MemorySettings(auto_fit="2 GiB")
+    memory = MemorySettings(auto_fit=AutoFit(card_gib=2))
     card["outside"] = 2 * GIB - 4 * 2 ** 20  # a 2 GiB card whose context leaves 4 MiB: nothing fits
     budget = session_module.card_budget(memory.auto_fit, CUDA)
     with pytest.raises(LeanLoRAError) as failure:
-        session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
+        session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
     message = str(failure.value)
     assert "2.0 GiB card" in message and "smallest card it trains on is about" in message
     assert "raise auto_fit" in message
@@ -67,9 +74,9 @@ def test_a_model_that_fits_is_planned_without_an_error(card):
     torch.manual_seed(0)
     unet = TinyNet(dim=64, depth=2)
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
-    memory = MemorySettings(auto_fit="4 GiB")
+    memory = MemorySettings(auto_fit=AutoFit(card_gib=4))
     budget = session_module.card_budget(memory.auto_fit, CUDA)
-    planned, lines = session_module.plan_static(memory, unet, params, budget.usable(), CUDA, budget.card)
+    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
     assert planned == memory and lines == []
 
 
@@ -82,11 +89,11 @@ def test_static_planning_leaves_checkpointing_to_the_probes(card):
         if isinstance(layer, torch.nn.Linear):
             layer.comfy_cast_weights = False  # as ComfyUI's ops have it: such layers can hold fp8 weights
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
-    memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit="2 GiB")
+    memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2))
     # bf16 weights 8 MiB + LoRA, gradients, AdamW 1 MiB > 75% of 10 MiB; fp8 weights (4 MiB) fit
     budget = 10 * 2 ** 20
-    planned, lines = session_module.plan_static(memory, unet, params, budget, CUDA)
-    assert planned.base_weights == "fp8", lines
+    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
+    assert planned.base_weights is BaseWeights.FP8, lines
     assert not planned.gradient_checkpointing, lines
     assert not any("checkpointing" in line for line in lines), lines
 

@@ -18,7 +18,7 @@ import comfy.model_patcher
 import comfy.ops
 import comfyui_version
 
-from trainer.comfy_adapter import ComfyAdapter
+from bridge.comfy_adapter import ComfyAdapter
 
 IS_033 = hasattr(comfy.model_patcher, "ModelPatcherDynamic")
 LORA_KEY = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"

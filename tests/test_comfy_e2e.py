@@ -195,9 +195,13 @@ def test_buckets_and_latent_cache_through_the_nodes(comfy_server, trained):
 def test_memory_settings_inputs_are_exactly_the_settings_fields(comfy_server):
     """The node passes its inputs to MemorySettings by name: every field is an input and nothing else is."""
     import dataclasses
-    from trainer.settings import MemorySettings
+    import importlib
+    from helpers import PACK, node_module
+    labels = node_module("labels")  # and the trainer it maps to, from the same copy of the pack
+    MemorySettings = importlib.import_module(f"{PACK}.trainer.settings").MemorySettings
     spec = comfy_server.object_info()["LeanLoRAMemorySettings"]["input"]
     names = {*spec["required"], *spec.get("optional", {})}
     assert names == {field.name for field in dataclasses.fields(MemorySettings)}
     for name, (_, options) in spec.get("optional", {}).items():  # optional ones default like the dataclass
-        assert options["default"] == MemorySettings.__dataclass_fields__[name].default, name
+        default = MemorySettings.__dataclass_fields__[name].default
+        assert options["default"] == (labels.label_of(name, default) if name in labels.LABELS else default), name

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import comfy.model_management
-from trainer.comfy_adapter import ComfyAdapter
+from bridge.comfy_adapter import ComfyAdapter
 
 
 def _in_a_training_thread(work):

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from helpers import TinyNet
-from trainer.fast_path import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
+from trainer.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
 from trainer.loop import train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import build_optimizer
 from trainer.precision import Precision
-from trainer.settings import LoraSettings
+from trainer.settings import FastPath, LoraSettings
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")
 
@@ -46,13 +46,13 @@ def _train(device, graphed: bool, precision_mode="no", optimizer_name="AdamW", a
 
 
 def test_cpu_falls_back_to_the_eager_step():
-    micro, note = build_micro_step("CUDA graphs", lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
+    micro, note = build_micro_step(FastPath.CUDA_GRAPHS, lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
                                    torch.device("cpu"))
     assert type(micro) is EagerMicroStep and "need an NVIDIA GPU" in note
 
 
 def test_incompatible_settings_say_why():
-    micro, note = build_micro_step("CUDA graphs", lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
+    micro, note = build_micro_step(FastPath.CUDA_GRAPHS, lambda inputs: inputs, Precision("no", torch.device("cpu")), [],
                                    torch.device("cuda"), incompatible="LoRA dropout draws random numbers")
     assert type(micro) is EagerMicroStep and "LoRA dropout" in note
 
@@ -263,7 +263,6 @@ def test_a_backward_that_fails_still_joins_the_copy_stream_and_drops_fetched_ten
 def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_streams, saves_per_node, fetch_ahead,
                                                                       monkeypatch):
     from trainer.activation_offload import ActivationOffload
-    monkeypatch.setattr(ActivationOffload, "FETCH_AHEAD", fetch_ahead)
     fetch, in_flight = ActivationOffload._fetch, []
 
     def counted_fetch(self, saved, compute):
@@ -284,13 +283,13 @@ def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_s
     expected = [t.grad.clone() for t in (x, *factors) if t.grad is not None]
     for t in (x, *factors):
         t.grad = None
-    offload = ActivationOffload(min_bytes=1)
+    offload = ActivationOffload(min_bytes=1, fetch_ahead=fetch_ahead)
     for attempt in ("first pass: guesses reverse pack order", "second pass: the order backward asked in before"):
         for t in (x, *factors):
             t.grad = None
         with offload.saving():
             loss = loss_of()
-            assert len(offload._to_host) <= ActivationOffload.IN_FLIGHT  # device memory held for copies in flight
+            assert len(offload._to_host) <= offload.in_flight  # device memory held for copies in flight
         assert not offload._to_host  # released once the pass is over
         packs = offload.offloaded_bytes // (64 * 64 * 4)
         loss.backward()
@@ -352,7 +351,7 @@ def test_compile_fallback_keeps_checkpointing_wrapped_around_blocks():
     """compile_now falls back after checkpointing has wrapped the compiled blocks: the blocks must run eagerly and
     stay checkpointed (each block saves its input for backward, not its activations)."""
     from trainer.checkpointing import checkpoint_blocks
-    from trainer.fast_path import CompiledBlocks
+    from trainer.compiled_blocks import CompiledBlocks
 
     def saved_count(model, x):
         saved = []
@@ -378,7 +377,7 @@ def test_the_graph_pool_is_planned_next_to_what_stays_allocated_not_the_warm_ups
     """Campaign 7, SDXL auto-fit under 4 GiB: about 2.7 GiB stay allocated between steps, yet the warm-up's cached
     activations raised reserved memory to about 3.98 GiB, and counting those next to the graph's own pool
     (0.65 GiB) ran the whole run eagerly. The pool replaces the cached blocks, which are released before capture."""
-    from trainer.fast_path import graph_pool_fits
+    from trainer.micro_steps import graph_pool_fits
     gib = 2 ** 30
     held, transient = int(2.71 * gib), int(0.65 * gib)
     assert graph_pool_fits(held, transient, 4 * gib)
@@ -388,7 +387,7 @@ def test_the_graph_pool_is_planned_next_to_what_stays_allocated_not_the_warm_ups
 
 def test_paused_compiled_blocks_run_eagerly_without_compiling():
     """Auto-fit's probes run uncompiled: a new shape inside `uncompiled()` compiles nothing, outside it compiles."""
-    from trainer.fast_path import CompiledBlocks, compiled_graph_count
+    from trainer.compiled_blocks import CompiledBlocks, compiled_graph_count
     torch._dynamo.reset()
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
     compiled = CompiledBlocks([block])
@@ -405,33 +404,34 @@ def test_paused_compiled_blocks_run_eagerly_without_compiling():
 def test_compiled_blocks_compile_with_the_inductor_options_this_torch_knows(monkeypatch):
     """Combo kernels are on for the compiled blocks (campaign 10: lean with compile 7% faster); a setting this
     torch's inductor lacks is dropped instead of failing the compile, which would leave the whole model eager."""
-    from trainer import fast_path
-    monkeypatch.setattr(fast_path, "INDUCTOR_OPTIONS", {**fast_path.INDUCTOR_OPTIONS, "no_such_inductor_setting": 1})
-    assert fast_path.inductor_options() == {"combo_kernels": True}
+    from trainer import compiled_blocks
+    wanted = {**compiled_blocks.INDUCTOR_OPTIONS, "no_such_inductor_setting": 1}
+    assert compiled_blocks.inductor_options(wanted) == {"combo_kernels": True}
     torch._dynamo.reset()
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
-    compiled = fast_path.CompiledBlocks([block])
+    compiled = compiled_blocks.CompiledBlocks([block], wanted)
+    assert compiled.options == {"combo_kernels": True}
     x = torch.randn(3, 8)
     torch.testing.assert_close(block(x), block[1](block[0](x)))
-    assert compiled.failed is None and fast_path.compiled_graph_count() >= 1
+    assert compiled.failed is None and compiled_blocks.compiled_graph_count() >= 1
     torch._dynamo.reset()
 
 
 def test_blocks_compile_without_the_extra_inductor_options_where_those_fail(monkeypatch):
     """Combo kernels are newer than the rest of inductor: where compiling with an extra option fails, the blocks
     compile without it (and the report says so) instead of the whole model running eagerly."""
-    from trainer import fast_path
+    from trainer import compiled_blocks
     # known to inductor, and fails while compiling a Linear: no GEMM backend to choose from
-    monkeypatch.setattr(fast_path, "INDUCTOR_OPTIONS", {"max_autotune": True, "max_autotune_gemm_backends": "NONE"})
+    failing = {"max_autotune": True, "max_autotune_gemm_backends": "NONE"}
     torch._dynamo.reset()
     blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)]
-    compiled = fast_path.CompiledBlocks(blocks)
-    before = fast_path.compiled_graph_count()
+    compiled = compiled_blocks.CompiledBlocks(blocks, failing)
+    before = compiled_blocks.compiled_graph_count()
     x = torch.randn(3, 8)
     for block in blocks:
         torch.testing.assert_close(block(x), block[1](block[0](x)))
     assert compiled.failed is None and compiled.options == {}
-    assert fast_path.compiled_graph_count() > before  # compiled, not eager
+    assert compiled_blocks.compiled_graph_count() > before  # compiled, not eager
     assert len(compiled.notes) == 1
     assert "compiled without inductor's max_autotune, max_autotune_gemm_backends, which failed here" in compiled.notes[0]
     torch._dynamo.reset()

@@ -193,7 +193,8 @@ def test_the_check_sees_an_upgrade(comfyui_environment):
 
 
 def test_every_listed_dependency_is_imported_by_the_pack():
-    sources = "\n".join(p.read_text() for folder in ("trainer", "nodes") for p in (REPO / folder).glob("*.py"))
+    sources = "\n".join(p.read_text() for folder in ("trainer", "bridge", "nodes")
+                        for p in (REPO / folder).rglob("*.py"))
     sources += (REPO / "__init__.py").read_text()
     import_names = {"pillow": "PIL", "nvidia-ml-py": "pynvml"}
     for line in (REPO / "requirements.txt").read_text().splitlines():

@@ -25,7 +25,7 @@ import comfy.lora
 import comfy.model_patcher
 import comfy.supported_models
 
-from trainer.comfy_adapter import ComfyAdapter, apply_lora, base_model_kind, kohya_module_names
+from bridge.comfy_adapter import ComfyAdapter, apply_lora, base_model_kind, kohya_module_names
 from trainer.dataset import scan_folder
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings

@@ -70,12 +70,14 @@ def test_a_resumed_schedule_continues_the_curve_and_unknown_names_fail():
 
 def test_the_pack_imports_no_diffusers():
     """diffusers pulls huggingface-hub>=1.32 and so transformers 5 into a ComfyUI environment: the pack must not
-    need it. Every trainer module imports, and a schedule and a LoRA export run, with diffusers unimportable."""
+    need it. Every trainer and bridge module but the ComfyUI adapter imports, and a schedule and a LoRA export run,
+    with diffusers unimportable."""
     code = (
         "import sys; sys.modules['diffusers'] = None\n"
-        "import pkgutil, importlib, torch, trainer\n"
+        "import pkgutil, importlib, torch, trainer, bridge\n"
         "for m in pkgutil.iter_modules(trainer.__path__):\n"
-        "    if m.name != 'comfy_adapter': importlib.import_module('trainer.' + m.name)\n"
+        "    importlib.import_module('trainer.' + m.name)\n"
+        "importlib.import_module('bridge.cast_weights')\n"
         "from trainer.optimizers import build_lr_schedule\n"
         "from trainer.lora import inject_lora, kohya_state_dict\n"
         "from trainer.settings import LoraSettings\n"

@@ -139,7 +139,7 @@ def test_cancel_is_seen_by_the_training_loop_itself(pack, comfy_objects, tmp_pat
     monkeypatch.setattr(comfy.ops, "run_every_op", lambda: None)
     train_node, settings = pack("nodes.train"), pack("trainer.settings")
     dataset = pack("trainer.dataset").scan_folder(tiny_assets.build_tiny_dataset(tmp_path / "ds", n=2), 64)
-    adapter = pack("trainer.comfy_adapter").ComfyAdapter(*comfy_objects)
+    adapter = pack("bridge.comfy_adapter").ComfyAdapter(*comfy_objects)
     steps = 400
 
     def target(job):

@@ -272,7 +272,7 @@ def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name, chunk, mo
 def test_bf16_lora_weights_need_bf16_mixed_precision():
     from trainer.settings import MemorySettings
     with pytest.raises(LeanLoRAError, match="lora_weights.*mixed_precision bf16"):
-        MemorySettings("fp16", lora_weights="bf16 + stochastic rounding")
+        MemorySettings("fp16", lora_weights="bf16_stochastic_rounding")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory of the optimizer step needs CUDA")

@@ -10,7 +10,7 @@ import torch
 from trainer.cache import CachedSample
 from trainer.errors import LeanLoRAError
 from trainer.memory_plan import next_rung
-from trainer.settings import LoraSettings, MemorySettings, TrainSettings
+from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraWeights, MemorySettings, TrainSettings
 
 LATENT = (8, 8)  # level 0 runs at 8x8 = 64 positions, level 1 at 4x4 = 16
 CONTEXT_DIM = 96
@@ -42,9 +42,9 @@ def two_level_unet():
 
 @pytest.fixture()
 def adapter(comfy_objects):
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     adapter = ComfyAdapter(*comfy_objects)
-    adapter.set_attention("pytorch SDPA")  # CPU's default, sub-quadratic attention, is several times slower
+    adapter.set_attention(Attention.SDPA)  # CPU's default, sub-quadratic attention, is several times slower
     return adapter
 
 
@@ -84,13 +84,13 @@ def _memory(share=1.0, checkpointing=True, **fields):
 
 def test_order_puts_high_resolution_units_first_transformer_layers_before_resblocks(adapter, two_level_unet):
     levels = _levels(two_level_unet)
-    order = [id(u) for u in adapter.checkpoint_blocks(two_level_unet, "per layer", latent_size=LATENT)]
+    order = [id(u) for u in adapter.checkpoint_blocks(two_level_unet, CheckpointDepth.LAYER, latent_size=LATENT)]
     assert len(order) == 15 and len(set(order)) == 15
     sizes = [len(units) for units in levels.values()]
     groups = [set(order[sum(sizes[:i]):sum(sizes[:i + 1])]) for i in range(len(sizes))]
     assert groups == [{id(u) for u in units} for units in levels.values()]  # in the order of `levels`
     # without a latent size: the UNet's own order, as before
-    plain = adapter.checkpoint_blocks(two_level_unet, "per layer")
+    plain = adapter.checkpoint_blocks(two_level_unet, CheckpointDepth.LAYER)
     assert plain[0] is levels["resblocks 8²"][0] and plain[1] is levels["layers 8²"][0]
 
 
@@ -139,7 +139,7 @@ def test_model_matches_what_autograd_saves_and_the_flop_counter(adapter, two_lev
 def test_share_wraps_the_first_units_of_the_order(adapter, two_level_unet, share, expected):
     session = _session(adapter, two_level_unet)
     session.configure(_memory(share))
-    order = adapter.checkpoint_blocks(session.unet, "per layer", latent_size=LATENT)
+    order = adapter.checkpoint_blocks(session.unet, CheckpointDepth.LAYER, latent_size=LATENT)
     assert _wrapped(session) == {id(u) for u in order[:expected]}
     assert (f"gradient checkpointing: {expected} of 15 blocks recomputed" in " ".join(session.notes)) == (share < 1)
 
@@ -210,7 +210,7 @@ def test_ladder_visits_partial_shares_in_order_then_todays_next_rung(adapter, tw
 
 def test_streamed_weights_checkpoint_every_block(adapter, two_level_unet):
     session = _session(adapter, two_level_unet)
-    session.configure(_memory(0.4, base_weights="fp8 streamed from CPU"))
+    session.configure(_memory(0.4, base_weights=BaseWeights.FP8_STREAMED))
     assert session.memory.checkpoint_share == 1.0 and len(_wrapped(session)) == 15
     assert "streaming needs every block checkpointed: turned full gradient checkpointing on" in session.notes
 

@@ -210,7 +210,7 @@ def test_non_finite_weights_are_found():
 def test_v_prediction_models_train_on_v_in_the_loss_itself(comfy_objects):
     """denoising_loss (what every training step computes) is ~0 for the model's own target and not for the other."""
     from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.objective import denoising_loss
     model, clip, vae = comfy_objects
     g = torch.Generator().manual_seed(0)
@@ -237,7 +237,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture()
 def adapter(comfy_objects):
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     return ComfyAdapter(*comfy_objects)
 
 
@@ -320,7 +320,7 @@ def test_the_seed_reaches_noise_and_shuffling(adapter, dataset, tmp_path, monkey
 
 def test_a_lora_already_on_the_input_model_is_baked_into_the_training_copy(comfy_objects):
     import comfy.sd
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     model, clip, vae = comfy_objects
     module = "input_blocks.1.1.transformer_blocks.0.attn1.to_q"
     base = model.model.diffusion_model.get_submodule(module).weight.detach().float().clone()

@@ -8,8 +8,9 @@ import torch
 
 from trainer.dataset import scan_folder
 from trainer.errors import LeanLoRAError
-from trainer.frozen_weights import FP8, frozen_weight_bytes, store_weights_fp8
-from trainer.settings import LoraSettings, MemorySettings, TrainSettings
+from bridge.cast_weights import store_weights_fp8
+from trainer.frozen_weights import FP8, frozen_weight_bytes
+from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraWeights, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 
 
@@ -21,8 +22,14 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture()
 def adapter(comfy_objects):
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     return ComfyAdapter(*comfy_objects)
+
+
+def test_the_comfy_adapter_implements_the_model_adapter_protocol(adapter):
+    from test_pure_torch_training import protocol_members
+    from trainer.model_adapter import ModelAdapter
+    assert not protocol_members(ModelAdapter) - set(dir(adapter))
 
 
 def _oom_when(adapter, condition):
@@ -102,16 +109,15 @@ def test_fp8_storage_quarters_fp32_weights_and_stays_close(adapter):
 def test_fp8_run_trains(adapter, dataset, tmp_path, monkeypatch):
     """Also where the fused upcast cannot be compiled (a GPU box without Triton): driven on CPU here."""
     from trainer import frozen_weights
-    monkeypatch.setattr(frozen_weights, "FUSED_DEVICES", ("cpu",))
-    for name, value in (("_fused_dequantize", None), ("_fused_verified", False), ("fused_dequantize_failure", None)):
-        monkeypatch.setattr(frozen_weights, name, value)
+    upcast = frozen_weights.FusedUpcast(devices=("cpu",))  # the CUDA-only path, driven on CPU
+    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", upcast)
 
     def no_triton(*args):
         raise RuntimeError("Cannot find a working triton installation")
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: no_triton)
     outcome = _run(adapter, dataset, MemorySettings("bf16", True, 2, 1, base_weights="fp8"), tmp_path, steps=20, name="fp8")
     assert "frozen weights stored as fp8" in outcome.report
-    assert frozen_weights._fused_dequantize is False
+    assert upcast.kernel is False
     assert "fused upcast kernel could not be compiled here (RuntimeError: Cannot find a working triton" in outcome.report
     assert sum(outcome.losses[-10:]) < sum(outcome.losses[:10])
 
@@ -148,7 +154,7 @@ def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
     tensors stay saved than per layer; gradients are the same."""
     from trainer.checkpointing import checkpoint_blocks
     from trainer.lora import inject_lora
-    unets = {depth: adapter.training_unet() for depth in ("per layer", "per block")}
+    unets = {depth: adapter.training_unet() for depth in CheckpointDepth}
     grads = {}
     for depth, unet in unets.items():
         params = inject_lora(unet, LoraSettings(rank=4), seed=0)
@@ -164,7 +170,8 @@ def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
 
 
 def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
-    from trainer.frozen_weights import device_bound, projected_weight_bytes, stream_weights_from_cpu
+    from bridge.cast_weights import projected_weight_bytes, stream_weights_from_cpu
+    from trainer.frozen_weights import device_bound
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
     params = inject_lora(unet, LoraSettings(rank=4), seed=0)
@@ -172,10 +179,10 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
     cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
     with torch.no_grad():
         reference = adapter.predict(unet, x, torch.tensor([500.0]), cond)
-    as_loaded = projected_weight_bytes(unet, torch.float32, "as loaded")
+    as_loaded = projected_weight_bytes(unet, torch.float32, BaseWeights.AS_LOADED)
     assert as_loaded == frozen_weight_bytes(unet)
-    assert projected_weight_bytes(unet, torch.float32, "fp8") < 0.3 * as_loaded
-    streamed_projection = projected_weight_bytes(unet, torch.float32, "fp8 streamed from CPU")
+    assert projected_weight_bytes(unet, torch.float32, BaseWeights.FP8) < 0.3 * as_loaded
+    streamed_projection = projected_weight_bytes(unet, torch.float32, BaseWeights.FP8_STREAMED)
     kept_off = stream_weights_from_cpu(unet)
     assert streamed_projection < 0.01 * as_loaded and kept_off > 0.99 * as_loaded
     with torch.no_grad():  # ComfyUI's ops copy each streamed layer to the input's device per call
@@ -188,7 +195,7 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter):
     assert sum(t.numel() * t.element_size() for t in frozen_bound) == streamed_projection
 
 
-@pytest.mark.parametrize("backend", ["pytorch SDPA", "chunked (sub-quadratic)"])
+@pytest.mark.parametrize("backend", [Attention.SDPA, Attention.SUB_QUADRATIC])
 def test_attention_backends_compute_the_same_and_are_really_used(adapter, backend, monkeypatch):
     import comfy.ldm.modules.attention as comfy_attention
     unet = adapter.training_unet()
@@ -196,7 +203,7 @@ def test_attention_backends_compute_the_same_and_are_really_used(adapter, backen
     cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
     with torch.no_grad():
         reference = adapter.predict(unet, x, torch.tensor([400.0]), cond)
-    kernel_name = {"pytorch SDPA": "attention_pytorch", "chunked (sub-quadratic)": "attention_sub_quad"}[backend]
+    kernel_name = {Attention.SDPA: "attention_pytorch", Attention.SUB_QUADRATIC: "attention_sub_quad"}[backend]
     calls = []
     kernel = getattr(comfy_attention, kernel_name)
     monkeypatch.setattr(comfy_attention, kernel_name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -213,10 +220,10 @@ def test_unusable_xformers_fails_before_any_work_with_a_clear_message(adapter, d
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("memory", [MemorySettings("bf16", True, 2, 1, "AdamW8bit", "fp8 streamed from CPU"),
+@pytest.mark.parametrize("memory", [MemorySettings("bf16", True, 2, 1, "AdamW8bit", BaseWeights.FP8_STREAMED),
                                     MemorySettings("fp16", False, 1, 2, "Lion", "fp8"),
                                     MemorySettings("bf16", True, 1, 2, "Lion8bit", "fp8", activation_offload=True),
-                                    MemorySettings("bf16", False, 1, 1, "AdamW", lora_weights="bf16 + stochastic rounding")])
+                                    MemorySettings("bf16", False, 1, 1, "AdamW", lora_weights=LoraWeights.BF16_STOCHASTIC_ROUNDING)])
 def test_the_base_model_is_bit_identical_after_training(adapter, comfy_objects, dataset, tmp_path, memory):
     model = comfy_objects[0]
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
@@ -235,7 +242,7 @@ def test_training_targets_follow_the_models_own_prediction_type(comfy_objects):
     """eps models learn the noise, v models learn v = (noise - sigma * x0) / sqrt(1 + sigma^2), and a
     v_prediction patch from ComfyUI's ModelSamplingDiscrete node is what training sees."""
     from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete
-    from trainer.comfy_adapter import ComfyAdapter
+    from bridge.comfy_adapter import ComfyAdapter
     from trainer.objective import output_target
     model, clip, vae = comfy_objects
     patched = ModelSamplingDiscrete().patch(model, "v_prediction", False)[0]
@@ -258,7 +265,7 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     from torch._dynamo.utils import counters
     # SDPA as on a GPU: ComfyUI's CPU default (sub-quadratic attention) asks psutil for free memory mid-forward,
     # which dynamo cannot trace (a graph break per attention call).
-    settings = MemorySettings("no", checkpointing, 1, 1, attention="pytorch SDPA")
+    settings = MemorySettings("no", checkpointing, 1, 1, attention=Attention.SDPA)
     eager = _run(adapter, dataset, settings, tmp_path, steps=3, name="eager")
     torch._dynamo.reset()
     counters.clear()
@@ -273,7 +280,7 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     # transformer layers at different places in the UNet share graphs: their position is not part of the trace
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from comfy.ldm.modules.attention import BasicTransformerBlock
-    from trainer.comfy_adapter import _position_free_forward
+    from bridge.comfy_adapter import _position_free_forward
     layers = sum(isinstance(m, BasicTransformerBlock) for m in adapter.training_unet().modules())
     layer_graphs = len(_debug_get_cache_entry_list(_position_free_forward.__code__))
     assert 0 < layer_graphs < layers, (layer_graphs, layers)
@@ -299,7 +306,7 @@ def test_the_compile_step_compiles_the_batch_shape_the_run_steps_with(adapter, d
     torch._dynamo.reset()
     counters.clear()
     # two images: every step is a batch of both, the compile step's shape
-    outcome = _run(adapter, dataset, MemorySettings("no", False, batch_size, 1, attention="pytorch SDPA",
+    outcome = _run(adapter, dataset, MemorySettings("no", False, batch_size, 1, attention=Attention.SDPA,
                                                     compile=True), tmp_path, steps=2, name="compiled_batch2")
     assert len(outcome.losses) == 2 and "blocks compiled in" in outcome.report
     assert graphs_after_compile_step[0] > 0
@@ -315,7 +322,7 @@ def test_a_batch_shape_first_seen_during_training_is_reported(adapter, tmp_path_
     dataset = scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("three"), n=3), 64)
     torch._dynamo.reset()
     phases = []
-    outcome = _run(adapter, dataset, MemorySettings("no", False, 2, 1, attention="pytorch SDPA", compile=True),
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 2, 1, attention=Attention.SDPA, compile=True),
                    tmp_path, steps=3, name="compiled_remainder",
                    emit=lambda **event: phases.append(event.get("text")) if event["kind"] == "phase" else None)
     assert len(outcome.losses) == 3
@@ -354,7 +361,7 @@ def test_a_backward_compile_failure_compiles_again_without_the_extra_inductor_op
         return throwaway_step(session, batch)
     monkeypatch.setattr(TrainingSession, "throwaway_step", fails_once_with_options)
     torch._dynamo.reset()
-    outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, attention="pytorch SDPA", compile=True),
+    outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, attention=Attention.SDPA, compile=True),
                    tmp_path, steps=2, name="nocombo")
     assert failures == [{"combo_kernels": True}]
     assert "blocks compiled in" in outcome.report and "torch.compile failed here" not in outcome.report
@@ -407,10 +414,10 @@ def test_attention_kernels_that_read_free_memory_run_outside_compiled_graphs(ada
     counting = lambda *a, **k: calls.append(1) or kernel(*a, **k)
     monkeypatch.setattr(comfy_attention, "attention_sub_quad", counting)
     monkeypatch.setattr(comfy_attention, "optimized_attention", counting)
-    assert adapter.set_attention("auto") is None and adapter.transformer_options == {}
-    assert "outside the compiled graphs" in adapter.set_attention("chunked (sub-quadratic)", compiled=True)
-    assert "outside the compiled graphs" in adapter.set_attention("auto", compiled=True)
-    assert adapter.set_attention("pytorch SDPA", compiled=True) is None
+    assert adapter.set_attention(Attention.AUTO) is None and adapter.transformer_options == {}
+    assert "outside the compiled graphs" in adapter.set_attention(Attention.SUB_QUADRATIC, compiled=True)
+    assert "outside the compiled graphs" in adapter.set_attention(Attention.AUTO, compiled=True)
+    assert adapter.set_attention(Attention.SDPA, compiled=True) is None
     torch._dynamo.reset()
     outcome = _run(adapter, dataset, MemorySettings("no", False, 1, 1, compile=True), tmp_path, steps=4, name="auto")
     assert "runs outside the compiled graphs" in outcome.report

@@ -1,6 +1,7 @@
 """LeanLoRA's training library: folder -> samples -> cache -> steps -> LoRA file.
 
-Importable without a ComfyUI server; only `comfy_adapter` touches ComfyUI objects.
+Imports no ComfyUI: what it needs from a model is trainer/model_adapter.py's ModelAdapter, which ../bridge
+implements for ComfyUI (tests/test_imports.py keeps it so).
 """
 from .errors import LeanLoRAError
 

@@ -47,8 +47,8 @@ class ActivationOffload:
     IN_FLIGHT = 2  # saved tensors whose device memory waits for their copy to the host: overlap vs. memory
     FETCH_AHEAD = 1  # saved tensors on their way back while backward works on the current one
 
-    def __init__(self, min_bytes: int = MIN_BYTES):
-        self.min_bytes = min_bytes
+    def __init__(self, min_bytes: int = MIN_BYTES, in_flight: int = IN_FLIGHT, fetch_ahead: int = FETCH_AHEAD):
+        self.min_bytes, self.in_flight, self.fetch_ahead = min_bytes, in_flight, fetch_ahead
         # host buffers the last recorded pass needed: (shape, dtype, memory format)
         self.recorded: list[tuple[torch.Size, torch.dtype, torch.memory_format]] = []
         self._recording = False
@@ -99,7 +99,7 @@ class ActivationOffload:
         done = torch.cuda.Event()
         done.record(copy)
         self._to_host.append((done, tensor))  # its memory must not serve the compute stream before the copy ran
-        while len(self._to_host) > self.IN_FLIGHT:
+        while len(self._to_host) > self.in_flight:
             self._release_oldest(compute)
         self.offloaded_bytes += host.numel() * host.element_size()
         self._saved.append(_Saved(len(self._saved), tensor.device, host, self._pass_number))
@@ -126,7 +126,7 @@ class ActivationOffload:
             return tensor
         self._unpacked.append(packed.index)
         upcoming = packed
-        for _ in range(self.FETCH_AHEAD):
+        for _ in range(self.fetch_ahead):
             upcoming = self._upcoming(upcoming)
             if upcoming is None:
                 break

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from .settings import Allocator
+
 
 def _env_setting(name: str) -> str | None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
@@ -51,9 +53,10 @@ def compiled_kernels_blocked() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and backend() == "cudaMallocAsync"
 
 
-def apply_allocator_settings(choice: str, device: torch.device, notes: list[str]) -> Callable[[], None]:
-    """Applies `choice` ('expandable segments' or 'as started'); returns what puts the previous setting back."""
-    if choice == "as started" or torch.device(device).type != "cuda":
+def apply_allocator_settings(choice: Allocator, device: torch.device, notes: list[str]) -> Callable[[], None]:
+    """Applies `choice` (expandable segments, or the allocator as started); returns what puts the previous setting
+    back."""
+    if choice is Allocator.AS_STARTED or torch.device(device).type != "cuda":
         return lambda: None
     if backend() != "native":
         notes.append(f"allocator: expandable segments not applied: this process uses PyTorch's {backend()} "

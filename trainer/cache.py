@@ -115,7 +115,8 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
 def _match_token_length(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Captions over 75 tokens encode to longer cross-attention contexts (77 x k). Like ComfyUI's
     CONDCrossAttn.concat, repeat each to the least common multiple so the contexts can be stacked: attention
-    over a context repeated m times equals attention over it once. batches() never mixes lengths (the least
+    over a context repeated m times equals attention over it once (which entries are such sequences, the model
+    adapter says: ModelAdapter.sequence_conditioning). batches() never mixes lengths (the least
     common multiple of 77 x 7 and 77 x 8 is 56 x 77); this is for callers that do."""
     lengths = {t.shape[1] for t in tensors}
     if len(lengths) == 1:
@@ -124,12 +125,13 @@ def _match_token_length(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.repeat(1, target // t.shape[1], *([1] * (t.dim() - 2))) for t in tensors]
 
 
-def collate(samples: list[CachedSample]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def collate(samples: list[CachedSample],
+            sequence_keys: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     latents = torch.cat([s.latent for s in samples])
     cond = {}
     for key in samples[0].cond:
         parts = [s.cond[key] for s in samples]
-        if key == "c_crossattn":
+        if key in sequence_keys:
             parts = _match_token_length(parts)
         cond[key] = torch.cat(parts)
     return latents, cond
@@ -141,8 +143,8 @@ def stack_shape(sample: CachedSample) -> tuple:
     return tuple(sample.latent.shape), tuple((key, tuple(value.shape)) for key, value in sorted(sample.cond.items()))
 
 
-def batches(cache: list[CachedSample], batch_size: int, repeats: int,
-            generator: torch.Generator) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+def batches(cache: list[CachedSample], batch_size: int, repeats: int, generator: torch.Generator,
+            sequence_keys: tuple[str, ...] = ()) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """Endless batches. Each epoch is every sample `repeats` times, shuffled, then grouped by stack shape
     (aspect-ratio bucket and caption length) so no batch is ever padded or repeated; batch order is shuffled
     across groups. A group's remainder becomes a smaller batch instead of being dropped or padded."""
@@ -154,4 +156,4 @@ def batches(cache: list[CachedSample], batch_size: int, repeats: int,
             groups.setdefault(shapes[index], []).append(index)
         chunks = [ids[start:start + batch_size] for ids in groups.values() for start in range(0, len(ids), batch_size)]
         for chunk in torch.randperm(len(chunks), generator=generator).tolist():
-            yield collate([cache[i] for i in chunks[chunk]])
+            yield collate([cache[i] for i in chunks[chunk]], sequence_keys)

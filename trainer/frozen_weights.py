@@ -1,14 +1,9 @@
-"""How the frozen base weights are stored during training.
+"""Frozen base weights in plain torch terms: fp8 numbers and their upcast, casts to the compute dtype, placement.
 
-fp8 (e4m3fn) storage halves the frozen weights' memory against fp16/bf16 (a quarter against fp32). Compute
-stays in the compute dtype: layers that can cast per call (ComfyUI's ops: `comfy_cast_weights`) upcast each
-weight only while that layer runs. With gradient checkpointing the upcast copies live for one block at a
-time; without it autograd keeps them for backward, so fp8 pays off together with checkpointing.
-
-ComfyUI's generic cast (`cast_bias_weight`) copies the fp8 weight, casts it to the *input's* dtype and then
-applies weight functions: under autocast a conv after GroupNorm gets an fp32 input, so SDXL's largest convs
-briefly held ~0.3 GiB of fp32 copies. fp8 Linear/Conv2d layers of the training copy therefore get their own
-forward: one cast to the autocast dtype, the scale applied in place."""
+fp8 (e4m3fn) storage halves the frozen weights' memory against fp16/bf16 (a quarter against fp32); each weight is
+upcast (`dequantize`) only while its layer runs. Which layers store fp8 or stream from CPU, and how their forward
+upcasts, is the model's business: ComfyUI's cast ops in bridge/cast_weights.py. A streamed layer is marked
+`leanlora_streamed` so placement here keeps its weights in CPU memory."""
 from __future__ import annotations
 
 import gc
@@ -17,44 +12,11 @@ import torch
 
 from .allocator import compiled_kernels_blocked
 from .errors import is_compile_error, is_out_of_memory, one_line
-from .layer_patch import mix_into
 from .layout import is_channels_last
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_SCALE = "leanlora_fp8_scale"  # the per-layer scale's buffer: fp32 whatever the compute dtype
-
-
-class _Rescale:
-    """Per-tensor scale applied after ComfyUI's per-call upcast (a `weight_function` of ComfyUI's ops); used
-    for castable layer types without a dedicated fp8 forward."""
-
-    def __init__(self, scale: float):
-        self.scale = scale
-
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.scale
-
-
-def _compute_dtype(input: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(input.device.type):
-        return torch.get_autocast_dtype(input.device.type)
-    return input.dtype
-
-
-class _Fp8Compute:
-    """Mixin for fp8 Linear/Conv2d layers: replaces ComfyUI's `forward_comfy_cast_weights` with weight (and bias)
-    to the input's device if streamed, one dequantizing upcast to the compute dtype, and the layer's op."""
-
-    def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.weight.to(input.device, non_blocking=True), getattr(self, FP8_SCALE),
-                            _compute_dtype(input))
-        bias = self.bias
-        if bias is not None:
-            bias = bias.to(input.device, weight.dtype, non_blocking=True)
-        if isinstance(self, torch.nn.Conv2d):
-            return self._conv_forward(input, weight, bias)
-        return torch.nn.functional.linear(input, weight, bias)
 
 
 def _dequantize_eager(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,38 +27,52 @@ def _dequantize_fused(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (weight.float() * scale).to(dtype)
 
 
-FUSED_DEVICES = ("cuda",)  # on CPU the eager form is as good
-_fused_dequantize = None  # torch.compile'd on first use; False once it failed here
-_fused_verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
-fused_dequantize_failure: str | None = None  # why the compiled kernel is unavailable here, for the report
+class FusedUpcast:
+    """fp8 weight * its scale as one compiled elementwise kernel (one for every shape: flat, dynamic size), for
+    this process: compiled on first use, given up for good where compiling fails here, with the reason kept for
+    the report (`failure`). Eager PyTorch takes two passes with slow kernels (an unvectorized fp8 cast, a
+    mixed-dtype multiply): 40 ms of an SDXL step with checkpointing on an H200, a third of the step."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        self.devices = devices  # on CPU the eager form is as good
+        self.kernel = None  # torch.compile'd on first use; False once it failed here
+        self.verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
+        self.failure: str | None = None  # why the compiled kernel is unavailable here
+
+    def __call__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if weight.device.type not in self.devices or self.kernel is False or compiled_kernels_blocked():
+            return _dequantize_eager(weight, scale, dtype)
+        if self.kernel is None:
+            self.kernel = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
+        flat, shape_like_weight = _memory_order_view(weight)
+        try:
+            fused = shape_like_weight(self.kernel(flat, scale, dtype))
+        except Exception as error:
+            if is_out_of_memory(error) or (self.verified and not is_compile_error(error)):
+                raise
+            # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here";
+            # so does a compile error later (a new dtype or device recompiles)
+            self.kernel, self.failure = False, one_line(error)
+            return _dequantize_eager(weight, scale, dtype)
+        self.verified = True
+        return fused
+
+
+_FUSED_UPCAST = FusedUpcast()  # one per process, as its compiled kernel is
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 weight * its scale, in `dtype`. Eager PyTorch takes two passes with slow kernels (an unvectorized
-    fp8 cast, a mixed-dtype multiply): 40 ms of an SDXL step with checkpointing on an H200, a third of the step.
-    On CUDA one compiled elementwise kernel does both (one for every shape: flat, dynamic size). Inside a
-    compiled block inductor fuses it into the block. Where compiling fails (no Triton, e.g. many Windows
-    installs) the upcasts stay eager and the report says so."""
-    global _fused_dequantize, _fused_verified, fused_dequantize_failure
+    """fp8 weight * its scale, in `dtype`: on CUDA the fused kernel (FusedUpcast). Inside a compiled block
+    inductor fuses it into the block. Where compiling fails (no Triton, e.g. many Windows installs) the upcasts
+    stay eager and the report says so (fused_upcast_failure)."""
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
-    if weight.device.type not in FUSED_DEVICES or _fused_dequantize is False or compiled_kernels_blocked():
-        return _dequantize_eager(weight, scale, dtype)
-    if _fused_dequantize is None:
-        _fused_dequantize = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
-    flat, shape_like_weight = _memory_order_view(weight)
-    try:
-        fused = shape_like_weight(_fused_dequantize(flat, scale, dtype))
-    except Exception as error:
-        if is_out_of_memory(error) or (_fused_verified and not is_compile_error(error)):
-            raise
-        # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here";
-        # so does a compile error later (a new dtype or device recompiles)
-        _fused_dequantize = False
-        fused_dequantize_failure = one_line(error)
-        return _dequantize_eager(weight, scale, dtype)
-    _fused_verified = True
-    return fused
+    return _FUSED_UPCAST(weight, scale, dtype)
+
+
+def fused_upcast_failure() -> str | None:
+    """Why this process upcasts fp8 weights eagerly (None: the fused kernel works, or was never needed)."""
+    return _FUSED_UPCAST.failure
 
 
 def _memory_order_view(weight: torch.Tensor):
@@ -106,37 +82,6 @@ def _memory_order_view(weight: torch.Tensor):
         n, c, h, w = weight.shape
         return weight.permute(0, 2, 3, 1).reshape(-1), lambda flat: flat.view(n, h, w, c).permute(0, 3, 1, 2)
     return weight.reshape(-1), lambda flat: flat.view(weight.shape)
-
-
-def _castable_layers(module: torch.nn.Module, min_dim: int = 2):
-    for layer in module.modules():
-        weight = getattr(layer, "weight", None)
-        if hasattr(layer, "comfy_cast_weights") and isinstance(weight, torch.Tensor) and weight.dim() >= min_dim \
-                and not weight.requires_grad:
-            yield layer
-
-
-def store_weights_fp8(module: torch.nn.Module) -> int:
-    """Converts every frozen matmul/conv weight of a castable layer to fp8 in place. Returns bytes saved.
-
-    Each tensor is scaled so its largest magnitude maps to fp8's largest: SD weights are mostly ~1e-2, where
-    unscaled e4m3 is subnormal and keeps almost no precision."""
-    saved = 0
-    for layer in _castable_layers(module):
-        weight = layer.weight
-        if weight.dtype == FP8:
-            continue
-        scale = max(weight.detach().abs().max().item(), 1e-12) / FP8_MAX
-        saved += weight.numel() * (weight.element_size() - 1)
-        layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
-        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and not layer.weight_function:
-            layer.register_buffer(FP8_SCALE, torch.tensor(scale, device=weight.device), persistent=False)
-            saved -= 4
-            mix_into(layer, _Fp8Compute)
-        else:
-            layer.weight_function = [*layer.weight_function, _Rescale(scale)]  # per instance: the class list is shared
-        layer.comfy_cast_weights = True  # upcast on every call
-    return saved
 
 
 def cast_frozen_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -154,28 +99,6 @@ def frozen_weight_bytes(module: torch.nn.Module, device: torch.device | None = N
     """Bytes of frozen parameters and buffers (resident for the whole run), only those on `device` if given."""
     tensors = [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
     return sum(t.numel() * t.element_size() for t in tensors if device is None or t.device == torch.device(device))
-
-
-def stream_weights_from_cpu(module: torch.nn.Module) -> int:
-    """Moves the frozen weights and biases of castable layers to pinned CPU memory; ComfyUI's ops then copy
-    each layer's weights to the compute device just before it runs, on a side stream so the copy of the next
-    layer overlaps the current one's compute. With gradient checkpointing only the block being recomputed
-    holds device copies. Returns the bytes kept off the device."""
-    moved = 0
-    pin = torch.cuda.is_available()  # pinned pages let the copies run asynchronously on the side stream
-    for layer in _castable_layers(module, min_dim=1):
-        for name in ("weight", "bias"):
-            tensor = getattr(layer, name, None)
-            if tensor is None or tensor.requires_grad:
-                continue
-            moved += tensor.numel() * tensor.element_size()
-            if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin):
-                continue
-            host = tensor.data.to("cpu")
-            setattr(layer, name, torch.nn.Parameter(host.pin_memory() if pin else host, requires_grad=False))
-        layer.comfy_cast_weights = True
-        layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
-    return moved
 
 
 def device_bound(module: torch.nn.Module):
@@ -210,21 +133,3 @@ def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
     for tensor in tensors:
         if tensor.device != torch.device(device):
             tensor.data = tensor.data.to(device)
-
-
-def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: str) -> int:
-    """Device bytes the frozen weights will take under `base_weights`, before any conversion is made."""
-    streamed, fp8 = "streamed" in base_weights, base_weights != "as loaded"
-    total = 0
-    for layer in module.modules():
-        castable = hasattr(layer, "comfy_cast_weights")
-        for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
-            if getattr(tensor, "requires_grad", False) or not tensor.is_floating_point():
-                continue
-            if castable and streamed and name in ("weight", "bias"):
-                continue
-            size = 1 if (castable and fp8 and name == "weight" and tensor.dim() >= 2) else \
-                torch.empty((), dtype=compute_dtype).element_size()
-            total += tensor.numel() * size
-    return total
-

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import TrainingCancelled
-from .fast_path import EagerMicroStep
+from .micro_steps import EagerMicroStep
 from .precision import Precision
 
 
@@ -70,7 +70,7 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
                after_step: Callable[[], None] = lambda: None) -> LoopResult:
     """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
-    `step_fn` is a loss function (batch -> loss, run eagerly here) or a micro-step (fast_path.BatchStep: called
+    `step_fn` is a loss function (batch -> loss, run eagerly here) or a micro-step (micro_steps.BatchStep: called
     with (batch, accumulation) it runs forward + backward and returns the detached loss; it also zeroes grads).
     TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps.
     Losses stay on the device and are read (one host sync) every `sync_every` steps; on_step then reports each

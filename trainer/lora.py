@@ -32,7 +32,7 @@ def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int) -> l
         try:
             inject_adapter_in_model(config, module, adapter_name=ADAPTER)
         except ValueError as error:
-            raise LeanLoRAError(f"LoRA targets {settings.targets!r} matched no layer of this model ({error}); "
+            raise LeanLoRAError(f"LoRA targets {settings.targets.value!r} matched no layer of this model ({error}); "
                                 "pick another target preset") from error
     for layer in module.modules():
         if hasattr(layer, "cast_input_dtype_enabled"):
@@ -127,12 +127,12 @@ def lora_metadata(settings: LoraSettings, kind: BaseModelKind, *, output_name: s
     metadata = {
         "ss_network_module": "networks.lora", "ss_network_dim": str(settings.rank),
         "ss_network_alpha": str(settings.alpha), "ss_network_dropout": str(settings.dropout),
-        "ss_network_args": json.dumps({"targets": settings.targets,
+        "ss_network_args": json.dumps({"targets": settings.targets.value,
                                        "target_modules": ",".join(settings.target_modules)}),
         "ss_base_model_version": kind.base_model_version, "ss_v2": str(kind.v2),
         "ss_output_name": output_name, "ss_resolution": str((width, height)),
         "ss_training_started_at": str(timestamp), "ss_tag_frequency": json.dumps(tags),
-        "leanlora_targets": settings.targets, **extra,
+        "leanlora_targets": settings.targets.value, **extra,
         "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": kind.architecture,
         "modelspec.implementation": kind.implementation, "modelspec.title": output_name,
         "modelspec.resolution": f"{width}x{height}",

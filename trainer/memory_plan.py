@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from .settings import MemorySettings
+from .settings import BaseWeights, LoraWeights, MemorySettings
 
 EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
 # Gradient checkpointing in steps of a fifth of the units, those that free the most memory per recomputed FLOP
@@ -24,7 +24,7 @@ def resolve_for_device(memory: MemorySettings, device: torch.device) -> tuple[Me
     """Settings the device cannot run become the closest ones it can, with a note for the report."""
     notes = []
     if memory.mixed_precision == "bf16" and not bf16_supported(device):
-        memory = replace(memory, mixed_precision="fp16", lora_weights="fp32")
+        memory = replace(memory, mixed_precision="fp16", lora_weights=LoraWeights.FP32)
         notes.append("this GPU has no bf16: using fp16 with loss scaling (and fp32 LoRA weights) instead")
     return memory, notes
 
@@ -52,12 +52,12 @@ def next_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySetti
         target = EIGHT_BIT[memory.optimizer]
         return (replace(memory, optimizer=target),
                 f"optimizer {memory.optimizer} -> {target} (optimizer moments restart; LoRA weights are kept)")
-    if memory.base_weights == "as loaded":
-        return replace(memory, base_weights="fp8"), "frozen base weights stored as fp8"
+    if memory.base_weights is BaseWeights.AS_LOADED:
+        return replace(memory, base_weights=BaseWeights.FP8), "frozen base weights stored as fp8"
     if not memory.activation_offload and device.type == "cuda":
         return (replace(memory, activation_offload=True),
                 "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)")
-    if memory.base_weights == "fp8" and device.type == "cuda":
-        return (replace(memory, base_weights="fp8 streamed from CPU"),
+    if memory.base_weights is BaseWeights.FP8 and device.type == "cuda":
+        return (replace(memory, base_weights=BaseWeights.FP8_STREAMED),
                 "frozen base weights streamed from CPU memory, layer by layer")
     return None

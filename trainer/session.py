@@ -8,6 +8,7 @@ import copy
 import gc
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -17,15 +18,15 @@ from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
-from .fast_path import BatchStep, build_micro_step, compile_blocks, inductor_cache_counts, inductor_cache_dir
-from . import frozen_weights
-from .frozen_weights import (park_frozen_on_cpu, place_on_device, projected_weight_bytes, store_weights_fp8,
-                             stream_weights_from_cpu)
+from .compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
+from .micro_steps import BatchStep, build_micro_step
+from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
 from .memory_plan import next_rung
+from .model_adapter import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
-from .settings import MemorySettings, TrainSettings
+from .settings import AutoFit, BaseWeights, LoraWeights, MemorySettings, TrainSettings
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
@@ -34,9 +35,14 @@ STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budge
 class TrainingSession:
     """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
 
-    def __init__(self, adapter, unet, params, cache: list[CachedSample], repeats: int, train: TrainSettings):
+    def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int,
+                 train: TrainSettings, inductor_settings: dict | None = None, offload_settings: dict | None = None):
+        """inductor_settings, offload_settings: experiment knobs (the bench's), the product's defaults if None:
+        the inductor options compiled blocks use (compiled_blocks.INDUCTOR_OPTIONS) and ActivationOffload's keyword
+        arguments."""
         self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
             adapter, unet, params, cache, repeats, train
+        self.inductor_settings, self.offload_settings = inductor_settings, offload_settings or {}
         self.generator = torch.Generator().manual_seed(train.seed)
         # Random draws and timesteps are computed from a CPU copy of the schedule: no step waits for the GPU.
         self.sampling_on_cpu = copy.deepcopy(adapter.model_sampling).to("cpu")
@@ -53,7 +59,7 @@ class TrainingSession:
         """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
         rung saves more), which is all that first configuration, OOM recovery and auto-fit need."""
         old, device = self.memory, self.adapter.device
-        streamed = "streamed" in memory.base_weights
+        streamed = memory.base_weights.streamed
         random_forward = uses_randomness(self.unet)  # LoRA dropout: recompute must replay it, graphs cannot
         if streamed and not (memory.gradient_checkpointing and memory.checkpoint_share == 1):
             # otherwise every streamed copy stays for backward
@@ -62,7 +68,7 @@ class TrainingSession:
         if memory.compile and self.compiled is None:
             # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
             # and every unit's compiled forward is the same code, shared by units of equal shapes.
-            self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet))
+            self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet), self.inductor_settings)
         if memory.gradient_checkpointing and self.checkpointed < memory.checkpoint_share:
             # A larger share wraps the next units of the same best-first order (never unwraps, never twice).
             units = self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth,
@@ -82,28 +88,29 @@ class TrainingSession:
                 note = self.adapter.set_conv_layout(self.unet, device, self.precision.compute_dtype)
                 if note:
                     self.notes.append(note)
-        to_fp8 = memory.base_weights != "as loaded" and (old is None or old.base_weights == "as loaded")
-        to_stream = streamed and (old is None or "streamed" not in old.base_weights)
+        to_fp8 = memory.base_weights.fp8 and (old is None or not old.base_weights.fp8)
+        to_stream = streamed and (old is None or not old.base_weights.streamed)
         if (to_fp8 or to_stream) and device.type == "cuda":
             park_frozen_on_cpu(self.unet)
         if to_fp8:
-            saved = store_weights_fp8(self.unet)
+            saved = self.adapter.store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
         if to_stream:
-            moved = stream_weights_from_cpu(self.unet)
+            moved = self.adapter.stream_weights_from_cpu(self.unet)
             self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
                                                    device=device, flat=True,
-                                                   bf16_weights=memory.lora_weights != "fp32")
+                                                   bf16_weights=memory.lora_weights is not LoraWeights.FP32)
             self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
                                                  self.train.steps, self.steps_done)
             if note:
                 self.notes.append(note)
         if old is None or old.batch_size != memory.batch_size:
-            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator)
+            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator,
+                                self.adapter.sequence_conditioning)
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
@@ -118,9 +125,9 @@ class TrainingSession:
             torch.cuda.empty_cache()
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
-            passthrough_errors=getattr(self.adapter, "cancel_errors", ()),
+            passthrough_errors=self.adapter.cancel_errors,
             incompatible=graphs_incompatible(random_forward, streamed, allocator_backend()),
-            offload=ActivationOffload() if memory.activation_offload else None)
+            offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())
@@ -134,7 +141,7 @@ class TrainingSession:
         card = card_budget(memory.auto_fit, self.adapter.device, self.comfy_reserve())
         budget = None if card is None else card.usable()
         if card is not None:
-            self.notes.append(f"auto-fit: {memory.auto_fit} = a {card.card / GIB:.2f} GiB card; "
+            self.notes.append(f"auto-fit: {memory.auto_fit.describe()} = a {card.card / GIB:.2f} GiB card; "
                               f"{CardBudget.outside_torch(self.adapter.device) / GIB:.2f} GiB of it is held outside "
                               f"PyTorch (CUDA context, libraries), {card.MARGIN / GIB:.2f} GiB kept free for "
                               f"allocator rounding; {budget / GIB:.2f} GiB left for training")
@@ -145,7 +152,8 @@ class TrainingSession:
         else:
             # The ladder's probes run uncompiled (each rung's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
-            memory, lines = plan_static(memory, self.unet, self.params, budget, self.adapter.device, card.card)
+            weight_bytes = lambda dtype, base: self.adapter.projected_weight_bytes(self.unet, dtype, base)  # noqa: E731
+            memory, lines = plan_static(memory, weight_bytes, self.params, budget, self.adapter.device, card.card)
             self.configure(memory)
             estimate, more_lines = fit_to_budget(self, card)
             lines += more_lines
@@ -159,7 +167,7 @@ class TrainingSession:
 
     def comfy_reserve(self) -> int:
         """VRAM the host application keeps for itself (ComfyUI's --reserve-vram), from the adapter."""
-        return int(getattr(self.adapter, "reserved_vram", lambda: 0)())
+        return int(self.adapter.reserved_vram())
 
     def compile_now(self) -> list[str]:
         """With compile on: compiles before step 1 with one forward+backward on the largest bucket's batch
@@ -237,7 +245,7 @@ class TrainingSession:
 
     def largest_batch(self, batch_size: int = 1) -> tuple:
         """The largest sample, `batch_size` times: the biggest bucket sets the peak."""
-        return collate([self._largest_sample()] * batch_size)
+        return collate([self._largest_sample()] * batch_size, self.adapter.sequence_conditioning)
 
     def run_batch_size(self) -> int:
         """How many images the largest bucket's batches hold: the batch size, or the whole bucket (with its
@@ -294,15 +302,16 @@ class TrainingSession:
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
             (self.compiled.report() if self.compiled is not None else [])
-        if frozen_weights.fused_dequantize_failure and self.memory.base_weights != "as loaded":
+        upcast_failure = fused_upcast_failure()
+        if upcast_failure and self.memory.base_weights.fp8:
             extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
-                         f"({frozen_weights.fused_dequantize_failure}); upcasts run as two eager kernels (slower)")
+                         f"({upcast_failure}); upcasts run as two eager kernels (slower)")
         graphs = len(getattr(self.micro_step, "graphs", {}))
         if graphs:
             extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
                          "(one per batch shape)")
             compiled = [what for what, used in (("the compiled blocks", self.is_compiled),
-                                                 ("the fp8 upcasts", self.memory.base_weights != "as loaded")) if used]
+                                                 ("the fp8 upcasts", self.memory.base_weights.fp8)) if used]
             if compiled and allocator_backend() == "cudaMallocAsync":
                 extra.append(f"fast path: inside the CUDA graphs {' and '.join(compiled)} run uncompiled: under "
                              "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "
@@ -337,15 +346,17 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
             return kept, description
 
 
-def plan_static(memory: MemorySettings, unet: torch.nn.Module, params: list, budget: int,
-                device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
+def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights], int], params: list,
+                budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
-    leave room for activations. A model larger than the budget never has to be loaded to find that out."""
+    leave room for activations. A model larger than the budget never has to be loaded to find that out.
+    weight_bytes(compute dtype, base weights): device bytes the frozen weights would take (the model adapter's
+    projected_weight_bytes)."""
     lines = []
     while True:
         dtype = DTYPES[memory.mixed_precision] or torch.float32
         lora = sum(p.numel() * 4 for p in params)
-        static = projected_weight_bytes(unet, dtype, memory.base_weights) + 2 * lora + \
+        static = weight_bytes(dtype, memory.base_weights) + 2 * lora + \
             optimizer_state_bytes(memory.optimizer, params)
         if static <= budget * STATIC_SHARE:
             return memory, lines
@@ -459,18 +470,18 @@ class CardBudget:
         return max(0, self.card - self.outside_torch(self.device) - self.MARGIN)
 
 
-def card_budget(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
-    """The budget an auto_fit setting names ('N GiB' or 'free VRAM'), None when off or not on CUDA.
+def card_budget(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
+    """The budget an auto_fit setting names (a card size or the free VRAM), None when off or not on CUDA.
     comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
-    if auto_fit == "off" or device.type != "cuda":
+    if not auto_fit.on or device.type != "cuda":
         return None
-    if auto_fit == "free VRAM":
+    if auto_fit.free_vram:
         _, total = torch.cuda.mem_get_info(device)
         return CardBudget(total - comfy_reserve, device)
-    return CardBudget(int(float(auto_fit.split()[0]) * GIB), device)
+    return CardBudget(int(auto_fit.card_gib * GIB), device)
 
 
-def budget_bytes(auto_fit: str, device: torch.device, comfy_reserve: int = 0) -> int | None:
+def budget_bytes(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> int | None:
     """Bytes training's own allocations may take now under an auto_fit setting (see CardBudget)."""
     budget = card_budget(auto_fit, device, comfy_reserve)
     return None if budget is None else budget.usable()

@@ -5,25 +5,10 @@ Validated on construction so bad values fail at the node that produced them, bef
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from .errors import LeanLoRAError
 from .optimizers import OPTIMIZERS
-
-MIXED_PRECISION = ("bf16", "fp16", "no")
-BASE_WEIGHTS = ("as loaded", "fp8", "fp8 streamed from CPU")
-LATENT_CACHE = ("RAM", "RAM + disk", "off")
-ATTENTION = ("auto", "pytorch SDPA", "xformers", "chunked (sub-quadratic)")
-FAST_PATH = ("CUDA graphs", "off")
-LORA_WEIGHTS = ("fp32", "bf16 + stochastic rounding")
-CHECKPOINT_DEPTH = ("per layer", "per block")
-ALLOCATOR = ("expandable segments", "as started")
-AUTO_FIT = ("off", "free VRAM", "2 GiB", "3 GiB", "4 GiB", "6 GiB", "8 GiB", "10 GiB", "12 GiB", "16 GiB", "24 GiB")
-LORA_TARGETS = {
-    # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
-    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
-    "attention+feed-forward": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
-}
-
 
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
@@ -36,6 +21,112 @@ def _require_choice(settings, field: str, choices) -> None:
     _require(value in choices, field, f"got {value!r}; choose one of {', '.join(choices)}")
 
 
+def _require_member(settings, field: str, kind: type[Enum]) -> None:
+    """`settings.<field>` becomes a member of `kind`; a string is taken as a member's value."""
+    value = getattr(settings, field)
+    if not isinstance(value, kind):
+        values = [member.value for member in kind]
+        _require(isinstance(value, str) and value in values, field,
+                 f"got {value!r}; choose one of {', '.join(values)}")
+        object.__setattr__(settings, field, kind(value))
+
+
+# Values, not UI wording: nodes/labels.py maps each dropdown label to one of these (renaming a label there changes
+# nothing here). A string equal to a value is accepted too (MemorySettings(fast_path="off")).
+MIXED_PRECISION = ("bf16", "fp16", "no")
+
+
+class BaseWeights(Enum):
+    """How the frozen base weights of the training copy are stored."""
+    AS_LOADED = "as_loaded"
+    FP8 = "fp8"
+    FP8_STREAMED = "fp8_streamed"  # fp8, kept in CPU RAM and copied to the GPU layer by layer
+
+    @property
+    def fp8(self) -> bool:
+        return self is not BaseWeights.AS_LOADED
+
+    @property
+    def streamed(self) -> bool:
+        return self is BaseWeights.FP8_STREAMED
+
+
+class LatentCache(Enum):
+    RAM = "ram"
+    RAM_AND_DISK = "ram_and_disk"
+    OFF = "off"
+
+
+class Attention(Enum):
+    AUTO = "auto"  # the kernel ComfyUI picked at start-up
+    SDPA = "sdpa"
+    XFORMERS = "xformers"
+    SUB_QUADRATIC = "sub_quadratic"
+
+
+class FastPath(Enum):
+    """Whether steps are replayed from CUDA graphs (the eager step is the fallback either way)."""
+    CUDA_GRAPHS = "cuda_graphs"
+    OFF = "off"
+
+
+class LoraWeights(Enum):
+    FP32 = "fp32"
+    BF16_STOCHASTIC_ROUNDING = "bf16_stochastic_rounding"
+
+
+class CheckpointDepth(Enum):
+    """The unit gradient checkpointing recomputes: each transformer layer, or each whole transformer block."""
+    LAYER = "layer"
+    BLOCK = "block"
+
+
+class Allocator(Enum):
+    EXPANDABLE_SEGMENTS = "expandable_segments"
+    AS_STARTED = "as_started"
+
+
+@dataclass(frozen=True)
+class AutoFit:
+    """The budget settings are fitted to before step 1: off, a card of `card_gib` GiB, or the VRAM free now."""
+    card_gib: float | None = None
+    free_vram: bool = False
+
+    def __post_init__(self):
+        _require(self.card_gib is None or (isinstance(self.card_gib, (int, float)) and self.card_gib > 0),
+                 "auto_fit", f"got a card of {self.card_gib!r} GiB; use a positive size")
+        _require(not (self.free_vram and self.card_gib is not None), "auto_fit",
+                 "choose a card size or the free VRAM, not both")
+
+    @property
+    def on(self) -> bool:
+        return self.free_vram or self.card_gib is not None
+
+    def describe(self) -> str:
+        return "the free VRAM" if self.free_vram else f"{self.card_gib:g} GiB" if self.card_gib else "off"
+
+
+AUTO_FIT_OFF = AutoFit()
+AUTO_FIT_FREE_VRAM = AutoFit(free_vram=True)
+
+
+class LoraTargets(Enum):
+    """Which layers get LoRA; the values are also what the LoRA file's metadata records."""
+    ATTENTION = "attention"
+    ATTENTION_FEED_FORWARD = "attention+feed-forward"
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return LORA_TARGET_MODULES[self]
+
+
+LORA_TARGET_MODULES = {
+    # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
+    LoraTargets.ATTENTION: ("to_q", "to_k", "to_v", "to_out.0"),
+    LoraTargets.ATTENTION_FEED_FORWARD: ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+}
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     mixed_precision: str = "bf16"
@@ -43,31 +134,31 @@ class MemorySettings:
     batch_size: int = 1
     gradient_accumulation: int = 1
     optimizer: str = "AdamW"
-    base_weights: str = "as loaded"
-    auto_fit: str = "off"
-    latent_cache: str = "RAM"
-    attention: str = "auto"
-    fast_path: str = "CUDA graphs"
-    allocator: str = "expandable segments"
+    base_weights: BaseWeights = BaseWeights.AS_LOADED
+    auto_fit: AutoFit = AUTO_FIT_OFF
+    latent_cache: LatentCache = LatentCache.RAM
+    attention: Attention = Attention.AUTO
+    fast_path: FastPath = FastPath.CUDA_GRAPHS
+    allocator: Allocator = Allocator.EXPANDABLE_SEGMENTS
     activation_offload: bool = False
     compile: bool = False
-    lora_weights: str = "fp32"
-    checkpoint_depth: str = "per layer"
+    lora_weights: LoraWeights = LoraWeights.FP32
+    checkpoint_depth: CheckpointDepth = CheckpointDepth.LAYER
     checkpoint_share: float = 1.0  # with checkpointing: the fraction of units recomputed (trainer/checkpointing.py)
 
     def __post_init__(self):
         _require_choice(self, "mixed_precision", MIXED_PRECISION)
         _require_choice(self, "optimizer", OPTIMIZERS)
-        _require_choice(self, "base_weights", BASE_WEIGHTS)
-        _require_choice(self, "auto_fit", AUTO_FIT)
-        _require_choice(self, "latent_cache", LATENT_CACHE)
-        _require_choice(self, "attention", ATTENTION)
-        _require_choice(self, "fast_path", FAST_PATH)
-        _require_choice(self, "allocator", ALLOCATOR)
-        _require_choice(self, "lora_weights", LORA_WEIGHTS)
-        _require(self.lora_weights == "fp32" or self.mixed_precision == "bf16", "lora_weights",
+        _require_member(self, "base_weights", BaseWeights)
+        _require(isinstance(self.auto_fit, AutoFit), "auto_fit", f"got {self.auto_fit!r}; use an AutoFit")
+        _require_member(self, "latent_cache", LatentCache)
+        _require_member(self, "attention", Attention)
+        _require_member(self, "fast_path", FastPath)
+        _require_member(self, "allocator", Allocator)
+        _require_member(self, "lora_weights", LoraWeights)
+        _require(self.lora_weights is LoraWeights.FP32 or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
-        _require_choice(self, "checkpoint_depth", CHECKPOINT_DEPTH)
+        _require_member(self, "checkpoint_depth", CheckpointDepth)
         share = self.checkpoint_share
         _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1,
                  "checkpoint_share", f"got {share!r}; use a fraction above 0 up to 1 (1 = every block recomputed, "
@@ -85,15 +176,25 @@ class MemorySettings:
         return f", {self.checkpoint_share:.0%} of the blocks" if self.checkpoint_share < 1 else ""
 
     def describe(self) -> str:
+        """The settings in the report's words (its own phrases: the UI's labels live in nodes/labels.py)."""
+        depth = f"per {self.checkpoint_depth.value}"
         return (f"precision {self.mixed_precision}, gradient checkpointing "
-                f"{f'on ({self.checkpoint_depth}{self._share_text})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
+                f"{f'on ({depth}{self._share_text})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
-                f"base weights {self.base_weights}"
+                + _BASE_WEIGHTS_TEXT[self.base_weights]
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")
-                + f", attention {self.attention}, fast path {self.fast_path}"
+                + f", {_ATTENTION_TEXT[self.attention]}, {_FAST_PATH_TEXT[self.fast_path]}"
                 + (", torch.compile" if self.compile else "")
-                + (f", LoRA weights {self.lora_weights}" if self.lora_weights != "fp32" else "")
-                + (f", auto-fit to {self.auto_fit}" if self.auto_fit != "off" else ""))
+                + (", LoRA weights bf16 + stochastic rounding" if self.lora_weights is not LoraWeights.FP32 else "")
+                + (f", auto-fit to {self.auto_fit.describe()}" if self.auto_fit.on else ""))
+
+
+_BASE_WEIGHTS_TEXT = {BaseWeights.AS_LOADED: "base weights as loaded", BaseWeights.FP8: "base weights fp8",
+                      BaseWeights.FP8_STREAMED: "base weights fp8 streamed from CPU"}
+_ATTENTION_TEXT = {Attention.AUTO: "attention auto", Attention.SDPA: "attention pytorch SDPA",
+                   Attention.XFORMERS: "attention xformers",
+                   Attention.SUB_QUADRATIC: "attention chunked (sub-quadratic)"}
+_FAST_PATH_TEXT = {FastPath.CUDA_GRAPHS: "fast path CUDA graphs", FastPath.OFF: "fast path off"}
 
 
 @dataclass(frozen=True)
@@ -101,17 +202,17 @@ class LoraSettings:
     rank: int = 16
     alpha: float = 16.0
     dropout: float = 0.0
-    targets: str = "attention"
+    targets: LoraTargets = LoraTargets.ATTENTION
 
     def __post_init__(self):
         _require(1 <= self.rank <= 1024, "rank", f"got {self.rank}; use 1..1024 (4-32 is typical)")
         _require(self.alpha > 0, "alpha", f"got {self.alpha}; use a positive number (often equal to rank)")
         _require(0.0 <= self.dropout < 1.0, "dropout", f"got {self.dropout}; use 0 <= dropout < 1")
-        _require_choice(self, "targets", LORA_TARGETS)
+        _require_member(self, "targets", LoraTargets)
 
     @property
     def target_modules(self) -> tuple[str, ...]:
-        return LORA_TARGETS[self.targets]
+        return self.targets.modules
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "cosine_with_restarts", "polynomial")  # diffusers' names

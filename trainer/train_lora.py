@@ -1,7 +1,7 @@
 """One LoRA training run, top to bottom: cache -> training copy + LoRA -> steps -> LoRA file.
 
-`adapter` is the thin bridge to the model (ComfyUI's in production, see comfy_adapter.py): encoders, a
-training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`.
+`adapter` is the model as the trainer needs it (trainer/model_adapter.py; ComfyUI's is bridge/comfy_adapter.py):
+encoders, a training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`.
 An out-of-memory inside a step frees memory, moves one rung down the memory ladder and repeats that step."""
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from .files import check_writable, non_finite_tensors, sanitize_name, save_with_
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
+from .model_adapter import ModelAdapter
+from .report import Recovery, RunReport
 from .session import TrainingSession, recover
 from .settings import LoraSettings, MemorySettings, TrainSettings
-from .vram import GIB, TIMELINE, DevicePeak, device_memory_gib, reset_peak
+from .vram import GIB, DevicePeak, Timeline, device_memory_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
@@ -37,16 +39,24 @@ class TrainOutcome:
     lora_state_dict: dict[str, torch.Tensor]
     losses: list[float]
     partial: bool
-    report: str
-    recoveries: list[str] = field(default_factory=list)
+    report: str  # for people, written from `run`
+    run: RunReport
     save_note: str | None = None  # set when the loras folder failed and the file went to the fallback folder
+    timeline: Timeline = field(default_factory=Timeline)  # device memory per step
+
+    @property
+    def recoveries(self) -> list[str]:
+        return [recovery.describe() for recovery in self.run.recoveries]
 
 
-def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
+def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
-               store: LatentTextStore | None = None, fallback_dir: Path | None = None) -> TrainOutcome:
+               store: LatentTextStore | None = None, fallback_dir: Path | None = None,
+               timeline: Timeline | None = None) -> TrainOutcome:
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
-    `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full)."""
+    `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full).
+    `timeline` records device memory per step (emptied first); the caller may read it during the run."""
+    timeline = timeline if timeline is not None else Timeline()
     device = adapter.device
     loras_dir = Path(loras_dir)
     check_writable(loras_dir, 0, "loras folder")  # before any encoding or training
@@ -55,16 +65,17 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
             check_writable(store.folder, 0, "latent cache folder")
         except LeanLoRAError as error:  # the disk layer is optional: warn and cache in RAM only
             store.disk_problem, store.folder = str(error), None
+    run = RunReport(requested=memory)
     memory, device_notes = resolve_for_device(memory, device)
     # an unusable attention backend fails here, before any encoding
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
     device_notes += [attention_note] if attention_note else []
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
-              f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets}",
+              f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets.value}",
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
 
-    cancel_errors = (TrainingCancelled, *getattr(adapter, "cancel_errors", ()))
+    cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
     started_at = time.time()  # wall clock, for the file's metadata
     emit(kind="phase", text="caching latents and text embeddings")
     stats = CacheStats()
@@ -97,11 +108,11 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     def on_step(info: StepInfo):
         losses.append(info.loss)
         session.steps_done = info.step
-        TIMELINE.record(info.step, device)
+        timeline.record(info.step, device)
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds)
 
-    TIMELINE.reset()
-    recoveries: list[str] = []
+    timeline.reset()
+    recoveries = run.recoveries
     failure: BaseException | None = None
     cancelled = False
     diverged_at: int | None = None
@@ -113,6 +124,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         emit(kind="phase", text="compiling the diffusion model (torch.compile: about a minute the first time), "
              "then measuring memory" if memory.compile else "measuring memory before step 1")
         estimate, fit_lines = session.start(memory)
+        run.estimate, run.before_step_one = estimate, fit_lines
         for line in fit_lines:
             report.append(line)
             emit(kind="phase", text=line)
@@ -139,7 +151,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
                 if not is_out_of_memory(error):
                     raise
                 rung = recover(session, error, device)
-                recoveries.append(f"step {len(losses) + 1}: out of memory -> {rung}")
+                recoveries.append(Recovery(len(losses) + 1, rung))
                 emit(kind="phase", text=f"recovered from out of memory: {rung}")
     except cancel_errors:  # Cancel while measuring memory, before the first step
         cancelled = True
@@ -150,7 +162,9 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     session.close()
     # after a divergence the weights are back at the last step checked finite (later losses were reported)
     steps_done = result.steps_done if diverged_at is not None else len(losses)
-    report += session.report_notes()
+    run.notes, run.used = session.report_notes(), session.memory
+    run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
+    report += run.notes
 
     partial = cancelled or failure is not None or diverged_at is not None
     if steps_done == 0:
@@ -199,7 +213,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
     report.append(f"trained {steps_done}/{train.steps} steps in {seconds:.1f} s ({seconds / steps_done:.3f} s/step)")
     if recoveries:
         report.append(f"out-of-memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
-        report += [f"  {line}" for line in recoveries]
+        report += [f"  {recovery.describe()}" for recovery in recoveries]
     if session.precision.skipped_steps:
         report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")
     if losses:
@@ -217,7 +231,7 @@ def train_lora(adapter, dataset: Dataset, memory: MemorySettings, lora: LoraSett
         report.append(save_note)
     report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
                    if cancelled else "saved ") + str(path))
-    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), recoveries, save_note)
+    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), run, save_note, timeline)
 
 
 def batch_used(cache: list, repeats: int, batch_size: int) -> int:

@@ -47,7 +47,8 @@ def device_memory_gib(device: torch.device) -> dict[str, float] | None:
 
 @dataclass
 class Timeline:
-    """Allocated/reserved GiB per training step of the latest run (empty on CPU)."""
+    """Allocated/reserved GiB per training step of a run (empty on CPU). Locked: the run's thread records while
+    the host's (ComfyUI's VRAM Monitor node) may read."""
     steps: list[int] = field(default_factory=list)
     allocated: list[float] = field(default_factory=list)
     reserved: list[float] = field(default_factory=list)
@@ -70,8 +71,6 @@ class Timeline:
         with self._lock:
             return list(self.allocated), list(self.reserved)
 
-
-TIMELINE = Timeline()
 
 
 class DevicePeak:

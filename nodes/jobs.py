@@ -6,7 +6,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from .errors import LeanLoRAError
+from ..trainer.errors import LeanLoRAError
 
 
 class Job:

@@ -28,9 +28,10 @@ from typing import Callable
 import torch
 
 from .activation_offload import ActivationOffload
-from .allocator import backend as allocator_backend, compiled_kernels_blocked, memory_fraction
-from .errors import is_compile_error, is_out_of_memory, one_line
+from .allocator import backend as allocator_backend, memory_fraction
+from .errors import is_out_of_memory, one_line
 from .precision import Precision
+from .settings import FastPath
 from .vram import device_memory_bytes
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
@@ -43,10 +44,6 @@ ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 GRAPH_OVERHEAD = 160 * 2 ** 20
 GRAPH_ACTIVATION_SHARE = 0.1
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
-# Inductor settings for the compiled blocks. Combo kernels launch a graph's small independent kernels (a layer's
-# fp8 upcasts, its LoRA weights' casts) as one: H200, SDXL 1024² batch 1, each cold in its own process, lean with
-# compile went from 0.1203 to 0.1124 s/step and fast from 0.0728 to 0.0704, compile time unchanged (campaign 10).
-INDUCTOR_OPTIONS = {"combo_kernels": True}
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
 
 
@@ -298,13 +295,13 @@ class BatchStep:
         self.micro_step.zero_grad(optimizer)
 
 
-def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Precision,
+def build_micro_step(fast_path: FastPath, compute_loss: ComputeLoss, precision: Precision,
                      params: list[torch.nn.Parameter], device: torch.device,
                      passthrough_errors: tuple[type[BaseException], ...] = (),
                      incompatible: str | None = None,
                      offload: ActivationOffload | None = None) -> tuple[EagerMicroStep, str | None]:
     """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
-    if fast_path == "off":
+    if fast_path is FastPath.OFF:
         return EagerMicroStep(compute_loss, precision, offload), None
     if device.type != "cuda":
         return EagerMicroStep(compute_loss, precision, offload), \
@@ -312,128 +309,3 @@ def build_micro_step(fast_path: str, compute_loss: ComputeLoss, precision: Preci
     if incompatible:
         return EagerMicroStep(compute_loss, precision, offload), f"fast path: CUDA graphs off because {incompatible}"
     return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload), None
-
-
-class CompiledBlocks:
-    """torch.compile of the training copy's repeated blocks, each on its own, the way diffusers compiles repeated
-    blocks: blocks of the same structure and shapes share one compiled graph (SDXL's 140 attention modules
-    compile as a handful). Compiling the whole model traces every block into one graph instead (on SDXL it had
-    not finished after 9 minutes on an H200 machine). Gradient checkpointing wraps them from outside. Where
-    dynamo/inductor cannot compile here (no C++ compiler or Triton, an unsupported op, ...), every block falls
-    back to its eager forward and `notes` says why; a compile error surfaces before any compiled kernel runs, so
-    the same call simply runs eagerly."""
-
-    RECOMPILE_LIMIT = 64  # compiled variants per block type: SDXL's compiled ResBlocks come in 8 shapes (13 in all)
-
-    def __init__(self, units: list[torch.nn.Module]):
-        import torch._dynamo.config as dynamo_config
-        # dynamo's default (8) would leave the rest of the shapes eager without a word in the report
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, self.RECOMPILE_LIMIT)
-        self.units = units
-        self.failed: str | None = None
-        self.notes: list[str] = []
-        self.graphs_at_start: int | None = None  # compiled graphs in this process when step 1 began
-        self.paused = False  # blocks run their eager forward meanwhile (see uncompiled)
-        self.options = inductor_options()  # emptied if compiling with them fails (drop_options)
-        for unit in units:
-            unit.forward = self._guarded(unit.forward)
-
-    def _guarded(self, eager):
-        compiled = {}  # inductor options -> this block's compiled forward
-
-        def forward(*args, **kwargs):
-            if self.failed or self.paused or compiled_kernels_blocked():
-                return eager(*args, **kwargs)
-            options = tuple(sorted(self.options.items()))
-            if options not in compiled:
-                # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
-                # sizes symbolic after the second block shape (slower kernels for every later shape) without saving
-                # a compile (parameter shapes stay specialized). Each new batch shape (another aspect bucket, a
-                # bucket's smaller remainder) costs one compile, once per process; compile_now compiles the run's.
-                compiled[options] = torch.compile(eager, dynamic=False, options=dict(options))
-            try:
-                return compiled[options](*args, **kwargs)
-            except Exception as error:
-                if not is_compile_error(error):
-                    raise
-                dropped = self.drop_options()
-                if dropped:  # a newer inductor feature can fail where plain compiling works: try that first
-                    result = forward(*args, **kwargs)
-                    self.note_dropped(dropped, error)
-                    return result
-                self.fall_back(error)
-                return eager(*args, **kwargs)
-        forward.leanlora_compiled = True
-        return forward
-
-    @contextlib.contextmanager
-    def uncompiled(self):
-        """Blocks run eagerly inside: for steps whose shapes would each cost a compile (auto-fit's probes)."""
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
-
-    def training_starts(self) -> None:
-        self.graphs_at_start = compiled_graph_count()
-
-    def report(self) -> list[str]:
-        """The notes, and how many graphs dynamo compiled in this process after step 1 began: mostly batch shapes
-        the compile step had not seen (another image size, a smaller last batch) or settings changed by OOM
-        recovery, each a pause in training."""
-        more = compiled_graph_count() - self.graphs_at_start if self.graphs_at_start is not None else 0
-        if more <= 0 or self.failed:
-            return self.notes
-        return self.notes + [f"torch.compile: {more} more graph{'s' if more > 1 else ''} compiled after step 1 "
-                             "began (a batch shape the compile step had not seen, such as another image size or "
-                             "a smaller last batch, or settings changed by OOM recovery); training paused while "
-                             "they compiled"]
-
-    def drop_options(self) -> dict:
-        """After a compile error: from now on the blocks compile without the extra inductor options. Returns the
-        options dropped; none means the error was plain compiling's own (the caller falls back to eager)."""
-        dropped, self.options = self.options, {}
-        return dropped
-
-    def note_dropped(self, dropped: dict, error: BaseException) -> None:
-        """Once compiling again without `dropped` worked (if it failed too, fall_back's note says why)."""
-        if not self.failed:
-            self.notes.append(f"torch.compile: compiled without inductor's {', '.join(dropped)}, which failed here "
-                              f"({one_line(error)})")
-
-    def fall_back(self, error: BaseException) -> None:
-        """From now on every block runs its eager forward (through the same wrapper: checkpointing may have
-        wrapped it since, and must stay)."""
-        self.failed = one_line(error)
-        self.notes.append(f"torch.compile failed here ({self.failed}); the model runs eagerly")
-
-
-def inductor_options() -> dict:
-    """INDUCTOR_OPTIONS this torch's inductor knows: an older one without a setting compiles without it, where
-    torch.compile would refuse the unknown name and leave the whole model eager."""
-    import torch._inductor.config as inductor_config
-    known = inductor_config.get_config_copy()
-    return {name: value for name, value in INDUCTOR_OPTIONS.items() if name in known}
-
-
-def compiled_graph_count() -> int:
-    """Graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
-
-def inductor_cache_counts() -> tuple[int, int]:
-    """Graphs inductor loaded from its on-disk cache, and graphs it built, in this process so far."""
-    from torch._dynamo.utils import counters
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-
-
-def inductor_cache_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return cache_dir()
-
-
-def compile_blocks(units: list[torch.nn.Module]) -> CompiledBlocks:
-    """Installs compiled forwards on `units` (modules of the private training copy, not yet checkpointed)."""
-    return CompiledBlocks(list(units))

@@ -1,4 +1,5 @@
-"""The one bridge between the trainer and ComfyUI objects (MODEL = ModelPatcher, CLIP, VAE).
+"""The one bridge between the trainer and ComfyUI objects (MODEL = ModelPatcher, CLIP, VAE): ComfyAdapter
+implements the trainer's ModelAdapter (trainer/model_adapter.py) for ComfyUI's SD1.5/SDXL UNets.
 
 The user's MODEL is never modified: training runs on a private copy of the diffusion model with normal
 (non-inference) tensors, and the trained LoRA comes back as ordinary ComfyUI patches on fresh clones."""
@@ -19,11 +20,22 @@ import comfy.sd
 import comfy.utils
 from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
-from .checkpointing import most_memory_per_flop_first
-from .errors import LeanLoRAError
-from .frozen_weights import cast_frozen_weights
-from .layout import store_frozen_convs_channels_last
-from .lora import BaseModelKind
+from . import cast_weights
+
+if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
+    from ..trainer.checkpointing import most_memory_per_flop_first
+    from ..trainer.errors import LeanLoRAError
+    from ..trainer.frozen_weights import cast_frozen_weights
+    from ..trainer.layout import store_frozen_convs_channels_last
+    from ..trainer.lora import BaseModelKind
+    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.checkpointing import most_memory_per_flop_first
+    from trainer.errors import LeanLoRAError
+    from trainer.frozen_weights import cast_frozen_weights
+    from trainer.layout import store_frozen_convs_channels_last
+    from trainer.lora import BaseModelKind
+    from trainer.settings import Attention, BaseWeights, CheckpointDepth
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -82,6 +94,8 @@ class ComfyAdapter:
     # ComfyUI's ops check (and clear) the Cancel flag on every layer call, in whatever thread runs them: in the
     # forward pass, in checkpointed recomputation during backward, in VAE/CLIP encoding. Any of these means Cancel.
     cancel_errors = (comfy.model_management.InterruptProcessingException,)
+    # ComfyUI's cross-attention context: captions over 75 tokens encode to longer ones (CONDCrossAttn)
+    sequence_conditioning = ("c_crossattn",)
 
     def __init__(self, model, clip, vae):
         for name, value in (("model", model), ("clip", clip), ("vae", vae)):
@@ -168,10 +182,10 @@ class ComfyAdapter:
         unet.requires_grad_(False)
         return unet
 
-    def checkpoint_blocks(self, unet: torch.nn.Module, depth: str = "per layer",
+    def checkpoint_blocks(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
                           latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        """The units to recompute: every ResBlock, plus every transformer layer ("per layer") or every whole
-        SpatialTransformer ("per block"). ComfyUI's UNet runs the layers of its TimestepEmbedSequential blocks
+        """The units to recompute: every ResBlock, plus every transformer layer (CheckpointDepth.LAYER) or every whole
+        SpatialTransformer (BLOCK). ComfyUI's UNet runs the layers of its TimestepEmbedSequential blocks
         one by one (forward_timestep_embed), never the block's own forward, so checkpointing must wrap the
         layers. SDXL's deep levels stack 10 transformer layers in one SpatialTransformer: per-layer units keep
         one layer's activations alive during recompute, not ten; per-block units keep fewer inputs (and
@@ -183,7 +197,7 @@ class ComfyAdapter:
         for block in [*unet.input_blocks, unet.middle_block, *unet.output_blocks]:
             for layer in block:
                 if hasattr(layer, "transformer_blocks"):
-                    found = list(layer.transformer_blocks) if depth == "per layer" else [layer]
+                    found = list(layer.transformer_blocks) if depth is CheckpointDepth.LAYER else [layer]
                 elif isinstance(layer, TimestepBlock):
                     found = [layer]
                 else:
@@ -218,7 +232,7 @@ class ComfyAdapter:
             geglu.forward = types.MethodType(_split_geglu_forward, geglu)
         return _resblocks_worth_compiling(unet) + layers
 
-    def set_attention(self, backend: str, compiled: bool = False) -> str | None:
+    def set_attention(self, backend: Attention, compiled: bool = False) -> str | None:
         """Picks the attention kernel for training through ComfyUI's per-call override hook (the sampler's own
         choice stays untouched). 'auto' keeps what ComfyUI chose at start-up. Returns a note for the report, or
         None.
@@ -227,23 +241,34 @@ class ComfyAdapter:
         --use-split-cross-attention / --use-quad-cross-attention) ask for free memory on every call; dynamo
         guards on that number, so under torch.compile every step would compile again. Compiled runs call them
         outside the compiled graphs instead (a graph break), keeping the user's choice and its memory behaviour."""
-        kernels = {"pytorch SDPA": comfy_attention.attention_pytorch,
-                   "xformers": comfy_attention.attention_xformers,
-                   "chunked (sub-quadratic)": comfy_attention.attention_sub_quad}
-        if backend == "xformers" and not comfy.model_management.xformers_enabled():
+        kernels = {Attention.SDPA: comfy_attention.attention_pytorch,
+                   Attention.XFORMERS: comfy_attention.attention_xformers,
+                   Attention.SUB_QUADRATIC: comfy_attention.attention_sub_quad}
+        if backend is Attention.XFORMERS and not comfy.model_management.xformers_enabled():
             raise LeanLoRAError("attention: xformers is not usable here (it needs an NVIDIA GPU and an importable "
                                 "xformers matching your torch); choose 'pytorch SDPA' or 'auto'")
-        kernel = comfy_attention.optimized_attention if backend == "auto" else kernels[backend]
+        kernel = comfy_attention.optimized_attention if backend is Attention.AUTO else kernels[backend]
         note = None
         if compiled and kernel in (comfy_attention.attention_sub_quad, comfy_attention.attention_split):
             note = (f"attention: {kernel.__name__} reads free memory on every call, so it runs outside the compiled "
                     "graphs (compiled, each step would compile again); 'pytorch SDPA' compiles into them")
             kernel = torch.compiler.disable(kernel)
-        elif backend == "auto":
+        elif backend is Attention.AUTO:
             self.transformer_options = {}
             return None
         self.transformer_options = {"optimized_attention_override": lambda default, *a, **k: kernel(*a, **k)}
         return note
+
+    # --- frozen weights through ComfyUI's cast ops (bridge/cast_weights.py) ---
+    def store_weights_fp8(self, unet: torch.nn.Module) -> int:
+        return cast_weights.store_weights_fp8(unet)
+
+    def stream_weights_from_cpu(self, unet: torch.nn.Module) -> int:
+        return cast_weights.stream_weights_from_cpu(unet)
+
+    def projected_weight_bytes(self, unet: torch.nn.Module, compute_dtype: torch.dtype,
+                               base_weights: BaseWeights) -> int:
+        return cast_weights.projected_weight_bytes(unet, compute_dtype, base_weights)
 
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)

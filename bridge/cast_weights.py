@@ -1,0 +1,125 @@
+"""fp8 storage and CPU streaming of the training copy's frozen weights, through ComfyUI's per-call cast ops.
+
+Layers that can cast per call (ComfyUI's ops: `comfy_cast_weights`) upcast each weight only while that layer runs.
+With gradient checkpointing the upcast copies live for one block at a time; without it autograd keeps them for
+backward, so fp8 pays off together with checkpointing.
+
+ComfyUI's generic cast (`cast_bias_weight`) copies the fp8 weight, casts it to the *input's* dtype and then
+applies weight functions: under autocast a conv after GroupNorm gets an fp32 input, so SDXL's largest convs
+briefly held ~0.3 GiB of fp32 copies. fp8 Linear/Conv2d layers of the training copy therefore get their own
+forward: one cast to the autocast dtype, the scale applied in place."""
+from __future__ import annotations
+
+import torch
+
+if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
+    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, dequantize
+    from ..trainer.layer_patch import mix_into
+    from ..trainer.settings import BaseWeights
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, dequantize
+    from trainer.layer_patch import mix_into
+    from trainer.settings import BaseWeights
+
+
+class _Rescale:
+    """Per-tensor scale applied after ComfyUI's per-call upcast (a `weight_function` of ComfyUI's ops); used
+    for castable layer types without a dedicated fp8 forward."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.scale
+
+
+def _compute_dtype(input: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(input.device.type):
+        return torch.get_autocast_dtype(input.device.type)
+    return input.dtype
+
+
+class _Fp8Compute:
+    """Mixin for fp8 Linear/Conv2d layers: replaces ComfyUI's `forward_comfy_cast_weights` with weight (and bias)
+    to the input's device if streamed, one dequantizing upcast to the compute dtype, and the layer's op."""
+
+    def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
+        weight = dequantize(self.weight.to(input.device, non_blocking=True), getattr(self, FP8_SCALE),
+                            _compute_dtype(input))
+        bias = self.bias
+        if bias is not None:
+            bias = bias.to(input.device, weight.dtype, non_blocking=True)
+        if isinstance(self, torch.nn.Conv2d):
+            return self._conv_forward(input, weight, bias)
+        return torch.nn.functional.linear(input, weight, bias)
+
+
+def _castable_layers(module: torch.nn.Module, min_dim: int = 2):
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None)
+        if hasattr(layer, "comfy_cast_weights") and isinstance(weight, torch.Tensor) and weight.dim() >= min_dim \
+                and not weight.requires_grad:
+            yield layer
+
+
+def store_weights_fp8(module: torch.nn.Module) -> int:
+    """Converts every frozen matmul/conv weight of a castable layer to fp8 in place. Returns bytes saved.
+
+    Each tensor is scaled so its largest magnitude maps to fp8's largest: SD weights are mostly ~1e-2, where
+    unscaled e4m3 is subnormal and keeps almost no precision."""
+    saved = 0
+    for layer in _castable_layers(module):
+        weight = layer.weight
+        if weight.dtype == FP8:
+            continue
+        scale = max(weight.detach().abs().max().item(), 1e-12) / FP8_MAX
+        saved += weight.numel() * (weight.element_size() - 1)
+        layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and not layer.weight_function:
+            layer.register_buffer(FP8_SCALE, torch.tensor(scale, device=weight.device), persistent=False)
+            saved -= 4
+            mix_into(layer, _Fp8Compute)
+        else:
+            layer.weight_function = [*layer.weight_function, _Rescale(scale)]  # per instance: the class list is shared
+        layer.comfy_cast_weights = True  # upcast on every call
+    return saved
+
+
+def stream_weights_from_cpu(module: torch.nn.Module) -> int:
+    """Moves the frozen weights and biases of castable layers to pinned CPU memory; ComfyUI's ops then copy
+    each layer's weights to the compute device just before it runs, on a side stream so the copy of the next
+    layer overlaps the current one's compute. With gradient checkpointing only the block being recomputed
+    holds device copies. Returns the bytes kept off the device."""
+    moved = 0
+    pin = torch.cuda.is_available()  # pinned pages let the copies run asynchronously on the side stream
+    for layer in _castable_layers(module, min_dim=1):
+        for name in ("weight", "bias"):
+            tensor = getattr(layer, name, None)
+            if tensor is None or tensor.requires_grad:
+                continue
+            moved += tensor.numel() * tensor.element_size()
+            if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin):
+                continue
+            host = tensor.data.to("cpu")
+            setattr(layer, name, torch.nn.Parameter(host.pin_memory() if pin else host, requires_grad=False))
+        layer.comfy_cast_weights = True
+        layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
+    return moved
+
+
+def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: BaseWeights) -> int:
+    """Device bytes the frozen weights will take under `base_weights`, before any conversion is made."""
+    streamed, fp8 = base_weights.streamed, base_weights.fp8
+    total = 0
+    for layer in module.modules():
+        castable = hasattr(layer, "comfy_cast_weights")
+        for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
+            if getattr(tensor, "requires_grad", False) or not tensor.is_floating_point():
+                continue
+            if castable and streamed and name in ("weight", "bias"):
+                continue
+            size = 1 if (castable and fp8 and name == "weight" and tensor.dim() >= 2) else \
+                torch.empty((), dtype=compute_dtype).element_size()
+            total += tensor.numel() * size
+    return total
+

@@ -36,6 +36,8 @@ DESELECT="${MUTMUT_DESELECT:-tests/test_trainer_units.py::test_loop_reduces_loss
     tests/test_cache_store.py::test_encoder_ids_follow_weights_and_clip_patches
     tests/test_lr_schedules.py::test_the_pack_imports_no_diffusers}"
 # (the last one imports the pack in a bare subprocess, where mutmut's trampolines cannot run)
+# They go into pytest_add_cli_args, which mutmut appends to every pytest call (collection, the stats phase that maps
+# tests to functions, each mutant's run).
 if [ ! -x "$VENV/bin/mutmut" ]; then
     # A venv of its own that sees the project's packages (torch, ComfyUI's deps) through a .pth file.
     python3.11 -m venv "$VENV"
@@ -68,7 +70,7 @@ pytest_add_cli_args =
     not comfy
     -p
     no:randomly
-also_copy =
+${deselect}also_copy =
     scripts/
     nodes/
     __init__.py

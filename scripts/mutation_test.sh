@@ -11,7 +11,8 @@ VENV="${MUTMUT_VENV:-/tmp/leanlora-mutvenv}"
 WORK="${MUTMUT_WORK:-/tmp/leanlora-mutation}"
 MODULES="${MUTMUT_MODULES:-files lora precision loop objective dataset cache_store memory_plan}"
 TESTS="${MUTMUT_TESTS:-tests/test_trainer_units.py tests/test_cache_store.py tests/test_dataset.py tests/test_dataset_faults.py
-    tests/test_train_faults.py tests/test_lr_schedules.py tests/test_lora_files.py tests/test_mutation_kills.py}"
+    tests/test_train_faults.py tests/test_lr_schedules.py tests/test_lora_files.py tests/test_partial_checkpointing.py
+    tests/test_mutation_kills.py}"
 # Left out: CPU training runs of tens of seconds each (minutes on a loaded machine; every mutant of loop or
 # precision would rerun them) and tests that load the tiny checkpoint into ComfyUI in-process.
 DESELECT="${MUTMUT_DESELECT:-tests/test_trainer_units.py::test_loop_reduces_loss_in_every_precision

@@ -1,0 +1,126 @@
+"""Behaviour tests written for mutants that survived `bash scripts/mutation_test.sh` (docs/TESTING.md, "Mutation
+testing"): each pins something a user or a saved file sees that no earlier test checked."""
+import torch
+
+from trainer.settings import MemorySettings
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+# --- memory_plan -----------------------------------------------------------------------------------------------
+
+def test_a_gpu_without_bf16_gets_fp16_with_fp32_lora_weights_and_a_note(monkeypatch):
+    """Pre-Ampere cards (T4, V100) have no bf16: the run falls back to fp16 loss scaling, says so, and the OOM
+    ladder's 'mixed precision on' rung picks fp16 there too. CPU and bf16 cards keep the settings as asked."""
+    from trainer.memory_plan import next_rung, resolve_for_device
+    asked = MemorySettings("bf16", lora_weights="bf16 + stochastic rounding")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    resolved, notes = resolve_for_device(asked, CUDA)
+    assert (resolved.mixed_precision, resolved.lora_weights) == ("fp16", "fp32")
+    assert notes == ["this GPU has no bf16: using fp16 with loss scaling (and fp32 LoRA weights) instead"]
+    assert resolve_for_device(asked, CPU) == (asked, [])
+    memory, description = next_rung(MemorySettings("no", True), CUDA)
+    assert (memory.mixed_precision, description) == ("fp16", "mixed precision off -> fp16")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert resolve_for_device(asked, CUDA) == (asked, [])
+    assert next_rung(MemorySettings("no", True), CUDA)[0].mixed_precision == "bf16"
+
+
+def test_a_batch_of_two_is_the_first_thing_split_on_oom():
+    from trainer.memory_plan import next_rung
+    memory, description = next_rung(MemorySettings("bf16", True, batch_size=2, gradient_accumulation=3), CPU)
+    assert (memory.batch_size, memory.gradient_accumulation) == (1, 6)
+    assert description == "batch 2 -> 1 with gradient accumulation 6 (effective batch stays 6)"
+
+
+def test_the_cuda_ladder_names_what_moves_to_cpu_memory():
+    """The last two rungs are the slow ones; the report tells the user exactly what they cost."""
+    from trainer.memory_plan import next_rung
+    memory, offload = next_rung(MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8"), CUDA)
+    _, streamed = next_rung(memory, CUDA)
+    assert offload == "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)"
+    assert streamed == "frozen base weights streamed from CPU memory, layer by layer"
+
+
+# --- files -----------------------------------------------------------------------------------------------------
+
+def _blocked_folder(tmp_path):
+    """A folder path that cannot be created or written even by root: a plain file sits where its parent should."""
+    (tmp_path / "a_file").write_text("not a folder")
+    return tmp_path / "a_file" / "loras"
+
+
+def test_check_writable_creates_the_folder_and_leaves_no_probe_behind(tmp_path):
+    from trainer.files import check_writable
+    folder = tmp_path / "models" / "loras"
+    check_writable(folder, 1, "loras folder")
+    assert folder.is_dir() and not list(folder.iterdir())
+
+
+def test_check_writable_names_an_unwritable_folder_and_the_fix(tmp_path):
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.files import check_writable
+    folder = _blocked_folder(tmp_path)
+    with pytest.raises(LeanLoRAError) as failure:
+        check_writable(folder, 0, "loras folder")
+    message = str(failure.value)
+    assert message.startswith(f"cannot write to the loras folder {folder} (")
+    assert message.endswith("): make it writable for the user running ComfyUI (or free it from a read-only mount) "
+                            "and queue again")
+    assert "Not a directory" in message or "File exists" in message
+
+
+def test_check_writable_wants_twice_the_file_size_free(tmp_path):
+    import shutil
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.files import check_writable
+    free = shutil.disk_usage(tmp_path).free
+    check_writable(tmp_path, free // 4, "loras folder")  # room for two copies: fine
+    with pytest.raises(LeanLoRAError) as failure:
+        check_writable(tmp_path, free // 2 + 2 ** 20, "loras folder")
+    message = str(failure.value)
+    assert message.startswith(f"the loras folder {tmp_path} has ")
+    assert f"MiB free; the LoRA needs about {(free // 2 + 2 ** 20) / 2 ** 20:.1f} MiB: free some space" in message
+
+
+def test_save_with_fallback_saves_in_the_folder_when_it_can(tmp_path):
+    from safetensors.torch import load_file
+    from trainer.files import save_with_fallback
+    path, note = save_with_fallback({"w": torch.ones(2)}, tmp_path / "loras", "mine", {"k": "v"}, tmp_path / "spare")
+    assert (path, note) == (tmp_path / "loras" / "mine.safetensors", None)
+    assert torch.equal(load_file(path)["w"], torch.ones(2)) and not (tmp_path / "spare").exists()
+
+
+def test_save_with_fallback_keeps_the_lora_in_the_fallback_and_says_where(tmp_path):
+    from safetensors import safe_open
+    from trainer.files import save_with_fallback
+    folder, spare = _blocked_folder(tmp_path), tmp_path / "spare"
+    (spare).mkdir()
+    (spare / "mine.safetensors").write_bytes(b"an earlier LoRA")
+    path, note = save_with_fallback({"w": torch.ones(2)}, folder, "mine", {"k": "v"}, spare)
+    assert path == spare / "mine_2.safetensors"  # the fallback never overwrites either
+    assert (spare / "mine.safetensors").read_bytes() == b"an earlier LoRA"
+    with safe_open(str(path), "pt") as saved:
+        assert saved.metadata() == {"k": "v"} and torch.equal(saved.get_tensor("w"), torch.ones(2))
+    assert note.startswith(f"WARNING: could not save to {folder / 'mine.safetensors'} (")
+    assert note.endswith(f"); the LoRA was saved to {path} instead: move it into your loras folder to use it in "
+                         "Load LoRA")
+
+
+def test_save_with_fallback_names_both_folders_when_both_fail(tmp_path):
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.files import save_with_fallback
+    folder = _blocked_folder(tmp_path)
+    with pytest.raises(LeanLoRAError) as failure:
+        save_with_fallback({"w": torch.ones(2)}, folder, "mine", {}, None)
+    assert str(failure.value).startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} (")
+    assert str(failure.value).endswith(")")
+    with pytest.raises(LeanLoRAError) as failure:
+        save_with_fallback({"w": torch.ones(2)}, folder, "mine", {}, folder)
+    message = str(failure.value)
+    assert message.startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} (")
+    assert f") nor to the fallback {folder / 'mine.safetensors'} (" in message
+    assert message.endswith("): free space or fix the folders' permissions")

@@ -124,3 +124,48 @@ def test_save_with_fallback_names_both_folders_when_both_fail(tmp_path):
     assert message.startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} (")
     assert f") nor to the fallback {folder / 'mine.safetensors'} (" in message
     assert message.endswith("): free space or fix the folders' permissions")
+
+
+# --- lora: the metadata other tools read (tested end to end only by a training run the script leaves out) ----
+
+def test_tag_frequency_counts_each_lower_cased_tag_once_per_caption():
+    from trainer.lora import tag_frequency
+    captions = ["Red ball, studio,, ", "red ball,blue sky", "", " STUDIO "]
+    assert tag_frequency("10_subject", captions) == {"10_subject": {"red ball": 2, "studio": 2, "blue sky": 1}}
+
+
+def test_lora_metadata_is_kohyas_set_plus_the_sai_model_spec():
+    import datetime
+    import json
+    from trainer.lora import BaseModelKind, lora_metadata
+    from trainer.settings import LoraSettings
+    settings = LoraSettings(rank=8, alpha=4.0, dropout=0.1, targets="attention")
+    tags = {"10_subject": {"red ball": 2}}
+    started = 1_700_000_000.75
+    meta = lora_metadata(settings, BaseModelKind(), output_name="my lora", resolution=(768, 512), tags=tags,
+                         extra={"ss_steps": "40"}, timestamp=started)
+    assert meta == {
+        "ss_network_module": "networks.lora", "ss_network_dim": "8", "ss_network_alpha": "4.0",
+        "ss_network_dropout": "0.1",
+        "ss_network_args": json.dumps({"targets": "attention",
+                                       "target_modules": ",".join(settings.target_modules)}),
+        "ss_base_model_version": "sd_v1", "ss_v2": "False", "ss_output_name": "my lora",
+        "ss_resolution": "(768, 512)", "ss_training_started_at": "1700000000.75",
+        "ss_tag_frequency": '{"10_subject": {"red ball": 2}}', "leanlora_targets": "attention", "ss_steps": "40",
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": "stable-diffusion-v1/lora",
+        "modelspec.implementation": "diffusers", "modelspec.title": "my lora", "modelspec.resolution": "768x512",
+        "modelspec.date": datetime.datetime.fromtimestamp(1_700_000_000).isoformat(),  # whole seconds, local time
+        "modelspec.prediction_type": "epsilon"}
+    before = __import__("time").time()
+    now = float(lora_metadata(settings, BaseModelKind(), output_name="x", resolution=(64, 64), tags={}, extra={})
+                ["ss_training_started_at"])
+    assert before <= now <= before + 60  # no timestamp given: the current time
+
+
+def test_base_model_kind_names_sd2_families_as_kohya_does():
+    from trainer.lora import BaseModelKind
+    assert BaseModelKind(v2=True).base_model_version == "sd_v2"
+    assert BaseModelKind(v2=True, v_prediction=True).base_model_version == "sd_v2_v"
+    assert BaseModelKind(v2=True).architecture == "stable-diffusion-v2-512/lora"
+    assert BaseModelKind(v2=True, v_prediction=True).architecture == "stable-diffusion-v2-768-v/lora"
+    assert BaseModelKind(v2=True).implementation == "diffusers"

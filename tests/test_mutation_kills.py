@@ -169,3 +169,71 @@ def test_base_model_kind_names_sd2_families_as_kohya_does():
     assert BaseModelKind(v2=True).architecture == "stable-diffusion-v2-512/lora"
     assert BaseModelKind(v2=True, v_prediction=True).architecture == "stable-diffusion-v2-768-v/lora"
     assert BaseModelKind(v2=True).implementation == "diffusers"
+
+
+# --- objective, on ComfyUI's own model_sampling classes (the training-run tests of it take a minute) -----------
+
+def _sampling(prediction: str):
+    import comfy.model_sampling as ms
+    kind = {"eps": ms.EPS, "v": ms.V_PREDICTION}[prediction]
+    return type(f"Sampling_{prediction}", (ms.ModelSamplingDiscrete, kind), {})()
+
+
+def test_sigmas_are_drawn_from_the_whole_schedule_by_the_given_generator():
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.objective import sample_sigmas
+    sampling = _sampling("eps")
+    drawn = sample_sigmas(sampling, 20_000, torch.Generator().manual_seed(1))
+    assert drawn.shape == (20_000,) and drawn.device.type == "cpu"
+    assert set(drawn.tolist()) <= set(sampling.sigmas.tolist())
+    assert (drawn.min(), drawn.max()) == (sampling.sigmas[0], sampling.sigmas[-1])  # both ends of the schedule
+    again = sample_sigmas(sampling, 20_000, torch.Generator().manual_seed(1))
+    other = sample_sigmas(sampling, 20_000, torch.Generator().manual_seed(2))
+    assert torch.equal(drawn, again) and not torch.equal(drawn, other)
+
+    class FlowSchedule:  # a continuous schedule (flow models): no table of sigmas
+        pass
+    with pytest.raises(LeanLoRAError, match=r"this model's noise schedule \(FlowSchedule\) is not a discrete DDPM "
+                                            r"schedule; LeanLoRA trains SD1.5/SDXL-style models"):
+        sample_sigmas(FlowSchedule(), 2, torch.Generator())
+
+
+def test_draw_noise_gives_the_seeded_noise_its_sigmas_and_the_models_timesteps():
+    from trainer.objective import draw_noise, sample_sigmas
+    sampling = _sampling("eps")
+    drawn = draw_noise(sampling, torch.Size((3, 4, 8, 8)), torch.Generator().manual_seed(5))
+    replay = torch.Generator().manual_seed(5)
+    noise = torch.randn(3, 4, 8, 8, generator=replay)
+    sigma = sample_sigmas(sampling, 3, replay)  # noise first, then the sigmas, from the one generator
+    assert set(drawn) == {"noise", "sigma", "timestep"}
+    assert torch.equal(drawn["noise"], noise) and torch.equal(drawn["sigma"], sigma)
+    assert drawn["timestep"].dtype == torch.float32
+    assert torch.equal(drawn["timestep"], sampling.timestep(sigma).float())
+
+
+def test_the_loss_trains_eps_models_on_noise_and_v_models_on_v():
+    from trainer.objective import denoising_loss, output_target
+    g = torch.Generator().manual_seed(0)
+    clean, noise = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    sigma = torch.tensor([0.5, 7.0])
+    s = sigma.view(-1, 1, 1, 1)
+    v = (noise - s * clean) / (1 + s ** 2).sqrt()
+    cond = {"c_crossattn": torch.ones(2, 3, 8)}
+    for prediction, right, wrong in (("eps", noise, v), ("v", v, noise)):
+        sampling = _sampling(prediction)
+        noisy = sampling.noise_scaling(sigma, noise, clean)
+        torch.testing.assert_close(output_target(sampling, sigma, noisy, clean), right, rtol=1e-4, atol=1e-4)
+        seen = {}
+
+        def predict(x, t, c, answer):
+            seen.update(x=x, t=t, c=c)
+            return answer.half()  # a model under autocast answers in fp16; the loss is still fp32
+        timestep = sampling.timestep(sigma)
+        loss = denoising_loss(sampling, lambda x, t, c: predict(x, t, c, right), clean, cond, noise, sigma, timestep)
+        assert loss.dtype == torch.float32 and loss.item() < 1e-5, prediction
+        torch.testing.assert_close(seen["x"], sampling.calculate_input(sigma, noisy))
+        assert seen["t"] is timestep and seen["c"] is cond
+        off_by_one = denoising_loss(sampling, lambda x, t, c: right + 1, clean, cond, noise, sigma, timestep)
+        assert abs(off_by_one.item() - 1.0) < 1e-4  # the mean of squared errors
+        assert denoising_loss(sampling, lambda x, t, c: wrong, clean, cond, noise, sigma, timestep).item() > 0.1

@@ -237,3 +237,32 @@ def test_the_loss_trains_eps_models_on_noise_and_v_models_on_v():
         off_by_one = denoising_loss(sampling, lambda x, t, c: right + 1, clean, cond, noise, sigma, timestep)
         assert abs(off_by_one.item() - 1.0) < 1e-4  # the mean of squared errors
         assert denoising_loss(sampling, lambda x, t, c: wrong, clean, cond, noise, sigma, timestep).item() > 0.1
+
+
+# --- files: names, cache_store: the optional disk layer ------------------------------------------------------
+
+def test_checkpoint_and_pickle_suffixes_are_dropped_from_names_in_any_case():
+    from trainer.files import sanitize_name
+    assert sanitize_name("my_model.ckpt") == "my_model" and sanitize_name("MY_MODEL.CKPT") == "MY_MODEL"
+    assert sanitize_name("style.pt") == "style" and sanitize_name("style.PT") == "style"
+    assert sanitize_name("both.SafeTensors") == "both"
+
+
+def test_a_long_name_behind_dots_keeps_100_characters_of_its_own():
+    from trainer.files import sanitize_name
+    assert sanitize_name(" . ." + "a" * 120) == "a" * 100
+
+
+def test_an_unwritable_cache_folder_is_said_once_and_the_entries_stay_in_ram(tmp_path):
+    from trainer.cache_store import LatentTextStore, RamCache
+    (tmp_path / "a_file").write_text("not a folder")
+    folder = tmp_path / "a_file" / "cache"
+    store = LatentTextStore(folder, ram=RamCache(1 << 20))
+    store.put("k1", {"latent": torch.ones(2)})
+    problem = store.disk_problem
+    assert problem.startswith(f"latent cache folder {folder} cannot be written (")
+    assert problem.endswith("); this run's encodings stay in RAM only")
+    store.put("k2", {"latent": torch.zeros(2)})
+    assert store.disk_problem is problem  # said once, not once per entry
+    assert torch.equal(store.get("k1")["latent"], torch.ones(2)) and torch.equal(store.get("k2")["latent"],
+                                                                                 torch.zeros(2))

@@ -1,5 +1,7 @@
 """Behaviour tests written for mutants that survived `bash scripts/mutation_test.sh` (docs/TESTING.md, "Mutation
 testing"): each pins something a user or a saved file sees that no earlier test checked."""
+from pathlib import Path
+
 import torch
 
 from trainer.settings import MemorySettings
@@ -44,6 +46,9 @@ def test_the_cuda_ladder_names_what_moves_to_cpu_memory():
 
 # --- files -----------------------------------------------------------------------------------------------------
 
+_OS_ERROR = "NotADirectoryError: [Errno 20] Not a directory"  # what a file in place of the folder gives
+
+
 def _blocked_folder(tmp_path):
     """A folder path that cannot be created or written even by root: a plain file sits where its parent should."""
     (tmp_path / "a_file").write_text("not a folder")
@@ -86,11 +91,14 @@ def test_check_writable_wants_twice_the_file_size_free(tmp_path):
 
 
 def test_save_with_fallback_saves_in_the_folder_when_it_can(tmp_path):
+    from safetensors import safe_open
     from safetensors.torch import load_file
     from trainer.files import save_with_fallback
     path, note = save_with_fallback({"w": torch.ones(2)}, tmp_path / "loras", "mine", {"k": "v"}, tmp_path / "spare")
     assert (path, note) == (tmp_path / "loras" / "mine.safetensors", None)
     assert torch.equal(load_file(path)["w"], torch.ones(2)) and not (tmp_path / "spare").exists()
+    with safe_open(str(path), "pt") as saved:
+        assert saved.metadata() == {"k": "v"}
 
 
 def test_save_with_fallback_keeps_the_lora_in_the_fallback_and_says_where(tmp_path):
@@ -104,7 +112,7 @@ def test_save_with_fallback_keeps_the_lora_in_the_fallback_and_says_where(tmp_pa
     assert (spare / "mine.safetensors").read_bytes() == b"an earlier LoRA"
     with safe_open(str(path), "pt") as saved:
         assert saved.metadata() == {"k": "v"} and torch.equal(saved.get_tensor("w"), torch.ones(2))
-    assert note.startswith(f"WARNING: could not save to {folder / 'mine.safetensors'} (")
+    assert note.startswith(f"WARNING: could not save to {folder / 'mine.safetensors'} ({_OS_ERROR}")
     assert note.endswith(f"); the LoRA was saved to {path} instead: move it into your loras folder to use it in "
                          "Load LoRA")
 
@@ -116,13 +124,13 @@ def test_save_with_fallback_names_both_folders_when_both_fail(tmp_path):
     folder = _blocked_folder(tmp_path)
     with pytest.raises(LeanLoRAError) as failure:
         save_with_fallback({"w": torch.ones(2)}, folder, "mine", {}, None)
-    assert str(failure.value).startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} (")
+    assert str(failure.value).startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} ({_OS_ERROR}")
     assert str(failure.value).endswith(")")
     with pytest.raises(LeanLoRAError) as failure:
         save_with_fallback({"w": torch.ones(2)}, folder, "mine", {}, folder)
     message = str(failure.value)
-    assert message.startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} (")
-    assert f") nor to the fallback {folder / 'mine.safetensors'} (" in message
+    assert message.startswith(f"could not save the LoRA to {folder / 'mine.safetensors'} ({_OS_ERROR}")
+    assert f") nor to the fallback {folder / 'mine.safetensors'} ({_OS_ERROR}" in message
     assert message.endswith("): free space or fix the folders' permissions")
 
 
@@ -266,3 +274,62 @@ def test_an_unwritable_cache_folder_is_said_once_and_the_entries_stay_in_ram(tmp
     assert store.disk_problem is problem  # said once, not once per entry
     assert torch.equal(store.get("k1")["latent"], torch.ones(2)) and torch.equal(store.get("k2")["latent"],
                                                                                  torch.zeros(2))
+
+
+def test_a_half_written_file_is_hidden_and_not_a_safetensors_name(tmp_path, monkeypatch):
+    """ComfyUI lists every *.safetensors in models/loras: the temp file is a dot file ending in .tmp."""
+    from trainer import files
+    written = []
+    real_save = files.save_file
+
+    def recording_save(tensors, filename, metadata=None):
+        written.append(Path(filename))
+        return real_save(tensors, filename, metadata=metadata)
+    monkeypatch.setattr(files, "save_file", recording_save)
+    path = files.save_safetensors_atomic({"w": torch.ones(2)}, tmp_path / "mine.safetensors", {})
+    (temp,) = written
+    assert temp.parent == tmp_path and temp.name.startswith(".leanlora-") and temp.name.endswith(".tmp")
+    assert path.is_file() and not temp.exists()
+
+
+def test_names_are_trimmed_to_whole_characters_and_never_end_in_a_dot():
+    from trainer.files import sanitize_name
+    assert sanitize_name("é" * 75 + "a") == "é" * 75  # 151 UTF-8 bytes: one character goes, not two
+    assert sanitize_name("a" * 99 + ".b") == "a" * 99  # cut at 100 characters, then the dot left at the end
+    assert sanitize_name("Xavier.X") == "Xavier.X"
+
+
+def test_ram_cache_counts_a_replaced_entry_once_and_stays_bounded():
+    from trainer.cache_store import RamCache
+    entry = lambda value: {"t": torch.full((4,), float(value))}  # noqa: E731  (16 bytes)
+    ram = RamCache(max_bytes=48)
+    ram.put("a", entry(0))
+    ram.put("a", entry(1))  # a replaced entry frees its old bytes
+    ram.put("b", entry(2))
+    ram.put("c", entry(3))
+    assert len(ram) == 3 and ram.get("a")["t"][0] == 1
+    for key in "defg":
+        ram.put(key, entry(0))
+        assert len(ram) == 3  # every put past the bound evicts, not only the first
+    assert [ram.get(k) is not None for k in "abcdefg"] == [False] * 4 + [True] * 3
+    whole = RamCache(max_bytes=16)
+    whole.put("exact", entry(0))  # an entry of exactly max_bytes fits
+    assert whole.get("exact") is not None
+    whole.put("too big", {"t": torch.zeros(5)})
+    assert whole.get("too big") is None and whole.get("exact") is not None
+
+
+def test_store_without_ram_reads_its_folder_and_disk_hits_go_to_ram(tmp_path):
+    from trainer.cache_store import LatentTextStore, RamCache
+    disk_only = LatentTextStore(tmp_path, ram=None)
+    disk_only.put("k", {"latent": torch.ones(3)})
+    assert torch.equal(disk_only.get("k")["latent"], torch.ones(3))
+    entry_file = tmp_path / "k.safetensors"
+    written = entry_file.stat().st_ino
+    ram = RamCache(1 << 20)
+    store = LatentTextStore(tmp_path, ram=ram)
+    assert torch.equal(store.get("k")["latent"], torch.ones(3))  # from disk, now in RAM too
+    assert store.get("k") is ram.get("k")
+    assert entry_file.stat().st_ino == written  # an entry already on disk is not rewritten by a RAM hit
+    entry_file.unlink()
+    assert torch.equal(LatentTextStore(None, ram=ram).get("k")["latent"], torch.ones(3))

@@ -333,3 +333,29 @@ def test_store_without_ram_reads_its_folder_and_disk_hits_go_to_ram(tmp_path):
     assert entry_file.stat().st_ino == written  # an entry already on disk is not rewritten by a RAM hit
     entry_file.unlink()
     assert torch.equal(LatentTextStore(None, ram=ram).get("k")["latent"], torch.ones(3))
+
+
+# --- precision -------------------------------------------------------------------------------------------------
+
+def test_norms_in_the_compute_dtype_keep_their_learned_scale_and_shift():
+    """Trained norms have weights other than 1 and biases other than 0 (the default init hides both), and some
+    norms have none (elementwise_affine=False)."""
+    from trainer.precision import norms_in_compute_dtype
+    torch.manual_seed(0)
+    norms = [torch.nn.GroupNorm(4, 16), torch.nn.LayerNorm(16), torch.nn.GroupNorm(4, 16, affine=False),
+             torch.nn.LayerNorm(16, elementwise_affine=False)]
+    with torch.no_grad():
+        for norm in norms:
+            if norm.weight is not None:
+                norm.weight.uniform_(0.5, 2.0)
+                norm.bias.uniform_(-1.0, 1.0)
+    inputs = [torch.randn(2, 16, 4, 4), torch.randn(2, 5, 16), torch.randn(2, 16, 4, 4), torch.randn(2, 5, 16)]
+    with torch.no_grad():
+        references = [norm(x) for norm, x in zip(norms, inputs)]  # fp32, as loaded
+        assert norms_in_compute_dtype(torch.nn.ModuleList(norms)) == 4
+        for norm, x, reference in zip(norms, inputs, references):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = norm(x)
+            assert out.dtype == torch.bfloat16, norm
+            torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
+            assert torch.equal(norm(x), reference)  # outside autocast: the layer as it was

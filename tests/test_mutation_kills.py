@@ -359,3 +359,11 @@ def test_norms_in_the_compute_dtype_keep_their_learned_scale_and_shift():
             assert out.dtype == torch.bfloat16, norm
             torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
             assert torch.equal(norm(x), reference)  # outside autocast: the layer as it was
+
+
+def test_frozen_weights_are_stored_in_the_mixed_precision_dtype_or_fp32():
+    """What TrainingSession casts the frozen base weights to: fp32 when mixed precision is off."""
+    from trainer.precision import Precision
+    assert Precision("no", CPU).compute_dtype == torch.float32
+    assert Precision("bf16", CPU).compute_dtype == torch.bfloat16
+    assert Precision("fp16", CPU).compute_dtype == torch.float16

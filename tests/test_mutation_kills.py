@@ -367,3 +367,41 @@ def test_frozen_weights_are_stored_in_the_mixed_precision_dtype_or_fp32():
     assert Precision("no", CPU).compute_dtype == torch.float32
     assert Precision("bf16", CPU).compute_dtype == torch.bfloat16
     assert Precision("fp16", CPU).compute_dtype == torch.float16
+
+
+def test_fp16_scales_the_loss_and_skips_only_overflowed_steps():
+    """Dynamic loss scaling on one parameter, in milliseconds (the training-run test of it takes 40 s)."""
+    from trainer.precision import Precision
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    fp16 = Precision("fp16", CPU, initial_scale=1024.0)
+    fp16.backward((weight * torch.tensor([1.0, 2.0])).sum())
+    assert torch.equal(weight.grad, torch.tensor([1024.0, 2048.0]))  # the scaled loss's gradient
+    assert fp16.step(optimizer) is True and fp16.skipped_steps == 0
+    assert torch.equal(weight.detach(), torch.tensor([0.5, 0.0]))  # the step used the unscaled gradient
+    optimizer.zero_grad()
+    fp16.backward((weight * torch.tensor([float("inf"), 1.0])).sum())
+    assert fp16.step(optimizer) is False and fp16.skipped_steps == 1
+    assert torch.equal(weight.detach(), torch.tensor([0.5, 0.0]))  # an overflowed step changes nothing
+    assert fp16.scaler.get_scale() == 512.0
+    optimizer.zero_grad()
+    fp16.backward(weight.sum())
+    assert fp16.step(optimizer) is True and fp16.skipped_steps == 1
+
+
+def test_bf16_and_fp32_step_without_a_scaler_and_autocast_only_with_a_dtype():
+    from trainer.precision import Precision
+    for mode, dtype in (("bf16", torch.bfloat16), ("no", None)):
+        weight = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([weight], lr=0.5)
+        precision = Precision(mode, CPU)
+        assert precision.scaler is None
+        precision.backward((weight * torch.tensor([1.0, 2.0])).sum())
+        assert torch.equal(weight.grad, torch.tensor([1.0, 2.0]))  # no scaling
+        assert precision.step(optimizer) is True and precision.skipped_steps == 0
+        assert torch.equal(weight.detach(), torch.tensor([0.5, 0.0]))
+        with precision.autocast():
+            product = torch.ones(2, 2) @ torch.ones(2, 2)
+        assert product.dtype == (dtype or torch.float32), mode
+        with precision.autocast(cache_enabled=False):
+            assert torch.is_autocast_enabled("cpu") == (dtype is not None)

@@ -405,3 +405,30 @@ def test_bf16_and_fp32_step_without_a_scaler_and_autocast_only_with_a_dtype():
         assert product.dtype == (dtype or torch.float32), mode
         with precision.autocast(cache_enabled=False):
             assert torch.is_autocast_enabled("cpu") == (dtype is not None)
+
+
+def test_check_writable_probes_the_folder_itself(tmp_path):
+    """An existing folder that refuses new files (a read-only mount; for root, chattr +i) fails the check, although
+    the system's temp folder is writable."""
+    import subprocess
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.files import check_writable
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        (folder / ".probe").touch()
+    except OSError:
+        pass  # not root: the permission bits are enough
+    else:
+        (folder / ".probe").unlink()
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("cannot make a folder read-only here (no chmod effect and no chattr)")
+    try:
+        with pytest.raises(LeanLoRAError, match="cannot write to the loras folder"):
+            check_writable(folder, 0, "loras folder")
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+        folder.chmod(0o755)
+    assert not list(folder.iterdir())

@@ -432,3 +432,15 @@ def test_check_writable_probes_the_folder_itself(tmp_path):
         subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
         folder.chmod(0o755)
     assert not list(folder.iterdir())
+
+
+def test_a_saved_lora_is_readable_like_any_file_the_user_saves(tmp_path):
+    """mkstemp makes 0600 files; the LoRA gets the user's usual mode (0666 less the umask), e.g. for a shared
+    models folder."""
+    import os
+    import stat
+    from trainer.files import save_safetensors_atomic
+    old_umask = os.umask(0o022)
+    os.umask(old_umask)
+    path = save_safetensors_atomic({"w": torch.ones(2)}, tmp_path / "mine.safetensors", {})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~old_umask

@@ -342,8 +342,8 @@ def test_norms_in_the_compute_dtype_keep_their_learned_scale_and_shift():
     norms have none (elementwise_affine=False)."""
     from trainer.precision import norms_in_compute_dtype
     torch.manual_seed(0)
-    norms = [torch.nn.GroupNorm(4, 16), torch.nn.LayerNorm(16), torch.nn.GroupNorm(4, 16, affine=False),
-             torch.nn.LayerNorm(16, elementwise_affine=False)]
+    norms = [torch.nn.GroupNorm(4, 16, eps=0.5), torch.nn.LayerNorm(16, eps=0.5),  # a model's own eps, not 1e-5
+             torch.nn.GroupNorm(4, 16, affine=False), torch.nn.LayerNorm(16, elementwise_affine=False)]
     with torch.no_grad():
         for norm in norms:
             if norm.weight is not None:
@@ -391,6 +391,8 @@ def test_fp16_scales_the_loss_and_skips_only_overflowed_steps():
 
 def test_bf16_and_fp32_step_without_a_scaler_and_autocast_only_with_a_dtype():
     from trainer.precision import Precision
+    with Precision("fp16", CPU).autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16  # fp16 asked: not the CPU's bf16 default
     for mode, dtype in (("bf16", torch.bfloat16), ("no", None)):
         weight = torch.nn.Parameter(torch.ones(2))
         optimizer = torch.optim.SGD([weight], lr=0.5)

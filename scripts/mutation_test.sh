@@ -80,6 +80,8 @@ ${deselect}also_copy =
 process_isolation = forkserver
 use_git_change_detection = false
 debug = ${MUTMUT_DEBUG:-false}
+# a mutant that loops forever is stopped after (its tests' time + 1 s) x this x 2 of CPU time (mutmut's default 15)
+timeout_multiplier = ${MUTMUT_TIMEOUT_MULTIPLIER:-15}
 EOF
 export COMFYUI_PATH="${COMFYUI_PATH:-$REPO/.cache/comfyui}"
 "$VENV/bin/mutmut" run --max-children "${MUTMUT_CHILDREN:-2}" || true

@@ -11,7 +11,8 @@ VENV="${MUTMUT_VENV:-/tmp/leanlora-mutvenv}"
 WORK="${MUTMUT_WORK:-/tmp/leanlora-mutation}"
 MODULES="${MUTMUT_MODULES:-files lora precision loop objective dataset cache_store memory_plan}"
 TESTS="${MUTMUT_TESTS:-tests/test_trainer_units.py tests/test_cache_store.py tests/test_dataset.py tests/test_dataset_faults.py
-    tests/test_train_faults.py tests/test_lr_schedules.py tests/test_lora_files.py tests/test_mutation_kills.py}"
+    tests/test_train_faults.py tests/test_lr_schedules.py tests/test_lora_files.py tests/test_partial_checkpointing.py
+    tests/test_mutation_kills.py}"
 # Left out: CPU training runs of tens of seconds each (minutes on a loaded machine; every mutant of loop or
 # precision would rerun them) and tests that load the tiny checkpoint into ComfyUI in-process.
 DESELECT="${MUTMUT_DESELECT:-tests/test_trainer_units.py::test_loop_reduces_loss_in_every_precision
@@ -36,6 +37,8 @@ DESELECT="${MUTMUT_DESELECT:-tests/test_trainer_units.py::test_loop_reduces_loss
     tests/test_cache_store.py::test_encoder_ids_follow_weights_and_clip_patches
     tests/test_lr_schedules.py::test_the_pack_imports_no_diffusers}"
 # (the last one imports the pack in a bare subprocess, where mutmut's trampolines cannot run)
+# They go into pytest_add_cli_args, which mutmut appends to every pytest call (collection, the stats phase that maps
+# tests to functions, each mutant's run).
 if [ ! -x "$VENV/bin/mutmut" ]; then
     # A venv of its own that sees the project's packages (torch, ComfyUI's deps) through a .pth file.
     python3.11 -m venv "$VENV"
@@ -68,7 +71,7 @@ pytest_add_cli_args =
     not comfy
     -p
     no:randomly
-also_copy =
+${deselect}also_copy =
     scripts/
     nodes/
     __init__.py
@@ -77,6 +80,8 @@ also_copy =
 process_isolation = forkserver
 use_git_change_detection = false
 debug = ${MUTMUT_DEBUG:-false}
+# a mutant that loops forever is stopped after (its tests' time + 1 s) x this x 2 of CPU time (mutmut's default 15)
+timeout_multiplier = ${MUTMUT_TIMEOUT_MULTIPLIER:-15}
 EOF
 export COMFYUI_PATH="${COMFYUI_PATH:-$REPO/.cache/comfyui}"
 "$VENV/bin/mutmut" run --max-children "${MUTMUT_CHILDREN:-2}" || true

@@ -74,6 +74,7 @@ pytest_add_cli_args =
 ${deselect}also_copy =
     scripts/
     nodes/
+    bridge/
     __init__.py
     workflows/
     example_workflows/

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.settings import MemorySettings
+from trainer.settings import LoraWeights, MemorySettings
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -15,10 +15,10 @@ def test_a_gpu_without_bf16_gets_fp16_with_fp32_lora_weights_and_a_note(monkeypa
     """Pre-Ampere cards (T4, V100) have no bf16: the run falls back to fp16 loss scaling, says so, and the OOM
     ladder's 'mixed precision on' rung picks fp16 there too. CPU and bf16 cards keep the settings as asked."""
     from trainer.memory_plan import next_rung, resolve_for_device
-    asked = MemorySettings("bf16", lora_weights="bf16 + stochastic rounding")
+    asked = MemorySettings("bf16", lora_weights=LoraWeights.BF16_STOCHASTIC_ROUNDING)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     resolved, notes = resolve_for_device(asked, CUDA)
-    assert (resolved.mixed_precision, resolved.lora_weights) == ("fp16", "fp32")
+    assert (resolved.mixed_precision, resolved.lora_weights) == ("fp16", LoraWeights.FP32)
     assert notes == ["this GPU has no bf16: using fp16 with loss scaling (and fp32 LoRA weights) instead"]
     assert resolve_for_device(asked, CPU) == (asked, [])
     memory, description = next_rung(MemorySettings("no", True), CUDA)

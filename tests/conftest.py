@@ -94,3 +94,17 @@ def comfy_objects(tiny_assets):
         model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(
             str(tiny_assets["checkpoint"]), output_vae=True, output_clip=True, embedding_directory=None)
     return model, clip, vae
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Two images of the tiny dataset, scanned at 64 px (the in-process train_lora tests)."""
+    from trainer.dataset import scan_folder
+    return scan_folder(tiny_assets_lib.build_tiny_dataset(tmp_path_factory.mktemp("ds"), n=2), 64)
+
+
+@pytest.fixture()
+def adapter(comfy_objects):
+    """The bridge's ModelAdapter over the tiny checkpoint's MODEL, CLIP and VAE."""
+    from bridge.comfy_adapter import ComfyAdapter
+    return ComfyAdapter(*comfy_objects)

@@ -42,3 +42,23 @@ class TinyNet(torch.nn.Module):
         for block in self.input_blocks:
             x = x + block["attn1"](x)
         return x
+
+
+def regression_problem(seed: int = 0):
+    """A TinyNet with LoRA learning another TinyNet's outputs: (net, LoRA params, endless batches, (x, y))."""
+    from trainer.lora import inject_lora
+    from trainer.settings import LoraSettings
+    torch.manual_seed(seed)
+    net = TinyNet()
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4.0), seed=0)
+    target = TinyNet()
+    x = torch.randn(64, 5, 16)
+    with torch.no_grad():
+        y = target(x)
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            idx = torch.randint(0, 64, (8,), generator=g)
+            yield x[idx], y[idx]
+    return net, params, data(), (x, y)

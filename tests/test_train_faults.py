@@ -21,26 +21,9 @@ from trainer.optimizers import build_lr_schedule
 from trainer.precision import Precision
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 
-from helpers import TinyNet
+from helpers import regression_problem
 
 CPU = torch.device("cpu")
-
-
-def _problem(seed=0):
-    torch.manual_seed(seed)
-    net = TinyNet()
-    params = inject_lora(net, LoraSettings(rank=4, alpha=4.0), seed=0)
-    target = TinyNet()
-    x = torch.randn(64, 5, 16)
-    with torch.no_grad():
-        y = target(x)
-
-    def data():
-        g = torch.Generator().manual_seed(0)
-        while True:
-            idx = torch.randint(0, 64, (8,), generator=g)
-            yield x[idx], y[idx]
-    return net, params, data(), (x, y)
 
 
 def _mse(net):
@@ -63,7 +46,7 @@ class _InfiniteGradient(torch.autograd.Function):
 
 @pytest.mark.parametrize("sync_every, kept", [(1, 5), (4, 4)])
 def test_a_nan_loss_stops_the_run_at_that_step_with_the_last_finite_weights(sync_every, kept):
-    net, params, data, _ = _problem()
+    net, params, data, _ = regression_problem()
     after_step, calls = {}, []
     plain = _mse(net)
 
@@ -84,7 +67,7 @@ def test_a_nan_loss_stops_the_run_at_that_step_with_the_last_finite_weights(sync
 
 
 def test_a_finite_loss_with_an_infinite_gradient_is_divergence_outside_fp16():
-    net, params, data, _ = _problem()
+    net, params, data, _ = regression_problem()
     calls = []
 
     def loss_fn(batch):
@@ -98,7 +81,7 @@ def test_a_finite_loss_with_an_infinite_gradient_is_divergence_outside_fp16():
 
 
 def test_fp16_overflowed_steps_are_skipped_unchanged_and_are_not_divergence():
-    net, params, data, _ = _problem()
+    net, params, data, _ = regression_problem()
     precision = Precision("fp16", CPU, initial_scale=2.0 ** 40)  # the first steps overflow fp16 gradients
     optimizer = torch.optim.AdamW(params, lr=1e-2)  # weight decay would move the weights on an applied step
     before = [p.detach().clone() for p in params]
@@ -117,7 +100,7 @@ def test_the_loss_is_divided_by_the_accumulation_count():
     """Two accumulated half-batches give the gradient (and reported loss) of the whole batch, not twice it."""
     grads, losses = [], []
     for accumulation in (1, 2):
-        net, params, _, (x, y) = _problem()
+        net, params, _, (x, y) = regression_problem()
         batch = 8 // accumulation
         data = iter([(x[i:i + batch], y[i:i + batch]) for i in range(0, 8, batch)])
 
@@ -134,7 +117,7 @@ def test_the_loss_is_divided_by_the_accumulation_count():
 
 
 def test_constant_schedule_warms_up():
-    net, params, data, _ = _problem()
+    net, params, data, _ = regression_problem()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     seen = []
     train_loop(params, _mse(net), data, optimizer, Precision("no", CPU), steps=8, accumulation=1,
@@ -184,16 +167,21 @@ def test_a_write_that_fails_midway_leaves_the_old_file_whole_and_no_temp_file(tm
     assert [p.name for p in tmp_path.iterdir()] == ["entry.safetensors"]
 
 
-def test_a_failing_loras_folder_saves_to_the_fallback_and_says_where(tmp_path, monkeypatch):
-    loras, fallback = tmp_path / "loras", tmp_path / "output" / "fallback"
-    loras.mkdir()
+def _fill_the_disk_of(folder: Path, monkeypatch) -> None:
+    """Saves into `folder` fail as on a full disk (safetensors' own error); saves elsewhere go through."""
     real_save = files.save_file
 
     def full_disk(tensors, filename, metadata=None):
-        if Path(filename).parent == loras:
+        if Path(filename).parent == folder:
             raise SafetensorError("Error while serializing: No space left on device (os error 28)")
         return real_save(tensors, filename, metadata=metadata)
     monkeypatch.setattr(files, "save_file", full_disk)
+
+
+def test_a_failing_loras_folder_saves_to_the_fallback_and_says_where(tmp_path, monkeypatch):
+    loras, fallback = tmp_path / "loras", tmp_path / "output" / "fallback"
+    loras.mkdir()
+    _fill_the_disk_of(loras, monkeypatch)
     path, note = save_with_fallback({"w": torch.ones(2)}, loras, "mine", {"k": "v"}, fallback)
     assert path == fallback / "mine.safetensors" and load_file(path)["w"].sum() == 2
     assert str(loras / "mine.safetensors") in note and str(path) in note and "No space left" in note
@@ -227,19 +215,6 @@ def test_v_prediction_models_train_on_v_in_the_loss_itself(comfy_objects):
 
 
 # --- train_lora on the tiny checkpoint ----------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    import tiny_assets
-    from trainer.dataset import scan_folder
-    return scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("ds"), n=2), 64)
-
-
-@pytest.fixture()
-def adapter(comfy_objects):
-    from bridge.comfy_adapter import ComfyAdapter
-    return ComfyAdapter(*comfy_objects)
-
 
 FP32 = MemorySettings("no", False, 1, 1, latent_cache="off")
 
@@ -375,13 +350,7 @@ def test_a_loras_folder_that_fails_at_save_time_keeps_the_lora_in_the_fallback(a
 
 def test_a_full_disk_at_save_time_keeps_the_lora_in_the_fallback(adapter, dataset, tmp_path, monkeypatch):
     loras, fallback = tmp_path / "loras", tmp_path / "output" / "leanlora_unsaved_loras"
-    real_save = files.save_file
-
-    def full_disk(tensors, filename, metadata=None):
-        if Path(filename).parent == loras:
-            raise SafetensorError("Error while serializing: No space left on device (os error 28)")
-        return real_save(tensors, filename, metadata=metadata)
-    monkeypatch.setattr(files, "save_file", full_disk)
+    _fill_the_disk_of(loras, monkeypatch)
     outcome = _train(adapter, dataset, loras, steps=1, name="full", fallback_dir=fallback)
     assert outcome.lora_path == fallback / "full.safetensors" and outcome.lora_path.is_file()
     assert "No space left on device" in outcome.report and str(outcome.lora_path) in outcome.report

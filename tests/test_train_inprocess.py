@@ -14,18 +14,6 @@ from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettin
 from trainer.train_lora import train_lora
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    import tiny_assets
-    return scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("ds"), n=2), 64)
-
-
-@pytest.fixture()
-def adapter(comfy_objects):
-    from bridge.comfy_adapter import ComfyAdapter
-    return ComfyAdapter(*comfy_objects)
-
-
 def test_the_comfy_adapter_implements_the_model_adapter_protocol(adapter):
     from test_pure_torch_training import protocol_members
     from trainer.model_adapter import ModelAdapter

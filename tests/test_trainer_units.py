@@ -16,7 +16,7 @@ from trainer.loop import train_loop
 from trainer.precision import Precision
 from trainer.settings import BaseWeights, LoraSettings, MemorySettings, TrainSettings
 
-from helpers import TinyNet
+from helpers import TinyNet, regression_problem
 
 
 def test_sanitize_name_blocks_traversal_and_junk():
@@ -173,26 +173,9 @@ def test_gradient_checkpointing_gives_the_same_gradients_fp32():
         torch.testing.assert_close(g_ckpt, g_plain, rtol=0, atol=1e-6)
 
 
-def _regression_problem():
-    torch.manual_seed(0)
-    net = TinyNet()
-    params = inject_lora(net, LoraSettings(rank=4, alpha=4.0), seed=0)
-    target = TinyNet()
-    x = torch.randn(64, 5, 16)
-    with torch.no_grad():
-        y = target(x)
-
-    def data():
-        g = torch.Generator().manual_seed(0)
-        while True:
-            idx = torch.randint(0, 64, (8,), generator=g)
-            yield x[idx], y[idx]
-    return net, params, data()
-
-
 @pytest.mark.parametrize("mode", ["no", "bf16", "fp16"])
 def test_loop_reduces_loss_in_every_precision(mode):
-    net, params, data = _regression_problem()
+    net, params, data, _ = regression_problem()
     precision = Precision(mode, torch.device("cpu"))
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
@@ -202,7 +185,7 @@ def test_loop_reduces_loss_in_every_precision(mode):
 
 
 def test_fp16_loss_scaling_skips_and_counts_overflowed_steps():
-    net, params, data = _regression_problem()
+    net, params, data, _ = regression_problem()
     precision = Precision("fp16", torch.device("cpu"), initial_scale=2.0 ** 40)  # overflows fp16 at first
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     before = [p.clone() for p in params]
@@ -215,7 +198,7 @@ def test_fp16_loss_scaling_skips_and_counts_overflowed_steps():
 
 
 def test_loop_stops_when_asked():
-    net, params, data = _regression_problem()
+    net, params, data, _ = regression_problem()
     calls = []
     result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data,
                         torch.optim.AdamW(params), Precision("no", torch.device("cpu")), steps=100,
@@ -280,7 +263,7 @@ def test_job_cancel_is_seen_by_the_job():
 
 def test_cancel_raised_inside_a_step_ends_the_run_like_a_cancel():
     from trainer.errors import TrainingCancelled
-    net, params, data = _regression_problem()
+    net, params, data, _ = regression_problem()
     calls = []
 
     def loss_fn(batch):
@@ -352,7 +335,7 @@ def test_bucketed_batches_are_never_padded_and_cover_every_sample():
 def test_reading_losses_every_n_steps_changes_nothing_but_the_syncs():
     runs = []
     for sync_every in (1, 4):
-        net, params, data = _regression_problem()
+        net, params, data, _ = regression_problem()
         seen = []
         result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data,
                             torch.optim.AdamW(params, lr=1e-2), Precision("no", torch.device("cpu")), steps=10,
@@ -364,7 +347,7 @@ def test_reading_losses_every_n_steps_changes_nothing_but_the_syncs():
 
 
 def test_an_error_mid_run_still_reports_every_applied_step():
-    net, params, data = _regression_problem()
+    net, params, data, _ = regression_problem()
     seen, calls = [], []
 
     def loss_fn(batch):
@@ -380,7 +363,7 @@ def test_an_error_mid_run_still_reports_every_applied_step():
 
 def test_lr_schedule_follows_diffusers_and_survives_an_optimizer_rebuild():
     from trainer.optimizers import build_lr_schedule
-    net, params, data = _regression_problem()
+    net, params, data, _ = regression_problem()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     schedule = build_lr_schedule(optimizer, "cosine", warmup_steps=2, total_steps=10)
     seen = []

@@ -448,3 +448,463 @@ def test_a_saved_lora_is_readable_like_any_file_the_user_saves(tmp_path):
     os.umask(old_umask)
     path = save_safetensors_atomic({"w": torch.ones(2)}, tmp_path / "mine.safetensors", {})
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~old_umask
+
+
+# --- dataset ---------------------------------------------------------------------------------------------------
+
+def _png(path, size=(16, 16), mode="RGB", color=(10, 20, 30), **save):
+    from PIL import Image
+    Image.new(mode, size, color).save(path, **save)
+    return path
+
+
+def test_resolution_and_repeats_accept_their_limits_and_name_the_fix():
+    import pytest
+    from trainer.dataset import MAX_REPEATS, MAX_RESOLUTION, check_numbers
+    from trainer.errors import LeanLoRAError
+    check_numbers(MAX_RESOLUTION, MAX_REPEATS)  # the widgets' maxima are valid values
+    with pytest.raises(LeanLoRAError) as error:
+        check_numbers(100, 1)
+    assert str(error.value) == "resolution: got 100; use a multiple of 64 up to 4096 (512 for SD1.5, 1024 for SDXL)"
+    with pytest.raises(LeanLoRAError) as error:
+        check_numbers(512, 0)
+    assert str(error.value) == ("repeats: got 0; use 1 to 1000 (repeats only decide how often an image comes up per "
+                                "epoch; train longer with more steps)")
+
+
+def test_the_folder_field_errors_say_what_to_type_instead(tmp_path):
+    import pytest
+    from trainer.dataset import resolve_folder
+    from trainer.errors import LeanLoRAError
+    messages = {}
+    for text in ("  ", ".", "../elsewhere", "~no_such_user_leanlora/x"):
+        with pytest.raises(LeanLoRAError) as error:
+            resolve_folder(text, tmp_path)
+        messages[text] = str(error.value)
+    assert messages["  "] == (f"folder is empty; give a folder name inside ComfyUI's input folder ({tmp_path}) "
+                              "or an absolute path")
+    assert messages["."] == (f"folder '.' is ComfyUI's input folder itself ({tmp_path}); a relative folder must "
+                             "name a folder inside it (give an absolute path for a folder elsewhere)")
+    assert messages["../elsewhere"].startswith("folder '../elsewhere' leads out of ComfyUI's input folder")
+    assert messages["~no_such_user_leanlora/x"].startswith("folder '~no_such_user_leanlora/x': ")
+    assert messages["~no_such_user_leanlora/x"].endswith(
+        f"; give an absolute path or a folder name inside ComfyUI's input folder ({tmp_path})")
+
+
+def test_the_summary_lists_buckets_skips_and_grouped_notes_exactly():
+    from trainer.dataset import Dataset, Sample
+    samples = (Sample(Path("a.png"), "", (128, 64)), Sample(Path("b.png"), "", (128, 64)),
+               Sample(Path("c.png"), "", (64, 64)))
+    nine = tuple((f"n{i}.png", "transparent pixels composited onto white") for i in range(9))
+    eight = tuple((f"e{i}.txt", "read as Latin-1") for i in range(8))
+    dataset = Dataset(Path("/data"), samples, 128, 2, (("x.gif", "extension .gif"),), True, nine + eight)
+    assert dataset.summary() == "\n".join([
+        "3 images x 2 repeats from /data, aspect-ratio buckets up to 128px",
+        "  buckets: 64x64: 1, 128x64: 2",
+        "  skipped x.gif: extension .gif",
+        "  notes:",
+        "    n0.png, n1.png, n2.png, n3.png, n4.png, n5.png, n6.png, n7.png and 1 more: transparent pixels "
+        "composited onto white",
+        "    e0.txt, e1.txt, e2.txt, e3.txt, e4.txt, e5.txt, e6.txt, e7.txt: read as Latin-1"])
+    square = Dataset(Path("/data"), samples[:1], 64)
+    assert square.summary() == "1 images x 1 repeats from /data, square crops of 64px"
+
+
+def test_buckets_snap_sides_down_to_whole_multiples_of_64():
+    from trainer.dataset import bucket_size
+    assert bucket_size(1000, 700, 1024) == (960, 640)  # 1000x700 is under 1024²: each side rounds down
+
+
+def test_caption_text_that_is_not_utf8_nor_cp1252_is_read_as_latin1():
+    from trainer.dataset import _decode_text
+    assert _decode_text(b"\xef\xbb\xbfcat") == ("cat", None)  # the BOM is dropped
+    text, note = _decode_text(b"ok\n\x81x")  # 0x81 is undefined in Windows-1252
+    assert text == "ok\n\x81x"
+    assert note == ("not UTF-8 (byte 0x81 on line 2), read as Latin-1; save it as UTF-8 if accented letters "
+                    "look wrong")
+    assert _decode_text(b"caf\xe9")[1].endswith("read as Windows-1252; save it as UTF-8 if accented letters "
+                                                "look wrong")
+
+
+def _csv_notes(tmp_path, content: bytes):
+    from trainer.dataset import _read_caption_csv
+    (tmp_path / "metadata.csv").write_bytes(content)
+    notes = []
+    return _read_caption_csv(tmp_path, notes), notes
+
+
+def test_every_unusable_caption_row_is_noted_and_the_rows_after_it_still_read(tmp_path):
+    captions, notes = _csv_notes(tmp_path, b"text,file_name\r\n"
+                                           b"a,b,c\r\n"
+                                           b",\r\n"
+                                           b"x,  \r\n"
+                                           b"one,a.png\r\n"
+                                           b"two,a.png\r\n"
+                                           b"\r\n"
+                                           b"three\r\n"
+                                           b"four,c.png\r\n")
+    assert {name: (c.text, c.line) for name, c in captions.items()} == {"a.png": ("two", 6), "c.png": ("four", 9)}
+    assert notes == [("metadata.csv line 2", "3 fields for 2 columns; row ignored (put captions with commas in "
+                                             "double quotes)"),
+                     ("metadata.csv line 4", "no file_name; row ignored"),
+                     ("metadata.csv line 6", "a.png is listed again (first on line 5); this later caption is used"),
+                     ("metadata.csv line 8", "no file_name; row ignored")]
+    captions, notes = _csv_notes(tmp_path, b"file_name,text\nb.png\n")
+    assert captions["b.png"].text == ""  # a row without its text column: no caption
+    assert _csv_notes(tmp_path, b"") == ({}, [("metadata.csv", "empty; not used")])
+
+
+def test_a_multi_line_quoted_caption_keeps_its_line_breaks(tmp_path):
+    captions, notes = _csv_notes(tmp_path, b'file_name,text\r\na.png,"first\r\nsecond"\r\nb.png,x\r\n')
+    assert captions["a.png"].text == "first\r\nsecond" and captions["b.png"].line == 4 and notes == []
+
+
+def test_broken_quotes_are_told_apart_from_an_unclosed_one(tmp_path):
+    import pytest
+    from trainer.errors import LeanLoRAError
+    fix = "; a caption in quotes must end with a quote and write a quote inside it as \"\" (or use no quotes at all)"
+    with pytest.raises(LeanLoRAError) as error:
+        _csv_notes(tmp_path, b'file_name,text\na.png,"never closed\n')
+    assert str(error.value) == f"{tmp_path / 'metadata.csv'} line 2: a quote opened in this row is never closed{fix}"
+    with pytest.raises(LeanLoRAError) as error:
+        _csv_notes(tmp_path, b'file_name,text\na.png,"closed" then text\n')
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / 'metadata.csv'} line 2: broken quotes (") and message.endswith(fix)
+    with pytest.raises(LeanLoRAError) as error:
+        _csv_notes(tmp_path, b"name,caption\n")
+    assert str(error.value).endswith("(found ['name', 'caption']); fix the header or delete the file and use "
+                                     "<image>.txt captions")
+
+
+def test_a_swallowed_row_is_found_by_its_first_field_only(tmp_path):
+    from trainer.dataset import _CsvCaption, _swallowed_row
+    names = {"b.png", "c.png"}
+    assert _swallowed_row(_CsvCaption("x\nB.png, a cat, b.png", 2), names) == "B.png"
+    assert _swallowed_row(_CsvCaption("x\nb.png and c.png", 2), names) is None  # no comma: prose, not a row
+    assert _swallowed_row(_CsvCaption("x\na cat, c.png", 2), names) is None
+    assert _swallowed_row(_CsvCaption("x\nb.png,c.png,d", 2), names) == "b.png"
+
+
+def test_sixteen_bit_grey_is_scaled_and_rounded_and_alpha_composites_onto_white():
+    import numpy as np
+    from PIL import Image
+    from trainer.dataset import _to_rgb
+    grey = Image.fromarray(np.array([[0, 200, 386, 32896, 65278, 65535]], dtype=np.uint16))
+    assert np.array(_to_rgb(grey))[0, :, 0].tolist() == [0, 1, 2, 128, 254, 255]  # value / 257, to the nearest
+    half = Image.new("RGBA", (1, 1), (0, 0, 0, 128))
+    assert np.array(_to_rgb(half))[0, 0].tolist() == [127, 127, 127]
+
+
+def test_an_image_of_exactly_the_pixel_limit_is_used_and_the_message_states_the_limit(monkeypatch):
+    import trainer.dataset as dataset
+    assert dataset._too_large((15000, 10000)) is None
+    assert dataset._too_large((15001, 10000)) == (
+        "too large (15001x10000 = 150 megapixels; the limit is 150, a guard against decompression bombs); "
+        "downscale it")
+    assert dataset._too_large((30000, 10000)).startswith("too large (30000x10000 = 300 megapixels;")
+
+
+def test_rotated_and_tiny_images_report_their_upright_size(tmp_path):
+    from PIL import Image
+    from trainer.dataset import _check_image
+    for orientation, expected in ((1, (40, 20)), (5, (20, 40)), (6, (20, 40)), (7, (20, 40)), (8, (20, 40)),
+                                  (3, (40, 20))):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = tmp_path / f"o{orientation}.jpg"
+        Image.new("RGB", (40, 20)).save(path, exif=exif)
+        assert _check_image(path) == (None, expected, [])
+    _png(tmp_path / "plain.png", (40, 20))
+    assert _check_image(tmp_path / "plain.png") == (None, (40, 20), [])
+    _png(tmp_path / "thin.png", (8, 30))
+    assert _check_image(tmp_path / "thin.png")[0] is None
+    _png(tmp_path / "tiny.png", (7, 30))
+    assert _check_image(tmp_path / "tiny.png") == ("too small (7x30)", (7, 30), [])
+
+
+def test_a_jpeg_smaller_than_8_pixels_still_gets_its_truncation_check(tmp_path):
+    from PIL import Image
+    from trainer.dataset import _check_image
+    path = tmp_path / "small.jpg"
+    Image.new("RGB", (12, 9), (200, 10, 10)).save(path)
+    assert _check_image(path) == (None, (12, 9), [])
+    path.write_bytes(path.read_bytes()[:-40])
+    reason, size, notes = _check_image(path)
+    assert reason.startswith("not a readable image (OSError: ") and size == (0, 0)
+
+
+def test_files_that_cannot_be_read_are_skipped_with_a_zero_size_and_an_exact_reason(tmp_path):
+    from trainer.dataset import _check_image
+    (tmp_path / "empty.png").write_bytes(b"")
+    reason, size, notes = _check_image(tmp_path / "empty.png")
+    assert reason.startswith("not a readable image (UnidentifiedImageError: ") and (size, notes) == ((0, 0), [])
+    assert _check_image(tmp_path / "gone.png") == (
+        "no longer exists (deleted or moved after the folder was scanned)", (0, 0), [])
+    import trainer.dataset as dataset
+    assert dataset._os_reason(PermissionError(13, "Permission denied")) == "cannot be read (Permission denied)"
+    assert dataset._os_reason(OSError("odd")) == "cannot be read (odd)"
+
+
+def test_a_decompression_bomb_is_skipped_with_a_zero_size(tmp_path, monkeypatch):
+    from PIL import Image
+    from trainer.dataset import _check_image, load_image, UnusableImage
+    import pytest
+    _png(tmp_path / "bomb.png", (64, 64))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is over twice that: PIL raises its bomb error
+    reason, size, notes = _check_image(tmp_path / "bomb.png")
+    assert reason.startswith("too large (") and reason.endswith("); downscale it") and size == (0, 0)
+    with pytest.raises(UnusableImage) as error:
+        load_image(tmp_path / "bomb.png", 64)
+    assert error.value.path == tmp_path / "bomb.png" and error.value.reason.startswith("too large (")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)  # over the limit, under twice it: only a warning
+    with warnings_as_errors():
+        assert _check_image(tmp_path / "bomb.png")[0] is None
+        assert load_image(tmp_path / "bomb.png", 64).shape == (64, 64, 3)
+
+
+def warnings_as_errors():
+    import warnings
+    manager = warnings.catch_warnings()
+    manager.__enter__()
+    warnings.simplefilter("error")
+
+    class _Undo:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            manager.__exit__(*exc)
+    return _Undo()
+
+
+def test_load_image_covers_and_center_crops_wide_and_tall_images(tmp_path):
+    import numpy as np
+    from PIL import Image
+    from trainer.dataset import load_image
+    wide = np.zeros((10, 30, 3), dtype=np.uint8)
+    wide[:, 10:20] = 255  # a white middle third
+    Image.fromarray(wide).save(tmp_path / "wide.png")
+    out = load_image(tmp_path / "wide.png", (10, 10))
+    assert out.shape == (10, 10, 3) and out.min() > 0.9  # only the middle third remains, not scaled down
+    tall = np.zeros((30, 10, 3), dtype=np.uint8)
+    tall[10:20] = 255
+    Image.fromarray(tall).save(tmp_path / "tall.png")
+    out = load_image(tmp_path / "tall.png", (10, 10))
+    assert out.shape == (10, 10, 3) and out.min() > 0.9
+    big = np.zeros((40, 40, 3), dtype=np.uint8)
+    big[10:30, 10:30] = 255
+    Image.fromarray(big).save(tmp_path / "big.png")
+    out = load_image(tmp_path / "big.png", (21, 21))  # odd crop offsets: (21 - 21) // 2 after a cover of 21
+    assert out.shape == (21, 21, 3)
+    lanczos = torch.tensor(np.array(Image.fromarray(big).resize((21, 21), Image.Resampling.LANCZOS)),
+                           dtype=torch.float32) / 255
+    assert torch.equal(out, lanczos)
+    odd = np.zeros((13, 31, 3), dtype=np.uint8)
+    odd[:, 15] = 255
+    Image.fromarray(odd).save(tmp_path / "odd.png")
+    out = load_image(tmp_path / "odd.png", (12, 12))  # cover 29x12... crop from left (29-12)//2=8
+    covered = Image.fromarray(odd).resize((max(12, round(31 * 12 / 13)), 12), Image.Resampling.LANCZOS)
+    left = (covered.width - 12) // 2
+    expected = torch.tensor(np.array(covered.crop((left, 0, left + 12, 12))), dtype=torch.float32) / 255
+    assert torch.equal(out, expected)
+    odd_tall = np.ascontiguousarray(odd.transpose(1, 0, 2))
+    Image.fromarray(odd_tall).save(tmp_path / "odd_tall.png")
+    out = load_image(tmp_path / "odd_tall.png", (12, 12))
+    covered = Image.fromarray(odd_tall).resize((12, max(12, round(31 * 12 / 13))), Image.Resampling.LANCZOS)
+    top = (covered.height - 12) // 2
+    expected = torch.tensor(np.array(covered.crop((0, top, 12, top + 12))), dtype=torch.float32) / 255
+    assert torch.equal(out, expected)
+
+
+# --- loop: train_loop on one parameter, with SGD so every weight is known --------------------------------------
+
+def _one_weight(value=1.0):
+    return torch.nn.Parameter(torch.tensor([value]))
+
+
+def _loop(w, loss_fn, steps, **kwargs):
+    from trainer.loop import train_loop
+    from trainer.precision import Precision
+    kwargs.setdefault("accumulation", 1)
+    kwargs.setdefault("should_stop", lambda: False)
+    optimizer = kwargs.pop("optimizer", None) or torch.optim.SGD([w], lr=kwargs.pop("lr", 0.1))
+    return train_loop([w], loss_fn, kwargs.pop("batches", iter(range(1, 1000))), optimizer,
+                      Precision("no", CPU), steps, **kwargs)
+
+
+def test_each_step_is_reported_once_in_order_with_the_mean_micro_batch_loss_and_its_rate():
+    w, seen, after = _one_weight(), [], []
+    result = _loop(w, lambda b: w.sum() * b, 5, accumulation=2, sync_every=3, on_step=seen.append,
+                   after_step=lambda: after.append(w.item()), max_grad_norm=None)
+    # micro-batches 1,2 / 3,4 / ...: each step's loss is the mean of w*b over its two; its gradient is mean(b)
+    expected_w, expected_losses = [1.0], []
+    for step in range(5):
+        b1, b2 = 2 * step + 1, 2 * step + 2
+        expected_losses.append(expected_w[-1] * (b1 + b2) / 2)
+        expected_w.append(expected_w[-1] - 0.1 * (b1 + b2) / 2)
+    assert result.losses == pytest_approx(expected_losses) and after == pytest_approx(expected_w[1:])
+    assert [(info.step, info.total, info.lr) for info in seen] == [(s, 5, 0.1) for s in range(1, 6)]
+    assert [info.loss for info in seen] == result.losses
+    assert all(0 < a.seconds <= b.seconds for a, b in zip(seen, seen[1:]))
+    assert (result.steps_done, result.cancelled, result.diverged_at) == (5, False, None)
+
+
+def pytest_approx(values):
+    import pytest
+    return pytest.approx(values, rel=1e-5)
+
+
+def test_a_continued_run_counts_from_its_first_step():
+    w, seen = _one_weight(), []
+    result = _loop(w, lambda b: w.sum(), 5, first_step=3, on_step=seen.append)
+    assert [info.step for info in seen] == [4, 5] and result.steps_done == 5
+    stopped = _loop(_one_weight(), lambda b: w.sum(), 5, first_step=3, should_stop=lambda: True)
+    assert (stopped.steps_done, stopped.cancelled, stopped.losses) == (3, True, [])
+
+
+def test_gradients_are_clipped_to_max_grad_norm_and_zero_means_no_clipping():
+    for max_norm, moved in ((1.0, 1.0), (None, 10.0), (0.0, 10.0), (20.0, 10.0)):
+        w = _one_weight(0.0)
+        _loop(w, lambda b: 10 * w.sum(), 1, lr=1.0, max_grad_norm=max_norm)
+        assert w.item() == pytest_approx(-moved), max_norm
+
+
+def test_a_nan_loss_stops_the_run_and_puts_back_the_last_weights_checked_finite():
+    w, seen = _one_weight(), []
+    losses = {1: 1.0, 2: 1.0, 3: 1.0, 4: float("nan"), 5: 1.0}
+    result = _loop(w, lambda b: w.sum() * 0 + losses[b] + w.sum(), 5, lr=1.0, sync_every=2, on_step=seen.append)
+    # steps 1 and 2 were read together and kept (w = -1); step 3 was fine but read with the NaN of step 4
+    assert result.diverged_at == 4 and result.steps_done == 2 and w.item() == pytest_approx(-1.0)
+    assert [info.step for info in seen] == [1, 2, 3] and len(result.losses) == 3
+
+
+def test_a_nan_gradient_under_a_finite_loss_is_divergence_too():
+    w = _one_weight()
+    calls = []
+
+    def loss_fn(b):
+        calls.append(b)
+        return torch.sqrt(w - w).sum() + w.sum() if b == 3 else w.sum()  # sqrt'(0) * 0: a NaN gradient
+    result = _loop(w, loss_fn, 6, lr=1.0)
+    assert result.diverged_at == 3 and result.steps_done == 2 and w.item() == pytest_approx(-1.0)
+    assert len(calls) == 3
+
+
+def test_weights_that_overflow_under_finite_losses_end_the_run_at_the_windows_first_step():
+    w = _one_weight()
+    result = _loop(w, lambda b: w.sum() * (1e38 if b == 3 else 0.0), 6, lr=10.0, max_grad_norm=None)
+    # step 3's loss (w * 1e38) is finite, its update sends w to -inf: no loss or norm saw it, the weights check did
+    assert result.diverged_at == 3 and result.steps_done == 2 and w.item() == 1.0
+    assert result.losses == pytest_approx([0.0, 0.0, 1e38])
+
+
+def test_a_cancel_inside_an_accumulated_step_drops_only_that_step():
+    w, seen = _one_weight(), []
+
+    def loss_fn(b):
+        if b == 4:  # the second micro-batch of step 2
+            raise KeyError("cancelled by the user")
+        return w.sum()
+    result = _loop(w, loss_fn, 5, accumulation=2, cancel_errors=(KeyError,), on_step=seen.append)
+    assert result.cancelled and result.steps_done == 1 and w.grad is None and [i.step for i in seen] == [1]
+    assert w.item() == pytest_approx(0.9)
+
+
+
+def test_the_fingerprint_names_the_folder_and_reads_captions_up_to_1_mib(tmp_path):
+    import os
+    from trainer.dataset import folder_fingerprint
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        (folder / "x.txt").write_text("cat")
+        os.utime(folder / "x.txt", ns=(10**18, 10**18))
+    assert folder_fingerprint(a) != folder_fingerprint(b)  # same files, another folder
+
+    def rewritten_keeping_size_and_time(path, data):
+        before = folder_fingerprint(path.parent)
+        path.write_bytes(data)
+        os.utime(path, ns=(10**18, 10**18))
+        return before != folder_fingerprint(path.parent)
+    csv = a / "metadata.csv"
+    csv.write_bytes(b"file_name,text\nx.png,a\n")
+    os.utime(csv, ns=(10**18, 10**18))
+    assert rewritten_keeping_size_and_time(csv, b"file_name,text\nx.png,b\n")
+    mib = a / "long.txt"
+    mib.write_bytes(b"a" * (1 << 20))
+    os.utime(mib, ns=(10**18, 10**18))
+    assert rewritten_keeping_size_and_time(mib, b"b" * (1 << 20))
+    mib.write_bytes(b"a" * ((1 << 20) + 1))  # over 1 MiB: only its size and time count
+    os.utime(mib, ns=(10**18, 10**18))
+    assert not rewritten_keeping_size_and_time(mib, b"b" * ((1 << 20) + 1))
+
+
+def test_scan_folder_errors_name_the_folder_and_the_fix(tmp_path, monkeypatch):
+    import pytest
+    from trainer.dataset import scan_folder
+    from trainer.errors import LeanLoRAError
+    with pytest.raises(LeanLoRAError) as error:
+        scan_folder(tmp_path / "missing", 64)
+    assert str(error.value) == (f"dataset folder {tmp_path / 'missing'} does not exist or is not a folder; give an "
+                                "absolute path or a folder name inside ComfyUI's input folder")
+    with pytest.raises(LeanLoRAError) as error:
+        scan_folder("~no_such_user_leanlora/x", 64)
+    assert str(error.value).startswith("dataset folder ~no_such_user_leanlora/x: ")
+    assert str(error.value).endswith("; give an absolute path")
+    with pytest.raises(LeanLoRAError) as error:
+        scan_folder(tmp_path, 64)
+    assert str(error.value) == (f"dataset folder {tmp_path} is empty; put images (.png, .jpg, .jpeg, .webp, .bmp) "
+                                "with <image>.txt captions or a metadata.csv into it")
+    for i in range(6):
+        (tmp_path / f"f{i}.gif").write_bytes(b"x")
+    (tmp_path / "README").write_bytes(b"x")
+    (tmp_path / "gone.png").symlink_to(tmp_path / "nothing.png")
+    with pytest.raises(LeanLoRAError) as error:
+        scan_folder(tmp_path, 64)
+    assert str(error.value) == (
+        f"dataset folder {tmp_path} has no usable images (8 files skipped: gone.png: a link to a file that does not "
+        "exist; README: extension (none) is not one of .png, .jpg, .jpeg, .webp, .bmp; f0.gif: extension .gif is "
+        "not one of .png, .jpg, .jpeg, .webp, .bmp; f1.gif: extension .gif is not one of .png, .jpg, .jpeg, .webp, "
+        ".bmp; f2.gif: extension .gif is not one of .png, .jpg, .jpeg, .webp, .bmp); add images (.png, .jpg, .jpeg, "
+        ".webp, .bmp)")
+    from pathlib import Path as _Path
+
+    def unlistable(self):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(_Path, "iterdir", unlistable)
+    with pytest.raises(LeanLoRAError) as error:
+        scan_folder(tmp_path, 64)
+    assert str(error.value) == f"dataset folder {tmp_path} cannot be listed (Permission denied); fix its permissions"
+
+
+def test_a_scan_keeps_going_after_an_unreadable_caption(tmp_path, monkeypatch):
+    from pathlib import Path as _Path
+    from trainer.dataset import scan_folder
+    for name in ("a", "b", "c"):
+        _png(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text(name)
+    real_read = _Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "a.txt":
+            raise PermissionError(13, "Permission denied")
+        return real_read(self)
+    monkeypatch.setattr(_Path, "read_bytes", read_bytes)
+    data = scan_folder(tmp_path, 64)
+    assert [(s.path.name, s.caption) for s in data.samples] == [("b.png", "b"), ("c.png", "c")]
+    assert data.skipped == (("a.png", "its caption a.txt cannot be read (Permission denied)"),)
+    assert data.notes == () and data.buckets is False
+
+
+def test_a_swallowed_row_error_says_how_to_close_the_quote(tmp_path):
+    import pytest
+    from trainer.dataset import scan_folder
+    from trainer.errors import LeanLoRAError
+    _png(tmp_path / "a.png")
+    _png(tmp_path / "b.png")
+    (tmp_path / "metadata.csv").write_text('file_name,text\na.png,"a cat\nb.png,a dog"\n')
+    with pytest.raises(LeanLoRAError) as error:
+        scan_folder(tmp_path, 64)
+    assert str(error.value) == (f"{tmp_path / 'metadata.csv'} line 2: the caption of a.png runs over into the row "
+                                "of b.png (a quote opened on line 2 closes later); close it on its own line, and "
+                                "write a quote inside a caption as \"\"")

@@ -908,3 +908,70 @@ def test_a_swallowed_row_error_says_how_to_close_the_quote(tmp_path):
     assert str(error.value) == (f"{tmp_path / 'metadata.csv'} line 2: the caption of a.png runs over into the row "
                                 "of b.png (a quote opened on line 2 closes later); close it on its own line, and "
                                 "write a quote inside a caption as \"\"")
+
+
+# --- lora --------------------------------------------------------------------------------------------------------
+
+def _tiny_lora(**settings):
+    from helpers import TinyNet
+    from trainer.lora import inject_lora
+    from trainer.settings import LoraSettings
+    torch.manual_seed(0)
+    net = TinyNet()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        before = net(x)
+    params = inject_lora(net, LoraSettings(**settings), seed=0)
+    return net, params, x, before
+
+
+def test_a_fresh_lora_changes_nothing_and_then_adds_alpha_over_rank_times_up_down():
+    from trainer.lora import ADAPTER
+    net, params, x, before = _tiny_lora(rank=4, alpha=2.0)
+    with torch.no_grad():
+        assert torch.equal(net(x), before)  # lora_up starts at zero: training starts from the base model
+        layer = net.input_blocks[0]["attn1"].to_q
+        layer.lora_B[ADAPTER].weight.fill_(0.1)
+        inputs = torch.randn(3, 16)
+        expected = layer.base_layer(inputs) + 0.5 * inputs @ layer.lora_A[ADAPTER].weight.T @ layer.lora_B[ADAPTER].weight.T
+        assert torch.allclose(layer(inputs), expected, atol=1e-6)
+
+
+def test_lora_dropout_is_applied_in_training_mode():
+    from trainer.lora import ADAPTER
+    net, params, x, before = _tiny_lora(rank=4, alpha=4.0, dropout=0.5)
+    layer = net.input_blocks[0]["attn1"].to_q
+    with torch.no_grad():
+        layer.lora_B[ADAPTER].weight.fill_(1.0)
+        inputs = torch.ones(64, 16)
+        layer.train()
+        assert not torch.equal(layer(inputs), layer(inputs))  # dropout draws differ per call
+        layer.eval()
+        assert torch.equal(layer(inputs), layer(inputs))
+
+
+def test_no_matching_layer_names_the_target_preset():
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.lora import inject_lora
+    from trainer.settings import LoraSettings
+    with pytest.raises(LeanLoRAError) as error:
+        inject_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraSettings(), seed=0)
+    message = str(error.value)
+    assert message.startswith("LoRA targets 'attention' matched no layer of this model (")
+    assert message.endswith("); pick another target preset")
+
+
+def test_export_errors_say_what_to_pick_and_weights_are_saved_in_the_asked_dtype():
+    import pytest
+    from trainer.errors import LeanLoRAError
+    from trainer.lora import kohya_state_dict
+    from trainer.settings import LoraSettings
+    net, params, x, before = _tiny_lora(rank=4, alpha=4.0)
+    with pytest.raises(LeanLoRAError) as error:
+        kohya_state_dict(net, LoraSettings(rank=4, alpha=4.0), module_names={})
+    assert str(error.value) == ("cannot export the LoRA on 'input_blocks.0.attn1.to_q': kohya's naming for this "
+                                "model has no name for that module; pick the attention targets")
+    assert {v.dtype for k, v in kohya_state_dict(net, LoraSettings()).items() if k.endswith(".weight")} == {torch.float16}
+    bf16 = kohya_state_dict(net, LoraSettings(), dtype=torch.bfloat16)
+    assert {v.dtype for k, v in bf16.items() if k.endswith(".weight")} == {torch.bfloat16}

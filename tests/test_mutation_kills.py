@@ -716,6 +716,49 @@ def test_load_image_covers_and_center_crops_wide_and_tall_images(tmp_path):
     assert torch.equal(out, expected)
 
 
+
+def test_a_crop_with_an_odd_margin_starts_at_the_lower_whole_pixel(tmp_path):
+    import numpy as np
+    from PIL import Image
+    from trainer.dataset import load_image
+    pixels = np.arange(31 * 12 * 3, dtype=np.uint8).reshape(12, 31, 3)  # 19 columns too many: 9 left, 10 right
+    Image.fromarray(pixels).save(tmp_path / "wide.png")
+    assert torch.equal(load_image(tmp_path / "wide.png", (12, 12)), torch.tensor(pixels[:, 9:21]).float() / 255)
+    tall = np.ascontiguousarray(pixels.transpose(1, 0, 2))
+    Image.fromarray(tall).save(tmp_path / "tall.png")
+    assert torch.equal(load_image(tmp_path / "tall.png", (12, 12)), torch.tensor(tall[9:21]).float() / 255)
+
+
+def test_megapixels_in_the_too_large_message_are_rounded_from_the_exact_count():
+    from trainer.dataset import _too_large
+    assert _too_large((150_500_001, 1)).startswith("too large (150500001x1 = 151 megapixels;")
+
+
+def test_an_error_without_a_message_is_named_by_its_type(tmp_path, monkeypatch):
+    from PIL import Image
+    from trainer.dataset import _check_image
+
+    def fails(*args, **kwargs):
+        raise ValueError()
+    monkeypatch.setattr(Image, "open", fails)
+    assert _check_image(tmp_path / "x.png") == ("not a readable image (ValueError)", (0, 0), [])
+
+
+def test_an_unreadable_metadata_csv_is_named_with_the_fix(tmp_path, monkeypatch):
+    import pytest
+    from pathlib import Path as _Path
+    from trainer.dataset import _read_caption_csv
+    from trainer.errors import LeanLoRAError
+    (tmp_path / "metadata.csv").write_text("file_name,text\n")
+
+    def read_bytes(self):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(_Path, "read_bytes", read_bytes)
+    with pytest.raises(LeanLoRAError) as error:
+        _read_caption_csv(tmp_path, [])
+    assert str(error.value) == (f"{tmp_path / 'metadata.csv'}: cannot be read (Permission denied); fix its "
+                                "permissions or delete it and use <image>.txt captions")
+
 # --- loop: train_loop on one parameter, with SGD so every weight is known --------------------------------------
 
 def _one_weight(value=1.0):
@@ -893,7 +936,7 @@ def test_a_scan_keeps_going_after_an_unreadable_caption(tmp_path, monkeypatch):
     data = scan_folder(tmp_path, 64)
     assert [(s.path.name, s.caption) for s in data.samples] == [("b.png", "b"), ("c.png", "c")]
     assert data.skipped == (("a.png", "its caption a.txt cannot be read (Permission denied)"),)
-    assert data.notes == () and data.buckets is False
+    assert data.notes == () and data.buckets is False and data.repeats == 1
 
 
 def test_a_swallowed_row_error_says_how_to_close_the_quote(tmp_path):

@@ -2,6 +2,7 @@
 testing"): each pins something a user or a saved file sees that no earlier test checked."""
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainer.settings import LoraWeights, MemorySettings
@@ -1061,3 +1062,13 @@ def test_fp16_clips_the_unscaled_gradient_and_leaves_overflowed_steps_to_the_sca
     result = train_loop([w], loss_fn, iter([1, 2, 3]), torch.optim.SGD([w], lr=1.0), fp16, 3, 1, lambda: False)
     assert result.diverged_at is None and result.steps_done == 3 and fp16.skipped_steps == 1
     assert w.item() == pytest_approx(-2.0)  # steps 1 and 3 moved by the clipped 1.0; step 2 was skipped
+
+
+def test_exporting_a_module_without_a_lora_is_a_clear_error():
+    """A plain module (no LoRA injected) names the problem instead of peft's AttributeError."""
+    from helpers import TinyNet
+    from trainer.errors import LeanLoRAError
+    from trainer.lora import kohya_state_dict
+    from trainer.settings import LoraSettings
+    with pytest.raises(LeanLoRAError, match="holds no LoRA weights"):
+        kohya_state_dict(TinyNet(), LoraSettings(rank=4, alpha=4.0))

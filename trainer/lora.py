@@ -53,7 +53,8 @@ def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings, module_nam
     """kohya's keys for the LoRA layers in `module`. `module_names` maps each LoRA'd module path of the training
     copy to the name kohya gives it for this model family (SD1.x: diffusers' `down_blocks.0.attentions.0...`,
     from ComfyAdapter.kohya_module_names); None keeps the copy's own (ldm) paths, kohya's names for SDXL."""
-    peft_sd = get_peft_model_state_dict(module, adapter_name=ADAPTER)
+    # peft reads module.peft_config and raises AttributeError on a module that never had a LoRA injected
+    peft_sd = get_peft_model_state_dict(module, adapter_name=ADAPTER) if hasattr(module, "peft_config") else {}
     if not peft_sd:
         raise LeanLoRAError("the model holds no LoRA weights to export")
     out: dict[str, torch.Tensor] = {}

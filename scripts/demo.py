@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import tiny_assets
-from comfy_headless import REPO, ComfyServer, PromptRejected, execution_error
+from comfy_headless import REPO, ComfyServer, execution_error
 
 CHECKPOINT = "leanlora_tiny_sd15.safetensors"  # the names the workflow refers to
 DATASET = "tiny_dataset"

@@ -10,7 +10,7 @@ import torch
 from trainer.cache import CachedSample
 from trainer.errors import LeanLoRAError
 from trainer.memory_plan import next_rung
-from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraWeights, MemorySettings, TrainSettings
+from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, MemorySettings, TrainSettings
 
 LATENT = (8, 8)  # level 0 runs at 8x8 = 64 positions, level 1 at 4x4 = 16
 CONTEXT_DIM = 96

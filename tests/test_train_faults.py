@@ -376,13 +376,7 @@ def test_an_unwritable_disk_cache_warns_and_trains_in_ram(adapter, dataset, tmp_
 def test_a_disk_cache_that_fills_up_while_caching_warns_and_trains_in_ram(adapter, dataset, tmp_path, monkeypatch):
     from trainer.cache_store import LatentTextStore, RamCache
     cache = tmp_path / "leanlora_cache"
-    real_save = files.save_file
-
-    def full_disk(tensors, filename, metadata=None):
-        if Path(filename).parent == cache:
-            raise SafetensorError("Error while serializing: No space left on device (os error 28)")
-        return real_save(tensors, filename, metadata=metadata)
-    monkeypatch.setattr(files, "save_file", full_disk)
+    _fill_the_disk_of(cache, monkeypatch)
     outcome = _train(adapter, dataset, tmp_path / "loras", steps=1, store=LatentTextStore(cache, ram=RamCache(2 ** 20)))
     assert outcome.lora_path.is_file()
     assert "latent cache on disk off for this run: latent cache folder" in outcome.report

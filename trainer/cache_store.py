@@ -14,8 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .errors import one_line
-from .files import SAVE_ERRORS, save_safetensors_atomic
+from .files import save_safetensors_atomic
 
 _KEY_VERSION = "leanlora-cache-v1"  # bump when what an entry holds changes; every old key then misses
 

@@ -755,6 +755,11 @@ def select(servers: list[Server], only: list[str], cards: list[float] | None) ->
         jobs = [j for j in spec.jobs if not only or spec.name in only or f"{spec.name}/{j.name}" in only or j.name in only]
         if jobs:
             out.append(replace(spec, jobs=jobs))
+    if only:  # servers in the order --only names them (the budget skips the tail)
+        def position(spec: Server) -> int:
+            return min((i for i, o in enumerate(only) if o == spec.name or o.startswith(spec.name + "/")
+                        or any(o == j.name for j in spec.jobs)), default=len(only))
+        out.sort(key=position)
     return out
 
 

@@ -62,6 +62,12 @@ def _castable_layers(module: torch.nn.Module, min_dim: int = 2):
             yield layer
 
 
+def _fp8_computed(layer: torch.nn.Module) -> bool:
+    """Whether store_weights_fp8 gives (or gave) this layer the fp8 forward of _Fp8Compute."""
+    return isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and hasattr(layer, "comfy_cast_weights") \
+        and not getattr(layer, "weight_function", ()) and layer.weight.dim() >= 2 and not layer.weight.requires_grad
+
+
 def store_weights_fp8(module: torch.nn.Module) -> int:
     """Converts every frozen matmul/conv weight of a castable layer to fp8 in place. Returns bytes saved.
 
@@ -75,7 +81,7 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
         scale = max(weight.detach().abs().max().item(), 1e-12) / FP8_MAX
         saved += weight.numel() * (weight.element_size() - 1)
         layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
-        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and not layer.weight_function:
+        if _fp8_computed(layer):
             layer.register_buffer(FP8_SCALE, torch.tensor(scale, device=weight.device), persistent=False)
             saved -= 4
             mix_into(layer, _Fp8Compute)
@@ -86,13 +92,19 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
 
 
 def stream_weights_from_cpu(module: torch.nn.Module) -> int:
-    """Moves the frozen weights and biases of castable layers to pinned CPU memory; ComfyUI's ops then copy
-    each layer's weights to the compute device just before it runs, on a side stream so the copy of the next
-    layer overlaps the current one's compute. With gradient checkpointing only the block being recomputed
-    holds device copies. Returns the bytes kept off the device."""
+    """Moves the frozen weights and biases of the fp8 Linear/Conv2d layers (store_weights_fp8 first) to pinned
+    CPU memory; their forward copies them to the compute device on the current stream just before the layer
+    runs. With gradient checkpointing only the block being recomputed holds device copies. Returns the bytes kept
+    off the device.
+
+    Every other layer (norms: a few MB) stays on the device. Streamed through ComfyUI's generic cast, a layer is
+    copied on ComfyUI's offload streams and its copy freed there; under cudaMallocAsync a free is stream work,
+    and inside a CUDA-graph capture that work lands on a stream the capture never joins again."""
     moved = 0
-    pin = torch.cuda.is_available()  # pinned pages let the copies run asynchronously on the side stream
-    for layer in _castable_layers(module, min_dim=1):
+    pin = torch.cuda.is_available()  # pinned pages let the host-to-device copies run asynchronously
+    for layer in module.modules():
+        if not isinstance(layer, _Fp8Compute):
+            continue
         for name in ("weight", "bias"):
             tensor = getattr(layer, name, None)
             if tensor is None or tensor.requires_grad:
@@ -102,7 +114,6 @@ def stream_weights_from_cpu(module: torch.nn.Module) -> int:
                 continue
             host = tensor.data.to("cpu")
             setattr(layer, name, torch.nn.Parameter(host.pin_memory() if pin else host, requires_grad=False))
-        layer.comfy_cast_weights = True
         layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
     return moved
 
@@ -113,10 +124,11 @@ def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, 
     total = 0
     for layer in module.modules():
         castable = hasattr(layer, "comfy_cast_weights")
+        fp8_computed = _fp8_computed(layer)
         for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
             if getattr(tensor, "requires_grad", False) or not tensor.is_floating_point():
                 continue
-            if castable and streamed and name in ("weight", "bias"):
+            if fp8_computed and streamed and name in ("weight", "bias"):
                 continue
             size = 1 if (castable and fp8 and name == "weight" and tensor.dim() >= 2) else \
                 torch.empty((), dtype=compute_dtype).element_size()

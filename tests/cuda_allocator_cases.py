@@ -8,10 +8,12 @@ import gc
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1]),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
 
 import torch  # noqa: E402
 
+from comfy_headless import comfyui_path  # noqa: E402  (a path; ComfyUI itself is imported only where needed)
 from helpers import TinyNet  # noqa: E402
 from trainer.activation_offload import ActivationOffload  # noqa: E402
 from trainer.compiled_blocks import compile_blocks  # noqa: E402
@@ -39,6 +41,55 @@ def _net(compiled_part: str | None = None):
     return net, params
 
 
+def _comfy_ops_net(streamed_norms_through_comfyui: bool = False):
+    """Blocks of ComfyUI's own layers (LayerNorm -> Linear -> GELU -> Linear, checkpointed), fp8 and streamed from
+    CPU as the trainer does it (bridge.cast_weights), LoRA on the first Linear. streamed_norms_through_comfyui: the
+    norms' weights go to pinned CPU memory too, so ComfyUI's generic cast copies them on its offload streams (what
+    LeanLoRA streamed until 2 Dec 2026, when a captured streamed step aborted a server)."""
+    sys.path.insert(0, str(comfyui_path()))
+    import comfy.ops
+    from bridge.cast_weights import store_weights_fp8, stream_weights_from_cpu
+    from trainer.frozen_weights import place_on_device
+    ops = comfy.ops.disable_weight_init
+
+    class Block(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.norm, self.to_q, self.out = ops.LayerNorm(dim), ops.Linear(dim, dim), ops.Linear(dim, dim)
+
+        def forward(self, x):
+            return x + self.out(torch.nn.functional.gelu(self.to_q(self.norm(x))))
+
+    class Net(torch.nn.Module):
+        def __init__(self, dim=64, depth=3):
+            super().__init__()
+            self.input_blocks = torch.nn.ModuleList(Block(dim) for _ in range(depth))
+
+        def forward(self, x):
+            for block in self.input_blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            return x
+
+    torch.manual_seed(0)
+    net = Net()
+    for module in net.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)):
+            torch.nn.init.normal_(module.weight, 1.0 if isinstance(module, torch.nn.LayerNorm) else 0.0, 0.1)
+            torch.nn.init.normal_(module.bias, 0, 0.01)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0)  # as the trainer: LoRA, then fp8, streaming
+    for p in params:
+        p.data.normal_(0, 0.05)
+    store_weights_fp8(net)
+    stream_weights_from_cpu(net)
+    if streamed_norms_through_comfyui:
+        for block in net.input_blocks:
+            block.norm.weight = torch.nn.Parameter(block.norm.weight.data.pin_memory(), requires_grad=False)
+            block.norm.bias = torch.nn.Parameter(block.norm.bias.data.pin_memory(), requires_grad=False)
+            block.norm.comfy_cast_weights = block.norm.leanlora_streamed = True
+    place_on_device(net, DEVICE)
+    return net, params
+
+
 def _batches(shapes, count, seed=1):
     g = torch.Generator().manual_seed(seed)
     for i in range(count):
@@ -48,8 +99,8 @@ def _batches(shapes, count, seed=1):
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
-           optimizer_name="AdamW", fail_capture=False):
-    net, params = _net(compiled_part)
+           optimizer_name="AdamW", fail_capture=False, build=None):
+    net, params = build() if build else _net(compiled_part)
     precision = Precision(precision_mode, DEVICE)
     captures = {"n": 0}
 
@@ -148,10 +199,24 @@ def failed_capture():
     assert len(losses) == 4
 
 
+def streamed_fp8_weights():
+    """fp8 weights streamed from pinned CPU memory through ComfyUI's layers, as the trainer streams them (copies on
+    the current stream, norms resident), with activation offload: graphed under both allocators."""
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True, build=_comfy_ops_net)
+    assert micro.graphs
+
+
+def streamed_through_comfy_offload_streams():
+    """Diagnostic, run alone (it may abort its process): norms streamed through ComfyUI's generic cast, which
+    copies on ComfyUI's offload streams and frees the copies there."""
+    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True,
+                   build=lambda: _comfy_ops_net(streamed_norms_through_comfyui=True))
+
+
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
-                                     fp16_loss_scaling,
-                                     failed_capture)}
+                                     fp16_loss_scaling, failed_capture, streamed_fp8_weights,
+                                     streamed_through_comfy_offload_streams)}
 
 if __name__ == "__main__":
     names = list(SCENARIOS) if sys.argv[1] == "all" else sys.argv[1:]

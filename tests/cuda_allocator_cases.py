@@ -17,12 +17,13 @@ from comfy_headless import comfyui_path  # noqa: E402  (a path; ComfyUI itself i
 from helpers import TinyNet  # noqa: E402
 from trainer.activation_offload import ActivationOffload  # noqa: E402
 from trainer.compiled_blocks import compile_blocks  # noqa: E402
-from trainer.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, allocator_backend  # noqa: E402
+from trainer.micro_steps import BatchStep, EagerMicroStep, allocator_backend, build_micro_step  # noqa: E402
 from trainer.loop import train_loop  # noqa: E402
 from trainer.lora import inject_lora  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
 from trainer.precision import Precision  # noqa: E402
-from trainer.settings import LoraSettings  # noqa: E402
+from trainer.session import graphs_incompatible  # noqa: E402
+from trainer.settings import FastPath, LoraSettings  # noqa: E402
 
 DEVICE = torch.device("cuda")
 
@@ -41,11 +42,11 @@ def _net(compiled_part: str | None = None):
     return net, params
 
 
-def _comfy_ops_net(streamed_norms_through_comfyui: bool = False):
+def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool = True, checkpoint: bool = True):
     """Blocks of ComfyUI's own layers (LayerNorm -> Linear -> GELU -> Linear, checkpointed), fp8 and streamed from
     CPU as the trainer does it (bridge.cast_weights), LoRA on the first Linear. streamed_norms_through_comfyui: the
     norms' weights go to pinned CPU memory too, so ComfyUI's generic cast copies them on its offload streams (what
-    LeanLoRA streamed until 2 Dec 2026, when a captured streamed step aborted a server)."""
+    LeanLoRA streamed until 2 Dec 2026). stream / checkpoint off: the probe's variants without them."""
     sys.path.insert(0, str(comfyui_path()))
     import comfy.ops
     from bridge.cast_weights import store_weights_fp8, stream_weights_from_cpu
@@ -67,7 +68,7 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False):
 
         def forward(self, x):
             for block in self.input_blocks:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpoint else block(x)
             return x
 
     torch.manual_seed(0)
@@ -80,7 +81,8 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False):
     for p in params:
         p.data.normal_(0, 0.05)
     store_weights_fp8(net)
-    stream_weights_from_cpu(net)
+    if stream:
+        stream_weights_from_cpu(net)
     if streamed_norms_through_comfyui:
         for block in net.input_blocks:
             block.norm.weight = torch.nn.Parameter(block.norm.weight.data.pin_memory(), requires_grad=False)
@@ -99,7 +101,7 @@ def _batches(shapes, count, seed=1):
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
-           optimizer_name="AdamW", fail_capture=False, build=None):
+           optimizer_name="AdamW", fail_capture=False, build=None, streamed=False):
     net, params = build() if build else _net(compiled_part)
     precision = Precision(precision_mode, DEVICE)
     captures = {"n": 0}
@@ -112,8 +114,11 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
         return torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])
 
     saver = ActivationOffload(min_bytes=0) if offload else None
-    micro = GraphedMicroStep(loss_of, precision, params, offload=saver) if graphed else \
-        EagerMicroStep(loss_of, precision, saver)
+    if graphed:  # as the trainer decides it (session.graphs_incompatible)
+        micro, _ = build_micro_step(FastPath.CUDA_GRAPHS, loss_of, precision, params, DEVICE, offload=saver,
+                                    incompatible=graphs_incompatible(False, streamed, allocator_backend()))
+    else:
+        micro = EagerMicroStep(loss_of, precision, saver)
     optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=DEVICE)
     result = train_loop(params, BatchStep(lambda batch: batch, micro), _batches(shapes, steps * 4), optimizer,
                         precision, steps=steps, accumulation=1, should_stop=lambda: False)
@@ -125,10 +130,11 @@ def _same_as_eager(graphs_fail: str | None = None, **kwargs):
     """graphs_fail: the reason expected where capture cannot work (steps then run eagerly, named)."""
     eager_losses, eager_weights, _ = _train(False, **kwargs)
     losses, weights, micro = _train(True, **kwargs)
+    disabled = getattr(micro, "disabled", None)
     if graphs_fail:
-        assert micro.disabled and graphs_fail in micro.disabled, micro.notes
+        assert disabled and graphs_fail in disabled, micro.notes
     else:
-        assert micro.disabled is None, micro.notes
+        assert disabled is None, micro.notes
     for a, b in zip(losses, eager_losses):
         assert abs(a - b) <= 2e-2 * abs(b) + 1e-6, (losses, eager_losses)
     for a, b in zip(weights, eager_weights):
@@ -201,24 +207,44 @@ def failed_capture():
 
 def streamed_fp8_weights():
     """fp8 weights streamed from pinned CPU memory through ComfyUI's layers, as the trainer streams them (copies on
-    the current stream, norms resident), with activation offload: graphed under both allocators."""
-    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True, build=_comfy_ops_net)
-    assert micro.graphs
+    the current stream, norms resident), with activation offload: graphed under the native allocator, eager (the
+    trainer's choice) under cudaMallocAsync, the same training either way."""
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True, build=_comfy_ops_net, streamed=True)
+    assert bool(getattr(micro, "graphs", None)) == (allocator_backend() != "cudaMallocAsync"), micro.notes
 
 
-def streamed_through_comfy_offload_streams():
-    """Diagnostic, run alone (it may abort its process): norms streamed through ComfyUI's generic cast, which
-    copies on ComfyUI's offload streams and frees the copies there."""
-    _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True,
-                   build=lambda: _comfy_ops_net(streamed_norms_through_comfyui=True))
+PROBES = {  # bench/streamed_capture_probe.py: which ingredient of a streamed step breaks capture, per allocator
+    "streamed": dict(offload=True),
+    "streamed_no_offload": dict(offload=False),
+    "streamed_no_checkpoint": dict(offload=True, net=dict(checkpoint=False)),
+    "resident_fp8": dict(offload=True, net=dict(stream=False)),
+    "norms_through_comfyui": dict(offload=True, net=dict(streamed_norms_through_comfyui=True)),
+}
+
+
+def probe(name: str) -> None:
+    """Graphs forced on (the trainer's guard bypassed); prints whether capture held and how far training went
+    from the eager steps."""
+    spec = PROBES[name]
+    kwargs = dict(shapes=((2, 8), (1, 12)), steps=6, offload=spec["offload"],
+                  build=lambda: _comfy_ops_net(**spec.get("net", {})))
+    eager_losses, eager_weights, _ = _train(False, **kwargs)
+    losses, weights, micro = _train(True, **kwargs)
+    dloss = max(abs(a - b) / (abs(b) + 1e-6) for a, b in zip(losses, eager_losses))
+    dweight = max((a - b).abs().max().item() for a, b in zip(weights, eager_weights))
+    print(f"probe {name} allocator={allocator_backend()} graphs={len(getattr(micro, 'graphs', {}))} "
+          f"capture={'failed: ' + micro.disabled if micro.disabled else 'ok'} max_rel_dloss={dloss:.2e} "
+          f"max_dweight={dweight:.2e}", flush=True)
 
 
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
-                                     fp16_loss_scaling, failed_capture, streamed_fp8_weights,
-                                     streamed_through_comfy_offload_streams)}
+                                     fp16_loss_scaling, failed_capture, streamed_fp8_weights)}
 
 if __name__ == "__main__":
+    if sys.argv[1] == "probe":
+        probe(sys.argv[2])
+        sys.exit(0)
     names = list(SCENARIOS) if sys.argv[1] == "all" else sys.argv[1:]
     for name in names:
         SCENARIOS[name]()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 CASES = Path(__file__).resolve().parents[1] / "tests" / "cuda_allocator_cases.py"
 ALLOCATORS = {"native": "backend:native", "cudaMallocAsync": "backend:cudaMallocAsync"}
-VARIANTS = ["streamed", "streamed_no_offload", "streamed_no_checkpoint", "resident_fp8", "norms_through_comfyui"]
+VARIANTS = ["streamed", "streamed_no_offload", "streamed_no_checkpoint", "resident_fp8", "norms_through_comfyui",
+            "empty_cache_while_capturing"]
 
 
 def main() -> None:

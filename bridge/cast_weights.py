@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, dequantize
+    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from ..trainer.layer_patch import mix_into
     from ..trainer.settings import BaseWeights
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, dequantize
+    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from trainer.layer_patch import mix_into
     from trainer.settings import BaseWeights
 
@@ -45,7 +45,7 @@ class _Fp8Compute:
 
     def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
         weight = dequantize(self.weight.to(input.device, non_blocking=True), getattr(self, FP8_SCALE),
-                            _compute_dtype(input))
+                            _compute_dtype(input), getattr(self, FP8_SCALE_VALUE, None))
         bias = self.bias
         if bias is not None:
             bias = bias.to(input.device, weight.dtype, non_blocking=True)
@@ -83,6 +83,7 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
         layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
         if _fp8_computed(layer):
             layer.register_buffer(FP8_SCALE, torch.tensor(scale, device=weight.device), persistent=False)
+            setattr(layer, FP8_SCALE_VALUE, float(layer.get_buffer(FP8_SCALE)))  # the buffer's fp32 value
             saved -= 4
             mix_into(layer, _Fp8Compute)
         else:

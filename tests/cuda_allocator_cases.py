@@ -42,7 +42,8 @@ def _net(compiled_part: str | None = None):
     return net, params
 
 
-def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool = True, checkpoint: bool = True):
+def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool = True, checkpoint: bool = True,
+                   empty_cache_while_capturing: bool = False):
     """Blocks of ComfyUI's own layers (LayerNorm -> Linear -> GELU -> Linear, checkpointed), fp8 and streamed from
     CPU as the trainer does it (bridge.cast_weights), LoRA on the first Linear. streamed_norms_through_comfyui: the
     norms' weights go to pinned CPU memory too, so ComfyUI's generic cast copies them on its offload streams (what
@@ -59,6 +60,8 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool = 
             self.norm, self.to_q, self.out = ops.LayerNorm(dim), ops.Linear(dim, dim), ops.Linear(dim, dim)
 
         def forward(self, x):
+            if empty_cache_while_capturing and torch.cuda.is_current_stream_capturing():
+                torch.cuda.empty_cache()  # what an out-of-memory handler does (ComfyUI's split attention)
             return x + self.out(torch.nn.functional.gelu(self.to_q(self.norm(x))))
 
     class Net(torch.nn.Module):
@@ -205,6 +208,14 @@ def failed_capture():
     assert len(losses) == 4
 
 
+def fp8_weights():
+    """fp8 weights on the device through ComfyUI's layers: graphed under both allocators, and under cudaMallocAsync
+    (where the graphs run the eager upcast) with the eager steps' numbers."""
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True,
+                           build=lambda: _comfy_ops_net(stream=False))
+    assert micro.graphs
+
+
 def streamed_fp8_weights():
     """fp8 weights streamed from pinned CPU memory through ComfyUI's layers, as the trainer streams them (copies on
     the current stream, norms resident), with activation offload: graphed under the native allocator, eager (the
@@ -219,6 +230,7 @@ PROBES = {  # bench/streamed_capture_probe.py: which ingredient of a streamed st
     "streamed_no_checkpoint": dict(offload=True, net=dict(checkpoint=False)),
     "resident_fp8": dict(offload=True, net=dict(stream=False)),
     "norms_through_comfyui": dict(offload=True, net=dict(streamed_norms_through_comfyui=True)),
+    "empty_cache_while_capturing": dict(offload=True, net=dict(empty_cache_while_capturing=True)),
 }
 
 
@@ -239,7 +251,7 @@ def probe(name: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
-                                     fp16_loss_scaling, failed_capture, streamed_fp8_weights)}
+                                     fp16_loss_scaling, failed_capture, fp8_weights, streamed_fp8_weights)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "probe":

@@ -143,17 +143,52 @@ def stack_shape(sample: CachedSample) -> tuple:
     return tuple(sample.latent.shape), tuple((key, tuple(value.shape)) for key, value in sorted(sample.cond.items()))
 
 
-def batches(cache: list[CachedSample], batch_size: int, repeats: int, generator: torch.Generator,
-            sequence_keys: tuple[str, ...] = ()) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+class Batches:
     """Endless batches. Each epoch is every sample `repeats` times, shuffled, then grouped by stack shape
     (aspect-ratio bucket and caption length) so no batch is ever padded or repeated; batch order is shuffled
-    across groups. A group's remainder becomes a smaller batch instead of being dropped or padded."""
-    shapes = [stack_shape(sample) for sample in cache]
-    epoch = torch.arange(len(cache)).repeat_interleave(repeats)  # repeats is bounded by Dataset (MAX_REPEATS)
-    while True:
+    across groups. A group's remainder becomes a smaller batch instead of being dropped or padded.
+    The epoch's order and the position in it are state (`state_dict`), so a resumed run continues mid-epoch with
+    the batches the interrupted one would have drawn."""
+
+    def __init__(self, cache: list[CachedSample], batch_size: int, repeats: int, generator: torch.Generator,
+                 sequence_keys: tuple[str, ...] = ()):
+        self.cache, self.batch_size, self.generator, self.sequence_keys = cache, batch_size, generator, sequence_keys
+        self.shapes = [stack_shape(sample) for sample in cache]
+        self.epoch = torch.arange(len(cache)).repeat_interleave(repeats)  # repeats is bounded by Dataset (MAX_REPEATS)
+        self.order: list[list[int]] = []  # this epoch's batches, as indices into the cache
+        self.position = 0  # batches of this epoch already handed out
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.position >= len(self.order):
+            self._shuffle_epoch()
+        chunk = self.order[self.position]
+        self.position += 1
+        return collate([self.cache[i] for i in chunk], self.sequence_keys)
+
+    def _shuffle_epoch(self) -> None:
         groups: dict[tuple, list[int]] = {}
-        for index in epoch[torch.randperm(len(epoch), generator=generator)].tolist():
-            groups.setdefault(shapes[index], []).append(index)
-        chunks = [ids[start:start + batch_size] for ids in groups.values() for start in range(0, len(ids), batch_size)]
-        for chunk in torch.randperm(len(chunks), generator=generator).tolist():
-            yield collate([cache[i] for i in chunks[chunk]], sequence_keys)
+        for index in self.epoch[torch.randperm(len(self.epoch), generator=self.generator)].tolist():
+            groups.setdefault(self.shapes[index], []).append(index)
+        size = self.batch_size
+        chunks = [ids[start:start + size] for ids in groups.values() for start in range(0, len(ids), size)]
+        self.order = [chunks[i] for i in torch.randperm(len(chunks), generator=self.generator).tolist()]
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        # `order` is replaced each epoch, never changed in place: sharing it is a snapshot
+        return {"order": self.order, "position": self.position, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The order of an interrupted run; with another batch size its epoch is reshuffled at the next batch."""
+        if state["batch_size"] == self.batch_size and all(0 <= i < len(self.cache) for c in state["order"] for i in c):
+            self.order, self.position = [list(c) for c in state["order"]], int(state["position"])
+        else:
+            self.order, self.position = [], 0
+
+
+def batches(cache: list[CachedSample], batch_size: int, repeats: int, generator: torch.Generator,
+            sequence_keys: tuple[str, ...] = ()) -> Batches:
+    return Batches(cache, batch_size, repeats, generator, sequence_keys)

@@ -17,10 +17,18 @@ from .layout import is_channels_last
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_SCALE = "leanlora_fp8_scale"  # the per-layer scale's buffer: fp32 whatever the compute dtype
+FP8_SCALE_VALUE = "leanlora_fp8_scale_value"  # the same scale as a Python float (the eager upcast's multiplier)
 
 
-def _dequantize_eager(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return weight.to(dtype).mul_(scale)  # PyTorch rounds the 0-dim fp32 scale to `dtype` first (≤ 2^-8 relative)
+def _dequantize_eager(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      scale_value: float | None = None) -> torch.Tensor:
+    """The fused kernel's numbers: fp8 -> `dtype` is exact, then one rounding of the fp32 product. A Python-float
+    scale is applied in fp32 (one pass); a 0-dim CUDA tensor would be rounded to `dtype` first (up to 2^-8
+    relative: CUDA-graphed fp8 steps under cudaMallocAsync, which run this form, trained measurably differently
+    from their eager steps), so without the float the product is taken in fp32 (an fp32 transient)."""
+    if scale_value is not None:
+        return weight.to(dtype).mul_(scale_value)
+    return (weight.float() * scale).to(dtype)
 
 
 def _dequantize_fused(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,9 +47,10 @@ class FusedUpcast:
         self.verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
         self.failure: str | None = None  # why the compiled kernel is unavailable here
 
-    def __call__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 scale_value: float | None = None) -> torch.Tensor:
         if weight.device.type not in self.devices or self.kernel is False or compiled_kernels_blocked():
-            return _dequantize_eager(weight, scale, dtype)
+            return _dequantize_eager(weight, scale, dtype, scale_value)
         if self.kernel is None:
             self.kernel = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
         flat, shape_like_weight = _memory_order_view(weight)
@@ -53,7 +62,7 @@ class FusedUpcast:
             # the first call compiles: whatever fails there (dynamo, inductor, Triton missing) means "not here";
             # so does a compile error later (a new dtype or device recompiles)
             self.kernel, self.failure = False, one_line(error)
-            return _dequantize_eager(weight, scale, dtype)
+            return _dequantize_eager(weight, scale, dtype, scale_value)
         self.verified = True
         return fused
 
@@ -61,13 +70,15 @@ class FusedUpcast:
 _FUSED_UPCAST = FusedUpcast()  # one per process, as its compiled kernel is
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               scale_value: float | None = None) -> torch.Tensor:
     """fp8 weight * its scale, in `dtype`: on CUDA the fused kernel (FusedUpcast). Inside a compiled block
     inductor fuses it into the block. Where compiling fails (no Triton, e.g. many Windows installs) the upcasts
-    stay eager and the report says so (fused_upcast_failure)."""
+    stay eager, with the same numbers, and the report says so (fused_upcast_failure). `scale_value`: the scale
+    as a Python float (the eager form's one-pass multiply)."""
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
-    return _FUSED_UPCAST(weight, scale, dtype)
+    return _FUSED_UPCAST(weight, scale, dtype, scale_value)
 
 
 def fused_upcast_failure() -> str | None:

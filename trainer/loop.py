@@ -68,7 +68,9 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                max_grad_norm: float | None = 1.0, first_step: int = 0,
                cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1,
                lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
-               after_step: Callable[[], None] = lambda: None) -> LoopResult:
+               after_step: Callable[[], None] = lambda: None, save_every: int = 0,
+               on_save: Callable[[int], None] = lambda step: None,
+               on_step_start: Callable[[int], None] = lambda done: None) -> LoopResult:
     """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
     `step_fn` is a loss function (batch -> loss, run eagerly here) or a micro-step (micro_steps.BatchStep: called
     with (batch, accumulation) it runs forward + backward and returns the detached loss; it also zeroes grads).
@@ -79,7 +81,9 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
     steps itself) ends the run; the weights go back to their last copy checked finite (see LastFiniteWeights)
     and `diverged_at` names the step.
     `after_step` runs right after each optimizer step, without waiting for the device (e.g. to record a CUDA
-    event for timing)."""
+    event for timing). Every `save_every` steps (the last one excepted: the caller saves the end) the pending
+    losses are read and, with the weights finite, `on_save(step)` runs with everything at that step.
+    `on_step_start(done)` runs before each step draws its batches (`done` steps applied so far)."""
     micro_step = step_fn if hasattr(step_fn, "zero_grad") else EagerMicroStep(step_fn, precision)
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
@@ -113,6 +117,7 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
             if should_stop():
                 result.cancelled = True
                 break
+            on_step_start(step)
             step_loss = None
             try:
                 for _ in range(accumulation):
@@ -136,8 +141,11 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                 lr_schedule.step()
             after_step()
             pending.append((step + 1, step_loss, finite, lr))
-            if len(pending) >= sync_every:
+            save_now = save_every and (step + 1) % save_every == 0 and step + 1 < steps
+            if len(pending) >= sync_every or save_now:
                 report()
+            if save_now and result.diverged_at is None:
+                on_save(step + 1)
             if result.diverged_at is not None:
                 break
     finally:  # an OOM or error still reports the steps that were applied

@@ -16,17 +16,20 @@ from .activation_offload import ActivationOffload
 from .allocator import apply_allocator_settings, backend as allocator_backend, memory_fraction
 from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
-from .errors import LeanLoRAError, is_compile_error, is_out_of_memory
+from .errors import LeanLoRAError, is_compile_error, is_out_of_memory, one_line
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
 from .micro_steps import BatchStep, build_micro_step
 from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
 from .memory_plan import next_rung
+from .loop import LoopResult, StepInfo, train_loop
 from .model_adapter import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
+from .report import Recovery
 from .settings import AutoFit, BaseWeights, LoraWeights, MemorySettings, TrainSettings
+from .training_state import TrainingState, restore_rng_states, rng_states
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
@@ -49,7 +52,9 @@ class TrainingSession:
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
         self.checkpointed = 0.0  # the checkpoint share wrapped so far (units are never unwrapped)
-        self.steps_done = 0  # kept by the caller; a rebuilt optimizer's LR schedule resumes from here
+        self.steps_done = 0  # optimizer steps applied (train() keeps it); a rebuilt LR schedule resumes from here
+        self.recoveries: list[Recovery] = []
+        self._step_start: tuple[int, dict, dict] | None = None  # (steps done, RNG states, batch order) then
         self.restore_allocator = lambda: None
         self.micro_step = self.step = None
         self.compiled = None  # the CompiledBlocks, once compile is asked for
@@ -290,6 +295,76 @@ class TrainingSession:
 
     def loss(self, batch) -> torch.Tensor:
         return self.compute_loss(self.inputs(batch))
+
+    def run(self, should_stop: Callable[[], bool], on_step: Callable[[StepInfo], None] = lambda info: None,
+            cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1, save_every: int = 0,
+            on_save: Callable[[int], None] = lambda step: None,
+            on_recovery: Callable[[str], None] = lambda rung: None) -> LoopResult:
+        """Steps from steps_done to the run's total. An out-of-memory inside a step frees memory, moves one rung
+        down the memory ladder and repeats that step (self.recoveries says where). `on_save(step)` runs every
+        `save_every` steps, with the weights, optimizer and RNG at that step (see training_state)."""
+        def counted(info: StepInfo) -> None:
+            self.steps_done = info.step
+            on_step(info)
+
+        while True:
+            try:
+                return train_loop(self.params, self.step, self.data, self.optimizer, self.precision, self.train.steps,
+                                  self.memory.gradient_accumulation, should_stop, counted,
+                                  first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
+                                  lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
+                                  on_step_start=self._mark_step_start)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                rung = recover(self, error, self.adapter.device)
+                self.recoveries.append(Recovery(self.steps_done + 1, rung))
+                on_recovery(rung)
+
+    def _mark_step_start(self, done: int) -> None:
+        # A step stopped part-way (Cancel, out of memory) has drawn batches and noise already: a state written
+        # after it takes the RNG and batch order from before that step, so a resume draws what it would have.
+        self._step_start = (done, rng_states(self.generator), self.data.state_dict())
+
+    def training_state(self, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str]) -> TrainingState:
+        """What resume_from needs to go on exactly from steps_done (between steps, or after the run stopped)."""
+        scaler = self.precision.scaler
+        rng, data = rng_states(self.generator), self.data.state_dict()
+        if self._step_start is not None and self._step_start[0] == self.steps_done:
+            _, rng, data = self._step_start
+        return TrainingState(
+            step=self.steps_done, lora=[p.detach().clone() for p in self.params],
+            optimizer_name=type(self.optimizer).__name__, optimizer=self.optimizer.state_dict(),
+            scaler=scaler.state_dict() if scaler is not None else None, rng=rng, data=data,
+            losses=list(losses[:self.steps_done]), fingerprints=fingerprints, settings=settings,
+            output_name=self.train.output_name)
+
+    def resume_from(self, state: TrainingState) -> list[str]:
+        """Puts the run where `state` stopped (after start(): the memory settings may differ from the state's).
+        Returns notes for the report where something could not carry over."""
+        notes = []
+        if [tuple(p.shape) for p in self.params] != [tuple(t.shape) for t in state.lora]:
+            raise LeanLoRAError("the training state's LoRA tensors do not match this LoRA's shapes")
+        with torch.no_grad():
+            for param, saved in zip(self.params, state.lora):
+                param.copy_(saved.to(param.device, param.dtype))
+        if state.optimizer is not None and state.optimizer_name == type(self.optimizer).__name__:
+            try:
+                self.optimizer.load_state_dict(state.optimizer)
+            except (ValueError, KeyError, RuntimeError) as error:
+                notes.append(f"resume: the optimizer state could not be loaded ({one_line(error)}); its moments "
+                             "restart (the LoRA weights are kept)")
+        else:
+            notes.append(f"resume: the state was trained with {state.optimizer_name}, this run uses "
+                         f"{type(self.optimizer).__name__}: the optimizer moments restart (the LoRA weights are kept)")
+        if self.precision.scaler is not None and state.scaler:
+            self.precision.scaler.load_state_dict(state.scaler)
+        self.steps_done = state.step
+        self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
+                                             self.train.steps, self.steps_done)
+        restore_rng_states(state.rng, self.generator)
+        self.data.load_state_dict(state.data)
+        return notes
 
     def close(self) -> None:
         """Ends the run: releases captured graphs (and their memory pool) and puts the allocator setting back.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 from .errors import LeanLoRAError
 from .optimizers import OPTIMIZERS
@@ -226,9 +227,14 @@ class TrainSettings:
     output_name: str = "leanlora"
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    save_every_steps: int = 0  # 0: only the final file; N: also <name>_step<N>.safetensors + its training state
+    keep_last_saves: int = 0  # of those step files, keep the last K (0: all)
+    resume_from: Path | None = None  # a training state (training_state.py) to go on from
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
+        _require(self.save_every_steps >= 0, "save_every_n_steps", f"got {self.save_every_steps}; use 0 (off) or more")
+        _require(self.keep_last_saves >= 0, "keep_last_saves", f"got {self.keep_last_saves}; use 0 (all) or more")
         _require_choice(self, "lr_schedule", LR_SCHEDULES)
         _require(0 <= self.warmup_steps < self.steps, "warmup_steps",
                  f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")

@@ -19,14 +19,16 @@ from .cache_store import LatentTextStore
 from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
 from .estimate import estimate_error
-from .files import check_writable, non_finite_tensors, sanitize_name, save_with_fallback
+from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
-from .loop import StepInfo, train_loop
+from .loop import StepInfo
 from .memory_plan import resolve_for_device
 from .model_adapter import ModelAdapter
-from .report import Recovery, RunReport
-from .session import TrainingSession, recover
+from .report import RunReport
+from .session import TrainingSession
 from .settings import LoraSettings, MemorySettings, TrainSettings
+from .training_state import (TrainingState, check_resumable, dataset_fingerprint, load_training_state,
+                             lora_fingerprint, model_fingerprint, save_training_state, state_path)
 from .vram import GIB, DevicePeak, Timeline, device_memory_gib, reset_peak
 
 
@@ -75,8 +77,14 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
 
+    resumed: TrainingState | None = None
+    if train.resume_from is not None:  # read and checked against the dataset before any encoding
+        resumed = load_training_state(Path(train.resume_from))
+        check_resumable(resumed, Path(train.resume_from), {**resumed.fingerprints,
+                                                           "dataset": dataset_fingerprint(dataset)}, train.steps)
     cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
-    started_at = time.time()  # wall clock, for the file's metadata
+    # wall clock, for the file's metadata: a resumed run's file says when its training began
+    started_at = float(resumed.settings.get("started_at", time.time())) if resumed else time.time()
     emit(kind="phase", text="caching latents and text embeddings")
     stats = CacheStats()
     try:
@@ -97,22 +105,53 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
+    fingerprints = {"dataset": dataset_fingerprint(dataset), "model": model_fingerprint(unet)}
     params = inject_lora(unet, lora, train.seed)
+    fingerprints["lora"] = lora_fingerprint(lora, params)
+    if resumed is not None:
+        check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps)
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
     check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
     session = TrainingSession(adapter, unet, params, cache, dataset.repeats, train)
+    run.recoveries = session.recoveries
 
-    losses: list[float] = []
+    losses: list[float] = list(resumed.losses) if resumed else []
+    first_step = resumed.step if resumed else 0
 
     def on_step(info: StepInfo):
         losses.append(info.loss)
-        session.steps_done = info.step
         timeline.record(info.step, device)
-        emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds)
+        emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds,
+             first_step=first_step)
+
+    state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
+                      "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule}
+    exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at)
+    step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
+
+    def on_save(step: int) -> None:
+        """A complete LoRA file and its training state at this step; a file that cannot be written is said and
+        training goes on (the final save still comes)."""
+        try:
+            state_dict, metadata = exporter.contents(step, partial=False, stem=f"{exporter.stem}_step{step}")
+            path, note = save_with_fallback(state_dict, loras_dir, f"{exporter.stem}_step{step}", metadata, None)
+            state_settings["memory"] = session.memory.describe()
+            save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings))
+        except (LeanLoRAError, *SAVE_ERRORS) as error:
+            report.append(f"WARNING: the save at step {step} failed ({error}); training went on")
+            emit(kind="phase", text=report[-1])
+            return
+        step_files.append(path)
+        emit(kind="saved", step=step, path=str(path))
+        if train.keep_last_saves:
+            for old in step_files[:-train.keep_last_saves]:
+                for stale in (old, state_path(old)):
+                    stale.unlink(missing_ok=True)
+            del step_files[:-train.keep_last_saves]
 
     timeline.reset()
-    recoveries = run.recoveries
+    recoveries = session.recoveries
     failure: BaseException | None = None
     cancelled = False
     diverged_at: int | None = None
@@ -137,22 +176,22 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                           f"epoch holds {len(cache)} images x {dataset.repeats} repeats"
                           + (" and batches hold one image size" if len({s.latent.shape for s in cache}) > 1 else "")
                           + f" (effective batch {used * session.memory.gradient_accumulation})")
+        if resumed is not None:
+            notes = session.resume_from(resumed)
+            line = (f"resumed from {Path(train.resume_from).name}: step {resumed.step} of {train.steps}, trained "
+                    f"with {resumed.settings.get('memory') or 'the same settings'}")
+            changed = [f"{key} {resumed.settings[key]} -> {value}" for key, value in state_settings.items()
+                       if key in ("seed", "learning_rate", "lr_schedule") and resumed.settings.get(key, value) != value]
+            for text in [line, *(["resume: changed since the state: " + ", ".join(changed)] if changed else []),
+                         *notes]:
+                report.append(text)
+                emit(kind="phase", text=text)
         started = time.perf_counter()
-        while True:
-            try:
-                result = train_loop(params, session.step, session.data, session.optimizer, session.precision,
-                                    train.steps, session.memory.gradient_accumulation, should_stop, on_step,
-                                    first_step=len(losses), cancel_errors=cancel_errors,
-                                    sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
-                                    lr_schedule=session.lr_schedule)
-                cancelled, diverged_at = result.cancelled, result.diverged_at
-                break
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                rung = recover(session, error, device)
-                recoveries.append(Recovery(len(losses) + 1, rung))
-                emit(kind="phase", text=f"recovered from out of memory: {rung}")
+        result = session.run(should_stop, on_step, cancel_errors,
+                             sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
+                             save_every=train.save_every_steps, on_save=on_save,
+                             on_recovery=lambda rung: emit(kind="phase", text=f"recovered from out of memory: {rung}"))
+        cancelled, diverged_at = result.cancelled, result.diverged_at
     except cancel_errors:  # Cancel while measuring memory, before the first step
         cancelled = True
     except Exception as error:  # keep what was learned before the failure, then report it
@@ -161,46 +200,38 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     device_peak.__exit__(None, None, None)
     session.close()
     # after a divergence the weights are back at the last step checked finite (later losses were reported)
-    steps_done = result.steps_done if diverged_at is not None else len(losses)
+    steps_done = result.steps_done if diverged_at is not None else session.steps_done
+    session.steps_done = steps_done  # what a written state resumes from
     run.notes, run.used = session.report_notes(), session.memory
     run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
     report += run.notes
 
     partial = cancelled or failure is not None or diverged_at is not None
-    if steps_done == 0:
+    if steps_done == first_step:
         adapter.free(unet)
         if diverged_at is not None:
             raise _diverged(diverged_at, None, lora, train, session.memory)
         if failure is not None:
             raise _explain(failure, None, before_first_step=not recoveries) from failure
-        raise TrainingCancelled("cancelled before the first step; no LoRA was saved")
+        raise TrainingCancelled("cancelled before the first step; no LoRA was saved"
+                                + (f" (the state {Path(train.resume_from).name} is unchanged)" if resumed else ""))
 
-    stem = sanitize_name(train.output_name)
-    if partial:
-        stem = f"{stem}_partial_step{steps_done}"
-    module_names = adapter.kohya_module_names()
-    state_dict = kohya_state_dict(unet, lora, module_names)
-    if non_finite_tensors(state_dict) and not non_finite_tensors(kohya_state_dict(unet, lora, module_names,
-                                                                                   dtype=torch.float32)):
-        state_dict = kohya_state_dict(unet, lora, module_names, dtype=torch.float32)  # finite beyond fp16's range
-    bad = non_finite_tensors(state_dict)
-    if bad:  # the loop's checks should make this unreachable; never write or apply such weights
-        adapter.free(unet)
-        raise LeanLoRAError(f"the trained LoRA has NaN/inf weights ({len(bad)} tensors, e.g. {bad[0]}); nothing "
-                            "was saved. Lower the learning rate or alpha/rank, or use mixed precision bf16")
-    metadata = lora_metadata(
-        lora, adapter.base_model_kind(), output_name=stem, resolution=(dataset.resolution, dataset.resolution),
-        tags=tag_frequency(dataset.folder.name, (sample.caption for sample in dataset.samples)),
-        timestamp=started_at, extra={"leanlora_version": __version__, "ss_steps": str(steps_done),
-                                     "ss_max_train_steps": str(train.steps),
-                                     "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
-                                     "ss_lr_scheduler": train.lr_schedule,
-                                     "ss_lr_warmup_steps": str(train.warmup_steps),
-                                     "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
-                                     "ss_enable_bucket": str(dataset.buckets), "leanlora_partial": str(partial)})
+    stem = f"{exporter.stem}_partial_step{steps_done}" if partial else exporter.stem
     try:
-        path, save_note = save_with_fallback(state_dict, loras_dir, stem, with_file_hashes(state_dict, metadata),
-                                             fallback_dir)
+        state_dict, metadata = exporter.contents(steps_done, partial, stem)
+    except LeanLoRAError:
+        adapter.free(unet)
+        raise
+    try:
+        path, save_note = save_with_fallback(state_dict, loras_dir, stem, metadata, fallback_dir)
+        if partial or train.save_every_steps:  # resumable: a stopped run always, a finished one when saving steps
+            state_settings["memory"] = session.memory.describe()
+            try:
+                save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings))
+                report.append(f"training state for resume: {state_path(path)}")
+            except SAVE_ERRORS as error:
+                report.append(f"WARNING: the training state could not be written beside {path} ({error}); the "
+                              "LoRA is saved, but this run cannot be resumed exactly")
     finally:
         adapter.free(unet)
     if save_note:
@@ -210,14 +241,17 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         raise _diverged(diverged_at, path, lora, train, session.memory, save_note)
     if failure is not None:
         raise _explain(failure, path, note=save_note) from failure
-    report.append(f"trained {steps_done}/{train.steps} steps in {seconds:.1f} s ({seconds / steps_done:.3f} s/step)")
+    trained = steps_done - first_step
+    report.append(f"trained {trained}/{train.steps - first_step} steps"
+                  + (f" (steps {first_step + 1}-{steps_done} of {train.steps})" if first_step else "")
+                  + f" in {seconds:.1f} s ({seconds / trained:.3f} s/step)")
     if recoveries:
         report.append(f"out-of-memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
         report += [f"  {recovery.describe()}" for recovery in recoveries]
     if session.precision.skipped_steps:
         report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")
     if losses:
-        head, tail = losses[:10], losses[-10:]
+        head, tail = losses[first_step:first_step + 10], losses[-10:]
         report.append(f"loss: first {len(head)} steps mean {sum(head) / len(head):.4f}, "
                       f"last {len(tail)} mean {sum(tail) / len(tail):.4f}")
     peak = device_memory_gib(device)
@@ -232,6 +266,40 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
                    if cancelled else "saved ") + str(path))
     return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), run, save_note, timeline)
+
+
+class LoraExporter:
+    """The LoRA file's tensors (kohya's keys, fp16, fp32 where fp16 would overflow) and metadata at a step."""
+
+    def __init__(self, adapter: ModelAdapter, unet: torch.nn.Module, lora: LoraSettings, dataset: Dataset,
+                 train: TrainSettings, started_at: float):
+        self.adapter, self.unet, self.lora, self.dataset, self.train = adapter, unet, lora, dataset, train
+        self.started_at, self.stem = started_at, sanitize_name(train.output_name)
+        self.module_names = adapter.kohya_module_names()
+
+    def contents(self, steps_done: int, partial: bool, stem: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        lora, names = self.lora, self.module_names
+        state_dict = kohya_state_dict(self.unet, lora, names)
+        if non_finite_tensors(state_dict) and not non_finite_tensors(kohya_state_dict(self.unet, lora, names,
+                                                                                       dtype=torch.float32)):
+            state_dict = kohya_state_dict(self.unet, lora, names, dtype=torch.float32)  # finite beyond fp16's range
+        bad = non_finite_tensors(state_dict)
+        if bad:  # the loop's checks should make this unreachable; never write or apply such weights
+            raise LeanLoRAError(f"the trained LoRA has NaN/inf weights ({len(bad)} tensors, e.g. {bad[0]}); "
+                                "nothing was saved. Lower the learning rate or alpha/rank, or use mixed precision bf16")
+        dataset, train = self.dataset, self.train
+        metadata = lora_metadata(
+            lora, self.adapter.base_model_kind(), output_name=stem, resolution=(dataset.resolution, dataset.resolution),
+            tags=tag_frequency(dataset.folder.name, (sample.caption for sample in dataset.samples)),
+            timestamp=self.started_at, extra={"leanlora_version": __version__, "ss_steps": str(steps_done),
+                                              "ss_max_train_steps": str(train.steps),
+                                              "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
+                                              "ss_lr_scheduler": train.lr_schedule,
+                                              "ss_lr_warmup_steps": str(train.warmup_steps),
+                                              "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
+                                              "ss_enable_bucket": str(dataset.buckets),
+                                              "leanlora_partial": str(partial)})
+        return state_dict, with_file_hashes(state_dict, metadata)
 
 
 def batch_used(cache: list, repeats: int, batch_size: int) -> int:

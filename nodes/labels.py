@@ -7,6 +7,8 @@ from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, Allocator, Att
                                 CheckpointDepth, FastPath, LatentCache, LoraTargets, LoraWeights)
 
 CARD_SIZES_GIB = (2, 3, 4, 6, 8, 10, 12, 16, 24)
+# Train's resume dropdown: these two, then the training states found in the loras folders
+RESUME_OFF, RESUME_LATEST = "off", "latest state of this output name"
 
 # field -> {label: value}, in dropdown order; the first label of a value is the one shown for it
 LABELS = {

@@ -8,11 +8,14 @@ import folder_paths
 
 from ..trainer.cache_store import LatentTextStore
 from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
-from ..trainer.errors import TrainingCancelled
+from ..trainer.errors import LeanLoRAError, TrainingCancelled
+from ..trainer.files import sanitize_name
 from ..trainer.settings import LR_SCHEDULES, LatentCache, TrainSettings
-from ..trainer.train_lora import train_lora
+from ..trainer.train_lora import format_duration, train_lora
+from ..trainer.training_state import STATE_SUFFIX, find_latest_state
 from .common import CATEGORY, pil_to_image
 from .jobs import JOBS, Job
+from .labels import RESUME_LATEST, RESUME_OFF
 from .monitor import LATEST_TRAINING
 from .plot import loss_chart
 
@@ -39,7 +42,15 @@ def _show_on_node(node_id: str | None, text: str) -> None:
         pass
 
 
-def wait_for(job: Job, total: int):
+def progress_line(event: dict) -> str:
+    """step 120/500, loss 0.1043, 0.162 s/step, 1:01 left"""
+    line = f"step {event['step']}/{event['total']}, loss {event['loss']:.4f}"
+    if event.get("s_per_step"):
+        line += f", {event['s_per_step']:.3f} s/step, {format_duration(event['eta_s'])} left"
+    return line
+
+
+def wait_for(job: Job, total: int, node_id: str | None = None):
     """Runs in ComfyUI's worker thread: forwards progress and loss previews, turns Cancel into job.cancel()."""
     progress = comfy.utils.ProgressBar(total)
     losses, last_preview = [], 0.0
@@ -50,13 +61,17 @@ def wait_for(job: Job, total: int):
                 _send("leanlora.progress", event)
                 if event["kind"] == "phase":
                     logging.info("LeanLoRA: %s", event["text"])
+                if event["kind"] == "saved":
+                    logging.info("LeanLoRA: step %d saved as %s", event["step"], event["path"])
                 if event["kind"] == "step":
                     losses.append(event["loss"])
+                    line = progress_line(event)
                     if event["step"] == 1 or event["step"] % LOG_EVERY_STEPS == 0:
-                        logging.info("LeanLoRA step %d/%d loss %.4f", event["step"], total, event["loss"])
+                        logging.info("LeanLoRA %s", line)
                     preview = None
                     if time.monotonic() - last_preview > PREVIEW_EVERY_S or event["step"] == total:
                         preview, last_preview = ("PNG", loss_chart(losses), 512), time.monotonic()
+                        _show_on_node(node_id, line)
                     progress.update_absolute(event["step"], total, preview)  # raises if Cancel was pressed
             if finished:
                 break
@@ -72,6 +87,39 @@ def wait_for(job: Job, total: int):
     if job.error is not None:
         raise job.error
     return job.result
+
+
+def _lora_folders() -> list[Path]:
+    return [Path(folder) for folder in folder_paths.get_folder_paths("loras")]
+
+
+def training_states() -> list[str]:
+    """The training states in the loras folders, as names relative to their folder (newest first)."""
+    found = []
+    for folder in _lora_folders():
+        if folder.is_dir():
+            found += [(p.stat().st_mtime, p.relative_to(folder).as_posix()) for p in folder.rglob(f"*{STATE_SUFFIX}")]
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+def resolve_resume(choice: str, output_name: str) -> Path | None:
+    """Train's resume input as a state file, checked before anything runs."""
+    if choice in (None, "", RESUME_OFF):
+        return None
+    if choice == RESUME_LATEST:
+        latest = find_latest_state(_lora_folders(), sanitize_name(output_name))
+        if latest is None:
+            raise LeanLoRAError(f"resume: no training state for output_name {sanitize_name(output_name)!r} in "
+                                f"{', '.join(map(str, _lora_folders()))}: a run writes one when it is cancelled or "
+                                "stopped, and at every save with save_every_n_steps above 0. Set resume to 'off' "
+                                "to start from scratch")
+        return latest
+    for folder in _lora_folders():
+        path = folder / choice
+        if path.is_file() and path.resolve().is_relative_to(folder.resolve()):
+            return path
+    raise LeanLoRAError(f"resume: the training state {choice!r} is not in the loras folder any more: pick another "
+                        "one (refresh the page to update the list) or 'latest state of this output name'")
 
 
 def latent_store(choice: LatentCache) -> LatentTextStore | None:
@@ -114,6 +162,18 @@ class LeanLoRATrain:
                     "File name in ComfyUI's loras folder. An existing file is never overwritten (_2, _3 ... is "
                     "added); a cancelled run is saved as <name>_partial_step<N>."}),
             },
+            "optional": {
+                "save_every_n_steps": ("INT", {"default": 0, "min": 0, "max": 1000000, "tooltip":
+                    "0: only the final file. N: also <name>_step<N>.safetensors every N steps, each a complete LoRA "
+                    "with a training state beside it (<name>_step<N>.leanlora-state) to resume from."}),
+                "keep_last_saves": ("INT", {"default": 0, "min": 0, "max": 10000, "tooltip":
+                    "Of this run's step files (and their states), keep the last K; 0 keeps all."}),
+                "resume": ([RESUME_OFF, RESUME_LATEST, *training_states()], {"default": RESUME_OFF, "tooltip":
+                    "Go on exactly where a run stopped (cancelled, out of memory, crashed, or finished with steps "
+                    "raised): weights, optimizer, schedule, RNG and data order. 'latest state of this output "
+                    "name' picks the state with the most steps. Needs the same dataset and LoRA shape; memory "
+                    "settings may differ (the report says what changed)."}),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
@@ -135,9 +195,10 @@ class LeanLoRATrain:
         return _partial_runs  # equal inputs are served from ComfyUI's cache, unless the last run was cancelled
 
     def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, lr_schedule, warmup_steps,
-                seed, output_name, unique_id=None):
+                seed, output_name, save_every_n_steps=0, keep_last_saves=0, resume=RESUME_OFF, unique_id=None):
         global _partial_runs
-        settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps)
+        settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
+                                 save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name))
         adapter = ComfyAdapter(model, clip, vae)
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
@@ -145,7 +206,7 @@ class LeanLoRATrain:
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
                                                 job.emit, lambda: job.cancelled, store, fallback_dir,
                                                 LATEST_TRAINING))
-        outcome = wait_for(job, steps)
+        outcome = wait_for(job, steps, unique_id)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:
             logging.warning("LeanLoRA: %s", outcome.save_note)

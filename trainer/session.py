@@ -18,6 +18,7 @@ from .cache import CachedSample, batches, collate
 from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory, one_line
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
+from .files import sanitize_name
 from .compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
 from .micro_steps import BatchStep, build_micro_step
 from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
@@ -337,7 +338,7 @@ class TrainingSession:
             optimizer_name=type(self.optimizer).__name__, optimizer=self.optimizer.state_dict(),
             scaler=scaler.state_dict() if scaler is not None else None, rng=rng, data=data,
             losses=list(losses[:self.steps_done]), fingerprints=fingerprints, settings=settings,
-            output_name=self.train.output_name)
+            output_name=sanitize_name(self.train.output_name))
 
     def resume_from(self, state: TrainingState) -> list[str]:
         """Puts the run where `state` stopped (after start(): the memory settings may differ from the state's).

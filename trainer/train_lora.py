@@ -119,11 +119,15 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     losses: list[float] = list(resumed.losses) if resumed else []
     first_step = resumed.step if resumed else 0
 
+    pace = Pace()
+
     def on_step(info: StepInfo):
         losses.append(info.loss)
         timeline.record(info.step, device)
+        s_per_step = pace.seconds_per_step(info.step)
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds,
-             first_step=first_step)
+             first_step=first_step, s_per_step=s_per_step,
+             eta_s=None if s_per_step is None else s_per_step * (info.total - info.step))
 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule}
@@ -266,6 +270,28 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
                    if cancelled else "saved ") + str(path))
     return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), run, save_note, timeline)
+
+
+class Pace:
+    """Steady-state seconds per step for the progress line and time left: measured from the first reported step
+    on (its warm-up, CUDA-graph capture or compile stays out), over the recent window of steps."""
+
+    WINDOW = 50
+
+    def __init__(self):
+        self.marks: list[tuple[float, int]] = []  # (time, step) as steps were reported
+
+    def seconds_per_step(self, step: int) -> float | None:
+        self.marks.append((time.perf_counter(), step))
+        self.marks = self.marks[-self.WINDOW:]
+        (t0, s0), (t1, s1) = self.marks[0], self.marks[-1]
+        return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 class LoraExporter:

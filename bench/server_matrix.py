@@ -91,6 +91,8 @@ class Job:
     est_step_s: float = 0.15           # for the time budget (H200)
     est_setup_s: float = 25.0          # queue -> first step (loading, caching, probes, capture; compile)
     timeout_s: float = 240.0
+    train_extra: dict = field(default_factory=dict)  # more Train inputs (save_every_n_steps, resume, ...)
+    output_name: str | None = None     # the LoRA's name; None: one per job (matrix_<run tag>)
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Server:
     native_allocator: bool = False      # --disable-cuda-malloc
     extra_args: tuple[str, ...] = ()
     base_identity: bool = False         # the first job's base image must equal every later base image
+    lora_identity: tuple[str, str] | None = None  # two jobs (with output_name) whose LoRA tensors must be equal
     est_start_s: float = 15.0
 
 
@@ -211,6 +214,35 @@ def plan_v033() -> list[Server]:
     ]
 
 
+def plan_resume() -> list[Server]:
+    """Exact resume on the GPU: 40 steps straight (a state every 20) vs the same run resumed from step 20's state,
+    SD1.5 with AdamW8bit and CUDA graphs; the two LoRA files are compared tensor by tensor."""
+    memory = settings("fast", optimizer="AdamW8bit")
+    return [Server("resume_sd15_8bit", "sd15", [
+        Job("straight", memory, steps=40, train_extra={"save_every_n_steps": 20}, output_name="resume_straight",
+            est_step_s=0.03, est_setup_s=15),
+        Job("resumed", memory, steps=40, train_extra={"resume": "resume_straight_step20.leanlora-state"},
+            output_name="resume_resumed", est_step_s=0.03, est_setup_s=10)],
+        card_gib=24, lora_identity=("straight", "resumed"), est_start_s=12)]
+
+
+def lora_difference(a: Path, b: Path) -> dict:
+    """How far two LoRA files are apart: bit-identical, max |a - b| and max |a| over all tensors."""
+    from safetensors.torch import load_file
+    ta, tb = load_file(a), load_file(b)
+    if ta.keys() != tb.keys():
+        return {"identical": False, "error": "different keys"}
+    weights = [k for k in ta if not k.endswith(".alpha")]
+    diff = max((ta[k].float() - tb[k].float()).abs().max().item() for k in weights)
+    scale = max(ta[k].float().abs().max().item() for k in weights)
+    return {"identical": all(torch_equal(ta[k], tb[k]) for k in ta), "max_abs_diff": diff, "max_abs": scale}
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return bool(torch.equal(a, b))
+
+
 def plan_smoke() -> list[Server]:
     """CPU, tiny SD1.5: train + KSampler (split files), cancel, a new queue (checkpoint form), base identity."""
     tiny = dict(est_step_s=0.5, est_setup_s=15, timeout_s=150)
@@ -222,7 +254,8 @@ def plan_smoke() -> list[Server]:
         base_identity=True, est_start_s=15)]
 
 
-PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "v033": plan_v033, "smoke": plan_smoke}
+PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "v033": plan_v033, "smoke": plan_smoke,
+         "resume": plan_resume}
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -273,7 +306,8 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
         prompt["train"] = {"class_type": "LeanLoRATrain", "inputs": {
             "model": model_link, "clip": clip_link, "vae": vae_link, "dataset": ["dataset", 0],
             "memory": ["memory", 0], "lora_config": ["lora_config", 0], "steps": job.steps, "learning_rate": 1e-4,
-            "lr_schedule": "constant", "warmup_steps": 0, "seed": 0, "output_name": f"matrix_{run_tag}"}}
+            "lr_schedule": "constant", "warmup_steps": 0, "seed": 0,
+            "output_name": job.output_name or f"matrix_{run_tag}", **job.train_extra}}
         prompt["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["train", 5]}}
         sample("trained", ["train", 0], ["train", 1], save=False)
     return prompt
@@ -913,6 +947,15 @@ def run_matrix(args) -> dict:
                 else:
                     row["base_identical"] = pixels == base_pixels
                     row["passed"] = row["passed"] and row["base_identical"]
+            if spec.lora_identity and job.name == spec.lora_identity[1]:
+                first = next(j for j in spec.jobs if j.name == spec.lora_identity[0])
+                loras = server.base / "models" / "loras"
+                try:
+                    row["lora_identity"] = lora_difference(loras / f"{first.output_name}.safetensors",
+                                                           loras / f"{job.output_name}.safetensors")
+                except Exception as error:  # noqa: BLE001 - a missing file is this row's failure
+                    row["lora_identity"] = {"identical": False, "error": f"{type(error).__name__}: {error}"}
+                print(f"[matrix] {spec.name}: LoRA {first.name} vs {job.name}: {row['lora_identity']}", flush=True)
             result["rows"].append(row)
             print(f"[matrix] {spec.name}/{job.name}: {row['status']}{'' if row['passed'] else ' (FAILED)'}, "
                   f"s/step {row.get('s_per_step')}, NVML peak {row.get('nvml_peak_gib')}, wall {row.get('wall_s')} s"

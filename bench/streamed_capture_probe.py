@@ -2,7 +2,7 @@
 whether a capture that holds trains like the eager steps. One child process per variant and allocator (an abort
 kills only its child); prints one line each. GPU machine, after bench/server_gpu.sh (or its install step):
 
-    PYTHONPATH=/tmp/site python3 -m bench.streamed_capture_probe
+    PYTHONPATH=/tmp/site python3 -m bench.streamed_capture_probe [VARIANT ...]   # default: all
 """
 import os
 import subprocess
@@ -16,7 +16,7 @@ VARIANTS = ["streamed", "streamed_no_offload", "streamed_no_checkpoint", "reside
 
 
 def main() -> None:
-    for variant in VARIANTS:
+    for variant in sys.argv[1:] or VARIANTS:
         for allocator, conf in ALLOCATORS.items():
             env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
             run = subprocess.run([sys.executable, str(CASES), "probe", variant], env=env, capture_output=True,

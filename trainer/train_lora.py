@@ -21,6 +21,7 @@ from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
 from .estimate import estimate_error
 from .files import check_writable, non_finite_tensors, sanitize_name, save_with_fallback
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
+from .lora_import import continue_from_file
 from .loop import StepInfo, train_loop
 from .memory_plan import resolve_for_device
 from .model_adapter import ModelAdapter
@@ -98,6 +99,14 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
     params = inject_lora(unet, lora, train.seed)
+    continued = None
+    if lora.continue_from:
+        try:
+            continued = continue_from_file(unet, lora, adapter.kohya_module_names(), adapter.base_model_kind())
+        except LeanLoRAError:
+            adapter.free(unet)
+            raise
+        report.append(continued.describe())
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
     check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
@@ -197,7 +206,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                                      "ss_lr_scheduler": train.lr_schedule,
                                      "ss_lr_warmup_steps": str(train.warmup_steps),
                                      "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
-                                     "ss_enable_bucket": str(dataset.buckets), "leanlora_partial": str(partial)})
+                                     "ss_enable_bucket": str(dataset.buckets), "leanlora_partial": str(partial),
+                                     **(continued.metadata(steps_done) if continued else {})})
     try:
         path, save_note = save_with_fallback(state_dict, loras_dir, stem, with_file_hashes(state_dict, metadata),
                                              fallback_dir)

@@ -77,3 +77,47 @@ def test_a_mismatched_lora_config_fails_before_training_and_saves_nothing(comfy_
                                             r"rank 8, alpha 8"):
         _train(comfy_objects, dataset, tmp_path, settings, 2, "never")
     assert not list(tmp_path.glob("never*"))
+
+
+# --- the shipped example workflow on a real ComfyUI server ---
+
+FIXTURE = {"1": {"ckpt_name": "leanlora_tiny_sd15.safetensors"}, "2": {"folder": "tiny_dataset", "resolution": 64},
+           "5": {"learning_rate": 0.001, "warmup_steps": 0}, "8": {"width": 64, "height": 64}, "9": {"steps": 4}}
+
+
+@pytest.mark.comfy
+def test_the_shipped_continue_workflow_continues_a_lora_from_the_loras_folder(comfy_server):
+    from test_comfy_e2e import sampling_prompt  # the stock LoraLoader -> KSampler graph
+    workflow = ui_to_api(json.loads(WORKFLOW.read_text()), comfy_server.object_info())
+    assert workflow["4"]["inputs"]["continue_from"] == "my_lora.safetensors"  # what train_then_generate saves
+    loras = comfy_server.base_dir / "models" / "loras"
+
+    # the LoRA to continue: the workflow's own training half, starting fresh, saved under the name it picks
+    training_half = {k: workflow[k] for k in ("1", "2", "3", "4", "5", "17")}
+    seed = apply_overrides(training_half, {"1": FIXTURE["1"], "2": FIXTURE["2"], "4": {"continue_from": "none"},
+                                           "5": {**FIXTURE["5"], "steps": 4, "output_name": "continue_seed"}})
+    entry = comfy_server.run(seed, timeout=600)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    (loras / "continue_seed.safetensors").replace(loras / "my_lora.safetensors")
+
+    entry = comfy_server.run(apply_overrides(workflow, {**FIXTURE, "5": {**FIXTURE["5"], "steps": 3}}), timeout=600)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    report = entry["outputs"]["17"]["text"][0]
+    assert "continued from my_lora.safetensors (LeanLoRA" in report and "4 steps recorded" in report, report
+    assert entry["outputs"]["11"]["images"]  # the KSampler ran with the continued LoRA
+    continued = loras / "my_lora_continued.safetensors"
+    with safe_open(str(continued), "pt") as file:
+        metadata = file.metadata()
+    assert metadata["leanlora_continued_from"] == "my_lora.safetensors" and metadata["ss_steps"] == "7"
+
+    log_start = len(comfy_server.log_text())
+    entry = comfy_server.run(sampling_prompt("continued_stock_loader", lora_name=continued.name), timeout=300)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    log = comfy_server.log_text()[log_start:]
+    assert "lora key not loaded" not in log and "NOT LOADED" not in log
+
+    # a LoRA Config that does not match the file: the Train node fails naming both and the file
+    entry = comfy_server.run(apply_overrides(workflow, {**FIXTURE, "4": {"rank": 8}}), timeout=300)
+    error = execution_error(entry)
+    assert error is not None and error["node_type"] == "LeanLoRATrain", entry["status"]
+    assert "continue_from 'my_lora.safetensors' has rank 16; LoRA Config says rank 8" in error["exception_message"]

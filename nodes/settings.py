@@ -1,6 +1,7 @@
 import os
 
 from ..trainer.errors import LeanLoRAError
+from ..trainer.lora_import import check_file
 from ..trainer.settings import MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
 from .common import CATEGORY
 from .labels import choices, values_of
@@ -148,7 +149,10 @@ class LeanLoRALoraConfig:
             if path is None:
                 raise LeanLoRAError(f"continue_from: {continue_from!r} is not in the loras folder any more; pick "
                                     "another LoRA (refresh the list with R) or none")
-        return (LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"], path),)
+        settings = LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"], path)
+        if path is not None:
+            check_file(settings)  # unreadable, not a LoRA, other rank/alpha: fails here, before any encoding
+        return (settings,)
 
 
 # folder_paths is imported where it is used, so the node table (nodes/labels.py tests) loads without ComfyUI.

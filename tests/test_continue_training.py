@@ -116,8 +116,8 @@ def test_the_shipped_continue_workflow_continues_a_lora_from_the_loras_folder(co
     log = comfy_server.log_text()[log_start:]
     assert "lora key not loaded" not in log and "NOT LOADED" not in log
 
-    # a LoRA Config that does not match the file: the Train node fails naming both and the file
+    # a LoRA Config that does not match the file fails at that node, before the Train node encodes anything
     entry = comfy_server.run(apply_overrides(workflow, {**FIXTURE, "4": {"rank": 8}}), timeout=300)
     error = execution_error(entry)
-    assert error is not None and error["node_type"] == "LeanLoRATrain", entry["status"]
+    assert error is not None and error["node_type"] == "LeanLoRALoraConfig", entry["status"]
     assert "continue_from 'my_lora.safetensors' has rank 16; LoRA Config says rank 8" in error["exception_message"]

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from trainer.errors import LeanLoRAError
 from trainer.lora import BaseModelKind, inject_lora, kohya_state_dict
-from trainer.lora_import import ContinuedLora, continue_from_file
+from trainer.lora_import import ContinuedLora, check_file, continue_from_file
 from trainer.settings import LoraSettings
 
 SD1 = BaseModelKind()
@@ -248,6 +248,18 @@ def test_a_rank_and_alpha_mismatch_names_both_and_the_file(tmp_path):
     settings = LoraSettings(rank=4, alpha=1.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"has alpha 4; LoRA Config says alpha 1:"):
         continue_from_file(injected(settings), settings, NAMES, SD1)
+
+
+def test_the_file_alone_is_checked_for_rank_and_alpha_before_any_model_work(tmp_path):
+    file, _, _ = kohya_file(tmp_path, LoraSettings(rank=4, alpha=4.0), "diffusers", name="x.safetensors")
+    check_file(LoraSettings(rank=4, alpha=4.0, continue_from=file))
+    with pytest.raises(LeanLoRAError, match=r"continue_from 'x.safetensors' has rank 4; LoRA Config says rank 8:"):
+        check_file(LoraSettings(rank=8, alpha=4.0, continue_from=file))
+    with pytest.raises(LeanLoRAError, match=r"has alpha 4; LoRA Config says alpha 16:"):
+        check_file(LoraSettings(rank=4, alpha=16.0, continue_from=file))
+    not_lora = write(tmp_path / "vae.safetensors", {"decoder.conv_in.weight": torch.ones(4, 4)})
+    with pytest.raises(LeanLoRAError, match=r"'vae.safetensors' holds no LoRA weights"):
+        check_file(LoraSettings(continue_from=not_lora))
 
 
 @pytest.mark.parametrize("file_targets, config_targets", [("attention+feed-forward", "attention"),

@@ -84,54 +84,24 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, module_nam
     if not lora_layers:
         raise LeanLoRAError("continue_from: the training copy holds no LoRA layers to load the file into")
     spellings = _spellings(unet, lora_layers, module_names)
-
+    file_modules, text_encoder_keys = _lora_modules(keys, name)
     parts: dict[str, dict[str, str]] = {}  # module path -> {"down"/"up"/"alpha": key}
     formats: Counter[str] = Counter()
-    text_encoder_keys, other = 0, []
-    unmatched: dict[str, str] = {}  # file module -> a key of it (a weight's rather than its alpha's)
-    for key in keys:
-        variant = next((kind for part, kind in _VARIANT_PARTS.items() if key.endswith(part)), None)
-        if variant:
-            raise LeanLoRAError(
-                f"{name} holds {variant} weights (e.g. {key!r}), not a plain LoRA: continuing it would drop what they "
-                "learned" + (". It looks like ComfyUI's own trainer's output (LoRA on every layer plus bias and "
-                             "norm differences): continue it with ComfyUI's Train LoRA node" if "diff" in key else "")
-                + ". Pick a plain LoRA (kohya, diffusers/peft or LeanLoRA) or train a new one")
-        match = _LORA_KEY.match(key)
-        if match is None:
-            other.append(key)
-            continue
-        module = match["module"]
-        if module.startswith(_TEXT_ENCODER_PREFIXES):
-            text_encoder_keys += 1
-            continue
+    unmatched = []
+    for module, module_parts in file_modules.items():
         hit = spellings.get(module)
         if hit is None:
-            if unmatched.get(module, ".alpha").endswith(".alpha"):
-                unmatched[module] = key
+            unmatched.append(module_parts.get("down") or next(iter(module_parts.values())))
             continue
-        module_path, style = hit
-        formats[style] += 1
-        part = "alpha" if match["alpha"] else next(
-            {"A": "down", "B": "up"}.get(value, value) for value in
-            (match["kohya"], match["peft"], match["compatible"], match["processor"]) if value)
-        parts.setdefault(module_path, {})[part] = key
-    if not parts and not unmatched:
-        if text_encoder_keys:
-            raise LeanLoRAError(f"{name} holds only text-encoder LoRA weights ({text_encoder_keys} keys); LeanLoRA "
-                                "trains the diffusion model: pick a LoRA with UNet weights")
-        example = f" (e.g. {other[0]!r})" if other else ""
-        raise LeanLoRAError(f"{name} holds no LoRA weights: {len(keys)} tensors{example}, none named like a LoRA's "
-                            "lora_down/lora_up (kohya, ComfyUI) or lora_A/lora_B (diffusers/peft). Is it a checkpoint "
-                            "or an embedding? Pick a LoRA file from the loras folder")
+        parts[hit[0]] = module_parts
+        formats[hit[1]] += 1
     if unmatched:
-        example = next(iter(unmatched.values()))
         hint = (" (diffusers-named files are read for SD1.x/SD2.x models; for SDXL pick a kohya- or ComfyUI-named "
-                "file)" if module_names is None and "down_blocks" in example else "")
+                "file)" if module_names is None and "down_blocks" in unmatched[0] else "")
         raise LeanLoRAError(
-            f"{name} does not fit this {model} model: {len(unmatched)} of its {len(unmatched) + len(parts)} LoRA "
-            f"modules match none of its modules, e.g. {example!r}{hint}. It was made for another model family (an SDXL LoRA on SD1.5, or the other way "
-            f"round) or another architecture: pick a LoRA trained on a {model} model")
+            f"{name} does not fit this {model} model: {len(unmatched)} of its {len(file_modules)} LoRA modules "
+            f"match none of its modules, e.g. {unmatched[0]!r}{hint}. It was made for another model family (an SDXL "
+            f"LoRA on SD1.5, or the other way round) or another architecture: pick a LoRA trained on a {model} model")
 
     tensors = _read_tensors(path, {key for module_parts in parts.values() for key in module_parts.values()})
     weights = {}
@@ -152,9 +122,7 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, module_nam
         weights[module_path] = (down, up, tensors.get(module_parts.get("alpha")))
 
     rank = _one_value(name, "rank", {p: int(w[0].shape[0]) for p, w in weights.items()})
-    default_alpha = _alpha_without_tensors(metadata, rank)
-    alpha = _one_value(name, "alpha", {p: float(w[2]) if w[2] is not None else default_alpha
-                                       for p, w in weights.items()}, close=True)
+    alpha = _file_alpha(name, metadata, rank, {p: w[2] for p, w in weights.items()})
     _check_settings(name, path, settings, rank, alpha, set(weights), lora_layers, unet)
 
     with torch.no_grad():
@@ -170,7 +138,59 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, module_nam
                          text_encoder_keys)
 
 
+def check_file(settings: LoraSettings) -> None:
+    """What `settings.continue_from` says without a model, read from its header and alpha tensors only: a file
+    that is no readable LoRA, or whose rank or alpha differ from the settings, fails here, before any encoding
+    (the LoRA Config node calls this; the model-side checks come in continue_from_file)."""
+    path = Path(settings.continue_from)
+    name = f"continue_from {path.name!r}"
+    keys, metadata = _read_keys(path, name)
+    modules, _ = _lora_modules(keys, name)
+    with safe_open(str(path), "pt") as file:
+        ranks = {m: file.get_slice(p["down"]).get_shape()[0] for m, p in modules.items() if "down" in p}
+        alphas = {m: file.get_tensor(p["alpha"]) if "alpha" in p else None for m, p in modules.items()}
+    if not ranks:
+        return  # continue_from_file names the incomplete module
+    rank = _one_value(name, "rank", ranks)
+    _rank_and_alpha(name, path, settings, rank, _file_alpha(name, metadata, rank, alphas), [], [])
+
+
 # --- the file ---
+
+def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]], int]:
+    """The file's UNet LoRA modules as the file names them -> {"down"/"up"/"alpha": key}, and how many
+    text-encoder keys were skipped. Files of LoRA variants, or holding no LoRA, are errors."""
+    modules: dict[str, dict[str, str]] = {}
+    text_encoder_keys, other = 0, []
+    for key in keys:
+        variant = next((kind for part, kind in _VARIANT_PARTS.items() if key.endswith(part)), None)
+        if variant:
+            raise LeanLoRAError(
+                f"{name} holds {variant} weights (e.g. {key!r}), not a plain LoRA: continuing it would drop what they "
+                "learned" + (". It looks like ComfyUI's own trainer's output (LoRA on every layer plus bias and "
+                             "norm differences): continue it with ComfyUI's Train LoRA node" if "diff" in key else "")
+                + ". Pick a plain LoRA (kohya, diffusers/peft or LeanLoRA) or train a new one")
+        match = _LORA_KEY.match(key)
+        if match is None:
+            other.append(key)
+            continue
+        if match["module"].startswith(_TEXT_ENCODER_PREFIXES):
+            text_encoder_keys += 1
+            continue
+        part = "alpha" if match["alpha"] else next(
+            {"A": "down", "B": "up"}.get(value, value) for value in
+            (match["kohya"], match["peft"], match["compatible"], match["processor"]) if value)
+        modules.setdefault(match["module"], {})[part] = key
+    if not modules:
+        if text_encoder_keys:
+            raise LeanLoRAError(f"{name} holds only text-encoder LoRA weights ({text_encoder_keys} keys); LeanLoRA "
+                                "trains the diffusion model: pick a LoRA with UNet weights")
+        example = f" (e.g. {other[0]!r})" if other else ""
+        raise LeanLoRAError(f"{name} holds no LoRA weights: {len(keys)} tensors{example}, none named like a LoRA's "
+                            "lora_down/lora_up (kohya, ComfyUI) or lora_A/lora_B (diffusers/peft). Is it a checkpoint "
+                            "or an embedding? Pick a LoRA file from the loras folder")
+    return modules, text_encoder_keys
+
 
 def _read_keys(path: Path, name: str) -> tuple[list[str], dict[str, str]]:
     if not path.is_file():
@@ -225,6 +245,13 @@ def _alpha_without_tensors(metadata: Mapping[str, str], rank: int) -> float:
         return float(metadata["ss_network_alpha"])
     except (KeyError, ValueError):
         return float(rank)
+
+
+def _file_alpha(name: str, metadata: Mapping[str, str], rank: int,
+                alphas: Mapping[str, torch.Tensor | None]) -> float:
+    default = _alpha_without_tensors(metadata, rank)
+    return _one_value(name, "alpha", {m: float(a) if a is not None else default for m, a in alphas.items()},
+                      close=True)
 
 
 def _one_value(name: str, what: str, per_module: dict[str, float], close: bool = False) -> float:
@@ -290,12 +317,6 @@ def _targets_of(paths: set[str], all_paths: list[str]) -> LoraTargets | None:
 def _check_settings(name: str, path: Path, settings: LoraSettings, rank: int, alpha: float, loaded: set[str],
                     lora_layers: Mapping[str, torch.nn.Module], unet: torch.nn.Module) -> None:
     file_side, config_side = [], []
-    if rank != settings.rank:
-        file_side.append(f"rank {rank}")
-        config_side.append(f"rank {settings.rank}")
-    if not math.isclose(alpha, settings.alpha, rel_tol=1e-3):
-        file_side.append(f"alpha {alpha:g}")
-        config_side.append(f"alpha {settings.alpha:g}")
     if loaded != set(lora_layers):
         file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers))
         if file_targets is None:
@@ -307,6 +328,20 @@ def _check_settings(name: str, path: Path, settings: LoraSettings, rank: int, al
                 "attention+feed-forward layers of every transformer block. Pick a LoRA trained on those")
         file_side.append(f"targets {file_targets.value}")
         config_side.append(f"targets {settings.targets.value}")
+    _rank_and_alpha(name, path, settings, rank, alpha, file_side, config_side)
+
+
+def _rank_and_alpha(name: str, path: Path, settings: LoraSettings, rank: int, alpha: float, file_side: list[str],
+                    config_side: list[str]) -> None:
+    """One error for every way the file and the settings differ (`file_side`/`config_side`: the targets, if they do)."""
+    shape_file, shape_config = [], []
+    if rank != settings.rank:
+        shape_file.append(f"rank {rank}")
+        shape_config.append(f"rank {settings.rank}")
+    if not math.isclose(alpha, settings.alpha, rel_tol=1e-3):
+        shape_file.append(f"alpha {alpha:g}")
+        shape_config.append(f"alpha {settings.alpha:g}")
+    file_side, config_side = shape_file + file_side, shape_config + config_side
     if file_side:
         raise LeanLoRAError(f"{name} has {', '.join(file_side)}; LoRA Config says {', '.join(config_side)}: set "
                             f"those in the LoRA Config or pick another file ({path})")

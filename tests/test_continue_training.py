@@ -41,7 +41,7 @@ def test_training_continues_from_its_own_file_and_the_stock_loader_loads_every_k
     adapter = ComfyAdapter(*comfy_objects)
     unet = adapter.training_unet()
     inject_lora(unet, settings, seed=11)
-    loaded = continue_from_file(unet, settings, adapter.kohya_module_names(), adapter.base_model_kind())
+    loaded = continue_from_file(unet, settings, adapter.diffusers_module_names(), adapter.base_model_kind())
     names = adapter.kohya_module_names()
     layers = {p: m for p, m in unet.named_modules() if hasattr(m, "lora_A") and "leanlora" in m.lora_A}
     assert loaded.modules == len(layers) == len(first_sd) // 3 and loaded.steps == 4
@@ -68,6 +68,46 @@ def test_training_continues_from_its_own_file_and_the_stock_loader_loads_every_k
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     assert len(comfy.lora.load_lora(second_sd, key_map)) == len(layers)
     assert len(patched.patches) == len(layers)
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_a_diffusers_peft_lora_continues_on_comfyuis_unet(family, tmp_path, caplog):
+    """A LoRA that peft put on diffusers' own UNet (real diffusers module names and shapes, SD1.5's and SDXL's
+    block structure) saved as diffusers does (`unet.` + peft's keys), continued on ComfyUI's ldm UNet of the same
+    structure: every module lands where ComfyUI's own LoRA loader puts that diffusers module."""
+    import copy
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from safetensors.torch import save_file
+    from bridge.comfy_adapter import base_model_kind, diffusers_module_names
+    from test_lora_files import SD15_DIFFUSERS, SDXL_DIFFUSERS, _comfy_model
+
+    torch.manual_seed(0)
+    diffusers_unet = UNet2DConditionModel(**(SD15_DIFFUSERS if family == "sd15" else SDXL_DIFFUSERS))
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                       init_lora_weights=False), diffusers_unet)  # random A and B
+    file_sd = {f"unet.{k}": v.half() for k, v in get_peft_model_state_dict(diffusers_unet).items()}
+    file = tmp_path / "diffusers.safetensors"
+    save_file(file_sd, str(file), {"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 2})})
+
+    model = _comfy_model(family)
+    unet = copy.deepcopy(model.diffusion_model).float()
+    settings = LoraSettings(rank=4, alpha=2.0, continue_from=str(file))
+    inject_lora(unet, settings, seed=0)
+    loaded = continue_from_file(unet, settings, diffusers_module_names(model), base_model_kind(model, None))
+    layers = {p: m for p, m in unet.named_modules() if hasattr(m, "lora_A") and "leanlora" in m.lora_A}
+    assert loaded.format == "diffusers/peft" and loaded.modules == len(layers) == len(file_sd) // 2
+
+    # ComfyUI's loader reads diffusers' processor spelling of the same modules: the reference mapping
+    reference = {k.replace(".to_out.0.", ".to_out.").replace(".to_", ".processor.to_").replace(".lora_A.weight", "_lora.down.weight")
+                 .replace(".lora_B.weight", "_lora.up.weight"): v for k, v in file_sd.items()}
+    patches = comfy.lora.load_lora(reference, comfy.lora.model_lora_keys_unet(model, {}))
+    assert len(patches) == len(layers)
+    for weight_key, patch in patches.items():
+        up, down = patch.weights[0], patch.weights[1]
+        layer = layers[weight_key[len("diffusion_model."):-len(".weight")]]
+        assert torch.equal(layer.lora_A["leanlora"].weight, down.float())
+        assert torch.equal(layer.lora_B["leanlora"].weight, up.float())
 
 
 def test_a_mismatched_lora_config_fails_before_training_and_saves_nothing(comfy_objects, dataset, tmp_path):

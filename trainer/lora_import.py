@@ -70,10 +70,11 @@ class ContinuedLora:
         return {"leanlora_continued_from": self.file.name, "ss_steps": str((self.steps or 0) + steps_done)}
 
 
-def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, module_names: Mapping[str, str] | None,
+def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_names: Mapping[str, str] | None,
                        model_kind: BaseModelKind) -> ContinuedLora:
     """Loads `settings.continue_from` into the LoRA layers `inject_lora` put into `unet` (fp32 master weights).
-    `module_names` is the adapter's kohya_module_names() (SD1.x: ldm path -> diffusers path; None for SDXL)."""
+    `diffusers_names` is the adapter's diffusers_module_names() (ldm path -> diffusers path of each weight module,
+    any family: kohya's SD1.x names and diffusers/peft files use them); None reads ldm-named files only."""
     path = Path(settings.continue_from)
     name = f"continue_from {path.name!r}"
     keys, metadata = _read_keys(path, name)
@@ -83,7 +84,7 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, module_nam
     lora_layers = {p: m for p, m in unet.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
     if not lora_layers:
         raise LeanLoRAError("continue_from: the training copy holds no LoRA layers to load the file into")
-    spellings = _spellings(unet, lora_layers, module_names)
+    spellings = _spellings(unet, lora_layers, diffusers_names)
     file_modules, text_encoder_keys = _lora_modules(keys, name)
     parts: dict[str, dict[str, str]] = {}  # module path -> {"down"/"up"/"alpha": key}
     formats: Counter[str] = Counter()
@@ -96,8 +97,8 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, module_nam
         parts[hit[0]] = module_parts
         formats[hit[1]] += 1
     if unmatched:
-        hint = (" (diffusers-named files are read for SD1.x/SD2.x models; for SDXL pick a kohya- or ComfyUI-named "
-                "file)" if module_names is None and "down_blocks" in unmatched[0] else "")
+        hint = (" (this model has no diffusers names: pick a kohya- or ComfyUI-named file)"
+                if diffusers_names is None and "down_blocks" in unmatched[0] else "")
         raise LeanLoRAError(
             f"{name} does not fit this {model} model: {len(unmatched)} of its {len(file_modules)} LoRA modules "
             f"match none of its modules, e.g. {unmatched[0]!r}{hint}. It was made for another model family (an SDXL "
@@ -288,13 +289,13 @@ def _weight_modules(unet: torch.nn.Module, lora_layers: Mapping[str, torch.nn.Mo
 
 
 def _spellings(unet: torch.nn.Module, lora_layers: Mapping[str, torch.nn.Module],
-               module_names: Mapping[str, str] | None) -> dict[str, tuple[str, str]]:
+               diffusers_names: Mapping[str, str] | None) -> dict[str, tuple[str, str]]:
     """Every way a LoRA file names each module of the training copy -> (module path, format)."""
     spelled: dict[str, tuple[str, str]] = {}
     for path in _weight_modules(unet, lora_layers):
         names = [(UNET_PREFIX + path.replace(".", "_"), _KOHYA_LDM), (f"diffusion_model.{path}", _COMFY),
                  (path, _COMFY)]
-        diffusers = module_names.get(path) if module_names is not None else None
+        diffusers = diffusers_names.get(path) if diffusers_names is not None else None
         if diffusers:
             processor = re.sub(r"\.(to_[qkv]|to_out)(\.0)?$", r".processor.\1", diffusers)
             names += [(UNET_PREFIX + diffusers.replace(".", "_"), _KOHYA_DIFFUSERS)]

@@ -102,7 +102,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     continued = None
     if lora.continue_from:
         try:
-            continued = continue_from_file(unet, lora, adapter.kohya_module_names(), adapter.base_model_kind())
+            continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.base_model_kind())
         except LeanLoRAError:
             adapter.free(unet)
             raise

@@ -48,7 +48,7 @@ class TransformerBlock(torch.nn.Module):
 class SpatialTransformer(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.proj_in = torch.nn.Linear(DIM, DIM)
+        self.proj_in = torch.nn.Conv2d(DIM, DIM, 1)  # SD1.5's (SDXL's is a Linear)
         self.transformer_blocks = torch.nn.ModuleList([TransformerBlock()])
 
 
@@ -274,7 +274,7 @@ def test_a_targets_mismatch_names_both(tmp_path, file_targets, config_targets):
 def test_a_file_on_layers_no_preset_trains_is_refused(tmp_path):
     file, weights, tensors = kohya_file(tmp_path, ATTENTION, "diffusers")
     proj_in = "lora_unet_down_blocks_0_attentions_0_proj_in"  # kohya's LoRAs also train proj_in / proj_out
-    tensors |= {f"{proj_in}.lora_down.weight": torch.ones(4, DIM), f"{proj_in}.lora_up.weight": torch.ones(DIM, 4),
+    tensors |= {f"{proj_in}.lora_down.weight": torch.ones(4, DIM, 1, 1), f"{proj_in}.lora_up.weight": torch.ones(DIM, 4, 1, 1),
                 f"{proj_in}.alpha": torch.tensor(2.0)}
     file = write(tmp_path / "proj.safetensors", tensors)
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
@@ -334,16 +334,35 @@ def test_a_safetensors_file_that_is_not_a_lora_is_refused(tmp_path):
         continue_from_file(injected(settings), settings, NAMES, SD1)
 
 
-def test_a_pickle_renamed_to_safetensors_is_never_unpickled(tmp_path):
+@pytest.mark.parametrize("zipped", [True, False], ids=["torch.save", "legacy-pickle"])
+def test_a_pickle_renamed_to_safetensors_is_never_unpickled(tmp_path, monkeypatch, zipped):
     path = tmp_path / "renamed.safetensors"
-    torch.save({"lora_unet_x.lora_down.weight": torch.ones(2, 2)}, path)
+    torch.save({"lora_unet_x.lora_down.weight": torch.ones(2, 2)}, path, _use_new_zipfile_serialization=zipped)
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=str(path))
+    import pickle
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("unpickled"))  # and torch.load is never reached
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load"))
     with pytest.raises(LeanLoRAError, match=r"'renamed.safetensors' .* is a pickled PyTorch file renamed to "
                                             r".safetensors; LeanLoRA never unpickles"):
         continue_from_file(injected(settings), settings, None, SD1)
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(LeanLoRAError, match=r"'renamed.safetensors' .* is not a readable safetensors file"):
         continue_from_file(injected(settings), settings, None, SD1)
+
+
+def test_a_safetensors_file_whose_header_starts_like_a_pickle_is_read(tmp_path):
+    """safetensors files begin with their header's length: 0x80 0x02 is a length of 640 bytes, and also the start
+    of a pickle (protocol 2). Only a file safetensors refuses is taken for a pickle."""
+    module = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    tensors = {f"{module}.lora_down.weight": torch.ones(4, DIM), f"{module}.lora_up.weight": torch.ones(DIM, 4),
+               f"{module}.alpha": torch.tensor(2.0)}
+    for pad in range(2000):
+        file = write(tmp_path / "looks_pickled.safetensors", tensors, {"ss_note": "x" * pad})
+        if Path(file).read_bytes()[:2] == b"\x80\x02":
+            break
+    else:
+        pytest.fail("no padding gave a pickle-like header length")
+    check_file(LoraSettings(rank=4, alpha=2.0, continue_from=file))  # read, not refused as a pickle
 
 
 def test_comfyui_trainer_output_with_bias_differences_is_refused_with_where_to_continue_it(tmp_path):

@@ -104,6 +104,7 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
             f"match none of its modules, e.g. {unmatched[0]!r}{hint}. It was made for another model family (an SDXL "
             f"LoRA on SD1.5, or the other way round) or another architecture: pick a LoRA trained on a {model} model")
 
+    file_targets = _file_targets(name, set(parts), lora_layers, unet)  # before shapes: a conv LoRA is a target matter
     tensors = _read_tensors(path, {key for module_parts in parts.values() for key in module_parts.values()})
     weights = {}
     for module_path, module_parts in parts.items():
@@ -124,7 +125,8 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
 
     rank = _one_value(name, "rank", {p: int(w[0].shape[0]) for p, w in weights.items()})
     alpha = _file_alpha(name, metadata, rank, {p: w[2] for p, w in weights.items()})
-    _check_settings(name, path, settings, rank, alpha, set(weights), lora_layers, unet)
+    differences = ([f"targets {file_targets.value}"], [f"targets {settings.targets.value}"]) if file_targets else ([], [])
+    _rank_and_alpha(name, path, settings, rank, alpha, *differences)
 
     with torch.no_grad():
         for module_path, (down, up, _) in weights.items():
@@ -199,16 +201,18 @@ def _read_keys(path: Path, name: str) -> tuple[list[str], dict[str, str]]:
     if path.suffix.lower() != ".safetensors":
         raise LeanLoRAError(f"{name}: LeanLoRA reads LoRAs from .safetensors files only (never pickled "
                             ".pt/.ckpt files, which can run code); pick or convert to a .safetensors LoRA")
-    with open(path, "rb") as file:
-        head = file.read(8)
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-        raise LeanLoRAError(f"{name} ({path}) is a pickled PyTorch file renamed to .safetensors; LeanLoRA never "
-                            "unpickles files (they can run code). Convert it to safetensors in a tool you trust, or "
-                            "pick another LoRA")
     try:
         with safe_open(str(path), "pt") as file:
             return list(file.keys()), dict(file.metadata() or {})
     except Exception as error:  # safetensors raises its own error type, or OSError, for a damaged header
+        with open(path, "rb") as file:
+            head = file.read(2)
+        # torch.save's zip archive, or a bare pickle (protocol 2-5); a valid safetensors header can start with
+        # these bytes too, so only a file safetensors refused is taken for one
+        if head == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+            raise LeanLoRAError(f"{name} ({path}) is a pickled PyTorch file renamed to .safetensors; LeanLoRA never "
+                                "unpickles files (they can run code). Convert it to safetensors in a tool you trust, "
+                                "or pick another LoRA") from error
         raise LeanLoRAError(f"{name} ({path}) is not a readable safetensors file ({type(error).__name__}: {error}); "
                             "it may be truncated or another format: pick another LoRA file") from error
 
@@ -315,25 +319,25 @@ def _targets_of(paths: set[str], all_paths: list[str]) -> LoraTargets | None:
     return None
 
 
-def _check_settings(name: str, path: Path, settings: LoraSettings, rank: int, alpha: float, loaded: set[str],
-                    lora_layers: Mapping[str, torch.nn.Module], unet: torch.nn.Module) -> None:
-    file_side, config_side = [], []
-    if loaded != set(lora_layers):
-        file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers))
-        if file_targets is None:
-            outside = sorted(loaded - set(lora_layers)) or sorted(set(lora_layers) - loaded)
-            covered = "LoRA on modules outside" if loaded - set(lora_layers) else "LoRA on only some of"
-            raise LeanLoRAError(
-                f"{name} has {covered} the layers of LeanLoRA's target presets ({len(loaded)} modules; e.g. "
-                f"{outside[0]}), so no LoRA Config trains the same layers: LeanLoRA trains the attention or "
-                "attention+feed-forward layers of every transformer block. Pick a LoRA trained on those")
-        file_side.append(f"targets {file_targets.value}")
-        config_side.append(f"targets {settings.targets.value}")
-    _rank_and_alpha(name, path, settings, rank, alpha, file_side, config_side)
+def _file_targets(name: str, loaded: set[str], lora_layers: Mapping[str, torch.nn.Module],
+                  unet: torch.nn.Module) -> LoraTargets | None:
+    """None when the file has LoRA on exactly the layers the settings injected; else the other target preset it
+    was trained with, or an error when no preset trains its layers."""
+    if loaded == set(lora_layers):
+        return None
+    file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers))
+    if file_targets is None:
+        outside = sorted(loaded - set(lora_layers)) or sorted(set(lora_layers) - loaded)
+        covered = "LoRA on modules outside" if loaded - set(lora_layers) else "LoRA on only some of"
+        raise LeanLoRAError(
+            f"{name} has {covered} the layers of LeanLoRA's target presets ({len(loaded)} modules; e.g. "
+            f"{outside[0]}), so no LoRA Config trains the same layers: LeanLoRA trains the attention or "
+            "attention+feed-forward layers of every transformer block. Pick a LoRA trained on those")
+    return file_targets
 
 
-def _rank_and_alpha(name: str, path: Path, settings: LoraSettings, rank: int, alpha: float, file_side: list[str],
-                    config_side: list[str]) -> None:
+def _rank_and_alpha(name: str, path: Path, settings: LoraSettings, rank: int, alpha: float,
+                    file_side: list[str], config_side: list[str]) -> None:
     """One error for every way the file and the settings differ (`file_side`/`config_side`: the targets, if they do)."""
     shape_file, shape_config = [], []
     if rank != settings.rank:

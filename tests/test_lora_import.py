@@ -278,7 +278,18 @@ def test_a_file_on_layers_no_preset_trains_is_refused(tmp_path):
                 f"{proj_in}.alpha": torch.tensor(2.0)}
     file = write(tmp_path / "proj.safetensors", tensors)
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
-    with pytest.raises(LeanLoRAError, match=r"outside the layers of LeanLoRA's target presets.*input_blocks.1.1.proj_in"):
+    with pytest.raises(LeanLoRAError, match=r"has LoRA on 33 modules that no target preset trains together \(it has LoRA on "
+                                            r"input_blocks.1.1.proj_in\)"):
+        continue_from_file(injected(settings), settings, NAMES, SD1)
+
+
+def test_a_file_on_part_of_the_targets_is_refused(tmp_path):
+    weights = trained_weights(ATTENTION)
+    cross_attention_only = {p: w for p, w in weights.items() if ".attn2." in p}  # a LoRA on attn2 only
+    file, _, _ = kohya_file(tmp_path, ATTENTION, "diffusers", weights=cross_attention_only)
+    settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
+    with pytest.raises(LeanLoRAError, match=r"has LoRA on 16 modules that no target preset trains together \(it has "
+                                            r"none on input_blocks.1.1.transformer_blocks.0.attn1.to_k\)"):
         continue_from_file(injected(settings), settings, NAMES, SD1)
 
 

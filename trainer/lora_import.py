@@ -327,12 +327,12 @@ def _file_targets(name: str, loaded: set[str], lora_layers: Mapping[str, torch.n
         return None
     file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers))
     if file_targets is None:
-        outside = sorted(loaded - set(lora_layers)) or sorted(set(lora_layers) - loaded)
-        covered = "LoRA on modules outside" if loaded - set(lora_layers) else "LoRA on only some of"
+        extra, missing = sorted(loaded - set(lora_layers)), sorted(set(lora_layers) - loaded)
+        example = f"it has LoRA on {extra[0]}" if extra else f"it has none on {missing[0]}"
         raise LeanLoRAError(
-            f"{name} has {covered} the layers of LeanLoRA's target presets ({len(loaded)} modules; e.g. "
-            f"{outside[0]}), so no LoRA Config trains the same layers: LeanLoRA trains the attention or "
-            "attention+feed-forward layers of every transformer block. Pick a LoRA trained on those")
+            f"{name} has LoRA on {len(loaded)} modules that no target preset trains together ({example}): LeanLoRA "
+            "trains the attention or the attention+feed-forward layers of every transformer block. Pick a LoRA "
+            "trained on those")
     return file_targets
 
 

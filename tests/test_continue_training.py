@@ -16,7 +16,7 @@ from bridge.comfy_adapter import ComfyAdapter
 from comfy_headless import execution_error
 from trainer.errors import LeanLoRAError
 from trainer.lora import inject_lora
-from trainer.lora_import import continue_from_file
+from trainer.lora_import import check_file, continue_from_file
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from workflow_convert import apply_overrides, ui_to_api
@@ -161,3 +161,34 @@ def test_the_shipped_continue_workflow_continues_a_lora_from_the_loras_folder(co
     error = execution_error(entry)
     assert error is not None and error["node_type"] == "LeanLoRALoraConfig", entry["status"]
     assert "continue_from 'my_lora.safetensors' has rank 16; LoRA Config says rank 8" in error["exception_message"]
+
+
+def test_a_file_from_comfyuis_own_trainer_is_refused_naming_where_to_continue_it(comfy_objects, tiny_assets,
+                                                                                  dataset, tmp_path):
+    """ComfyUI's Train LoRA node puts LoRA on every layer and trains bias/norm differences (`.diff_b`, `.diff`),
+    which no LoRA Config can continue without dropping them: the real file, made by that node here. (Two latents:
+    0.3.75's node fails on a single latent batch, `multi_res` unset.)"""
+    import comfy.model_management
+    from safetensors.torch import save_file
+    from comfy_extras.nodes_train import TrainLoraNode
+    # its own copy of the checkpoint: the node patches the MODEL it trains (weight wrappers, requires_grad)
+    with torch.inference_mode():
+        model, clip, _, _ = comfy.sd.load_checkpoint_guess_config(str(tiny_assets["checkpoint"]), output_vae=False,
+                                                                  embedding_directory=None)
+    positive = clip.encode_from_tokens_scheduled(clip.tokenize("a red circle"))
+    latents = [{"samples": torch.zeros(1, 4, 8, 8)}, {"samples": torch.ones(1, 4, 8, 8)}]
+    try:
+        output = TrainLoraNode.execute([model], latents, [positive, positive], [1], [2], [1], [0.0005], [4],
+                                       ["AdamW"], ["MSE"], [0], ["fp32"], ["fp32"], ["LoRA"], [False], ["[None]"])
+    finally:
+        comfy.model_management.unload_all_models()
+    lora_sd = output.result[1]
+    assert any(k.endswith(".lora_up.weight") for k in lora_sd) and any(k.endswith(".diff_b") for k in lora_sd)
+    file = tmp_path / "ComfyUI_trained_lora_2_steps_00001_.safetensors"
+    save_file({k: v.contiguous() for k, v in lora_sd.items()}, str(file))  # what its SaveLoRA node writes
+
+    settings = LoraSettings(rank=4, alpha=1.0, continue_from=str(file))
+    for check in (lambda: check_file(settings), lambda: _train(comfy_objects, dataset, tmp_path, settings, 1, "never")):
+        with pytest.raises(LeanLoRAError, match=r"continue_from 'ComfyUI_trained_lora_2_steps_00001_.safetensors' "
+                                                r"holds .*not a plain LoRA.*ComfyUI's Train LoRA node"):
+            check()

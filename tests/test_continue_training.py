@@ -125,6 +125,21 @@ FIXTURE = {"1": {"ckpt_name": "leanlora_tiny_sd15.safetensors"}, "2": {"folder":
            "5": {"learning_rate": 0.001, "warmup_steps": 0}, "8": {"width": 64, "height": 64}, "9": {"steps": 4}}
 
 
+def test_the_shipped_continue_workflow_names_the_users_files_not_the_fixtures():
+    from test_template import FIXTURE_VALUES
+    ui = json.loads(WORKFLOW.read_text())
+    for node in ui["nodes"]:
+        values = node.get("widgets_values") or []
+        assert not FIXTURE_VALUES & {v for v in values if isinstance(v, str)}, (node["id"], node["type"], values)
+    notes = " ".join(n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note")
+    assert "continue_from" in notes and "ComfyUI/models/loras" in notes and "ComfyUI/input" in notes
+    [config] = [n for n in ui["nodes"] if n["type"] == "LeanLoRALoraConfig"]
+    [train] = [n for n in ui["nodes"] if n["type"] == "LeanLoRATrain"]
+    # the template's LoRA shape (rank 16, alpha 8, attention), so its my_lora continues as set
+    assert config["widgets_values"] == [16, 8.0, 0.0, "attention", "my_lora.safetensors"]
+    assert train["widgets_values"][-1] == "my_lora_continued"
+
+
 @pytest.mark.comfy
 def test_the_shipped_continue_workflow_continues_a_lora_from_the_loras_folder(comfy_server):
     from test_comfy_e2e import sampling_prompt  # the stock LoraLoader -> KSampler graph

@@ -1,5 +1,6 @@
 """Continue training from a LoRA file on the tiny SD1.5 ComfyUI model (issue 17, item 1): in this process, and the
 shipped example workflow on a real server."""
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -207,3 +208,26 @@ def test_a_file_from_comfyuis_own_trainer_is_refused_naming_where_to_continue_it
         with pytest.raises(LeanLoRAError, match=r"continue_from 'ComfyUI_trained_lora_2_steps_00001_.safetensors' "
                                                 r"holds .*not a plain LoRA.*ComfyUI's Train LoRA node"):
             check()
+
+
+def test_the_lora_config_node_lists_the_loras_folder_and_names_a_vanished_file(tmp_path, monkeypatch):
+    import folder_paths
+    from helpers import node_module
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras", ([str(tmp_path)], {".safetensors", ".pt"}))
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    module = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    from safetensors.torch import save_file
+    save_file({f"{module}.lora_down.weight": torch.ones(4, 8), f"{module}.lora_up.weight": torch.ones(8, 4),
+               f"{module}.alpha": torch.tensor(4.0)}, str(tmp_path / "mine.safetensors"))
+    torch.save({}, tmp_path / "old.pt")
+    node = node_module("settings").LeanLoRALoraConfig
+    options, spec = node.INPUT_TYPES()["optional"]["continue_from"]
+    assert options == ["none", "mine.safetensors"] and spec["default"] == "none"  # pickles are not offered
+    settings, = node().execute(4, 4.0, 0.0, "attention", "mine.safetensors")
+    assert settings.continue_from == str(tmp_path / "mine.safetensors")
+    assert node().execute(4, 4.0, 0.0, "attention")[0].continue_from is None
+    (tmp_path / "mine.safetensors").unlink()
+    errors = importlib.import_module("leanlora_nodes_under_test.trainer.errors")
+    with pytest.raises(errors.LeanLoRAError, match=r"continue_from: 'mine.safetensors' is not in the loras folder any "
+                                                   r"more; pick another LoRA"):
+        node().execute(4, 4.0, 0.0, "attention", "mine.safetensors")

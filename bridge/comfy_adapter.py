@@ -302,6 +302,9 @@ class ComfyAdapter:
     def kohya_module_names(self) -> dict[str, str] | None:
         return kohya_module_names(self.base)
 
+    def diffusers_module_names(self) -> dict[str, str]:
+        return diffusers_module_names(self.base)
+
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")
         with torch.inference_mode():
@@ -323,6 +326,12 @@ def kohya_module_names(base) -> dict[str, str] | None:
     diffusers-named keys with), per module: {ldm path: diffusers path}. None: keep the ldm paths."""
     if isinstance(base, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
         return None
+    return diffusers_module_names(base)
+
+
+def diffusers_module_names(base) -> dict[str, str]:
+    """{ldm path: diffusers path} of every weight module, for any UNet family: how diffusers/peft LoRA files name
+    them (ComfyUI's LoRA loader reads diffusers-named keys through the same map)."""
     diffusers_to_ldm = comfy.utils.unet_to_diffusers(base.model_config.unet_config)
     return {ldm[: -len(".weight")]: diffusers[: -len(".weight")]
             for diffusers, ldm in diffusers_to_ldm.items() if diffusers.endswith(".weight")}

@@ -1,6 +1,12 @@
+import os
+
+from ..trainer.errors import LeanLoRAError
+from ..trainer.lora_import import check_file
 from ..trainer.settings import MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
 from .common import CATEGORY
 from .labels import choices, values_of
+
+NO_LORA = "none"  # continue_from: start a new LoRA
 
 
 class LeanLoRAMemorySettings:
@@ -112,12 +118,49 @@ class LeanLoRALoraConfig:
                     "Dropout on the LoRA input during training; a little (0.05-0.1) can reduce overfitting."}),
                 "targets": (choices("targets"), {"default": "attention", "tooltip":
                     "Which UNet layers get LoRA: attention (q/k/v/out projections) or attention plus feed-forward."}),
-            }
+            },
+            # Optional so workflows saved before it existed still load (as "none").
+            "optional": {
+                "continue_from": ([NO_LORA, *_lora_files()], {"default": NO_LORA, "tooltip":
+                    "Train further from a LoRA in the loras folder (kohya's prev_lora_ckpt): kohya, ComfyUI, "
+                    "diffusers/peft or LeanLoRA .safetensors files. Its rank, alpha and targets must match the "
+                    "ones above (the error says which differ); the optimizer starts fresh, and the new file "
+                    "records the steps of both runs. none: start a new LoRA."}),
+            },
         }
 
     RETURN_TYPES = ("LORA_CONFIG",)
     FUNCTION = "execute"
     CATEGORY = CATEGORY
 
-    def execute(self, rank, alpha, dropout, targets):
-        return (LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"]),)
+    @classmethod
+    def IS_CHANGED(cls, continue_from=NO_LORA, **_):
+        """A file replaced under the same name is another starting point: run again."""
+        path = _lora_path(continue_from) if continue_from != NO_LORA else None
+        if path is None:
+            return continue_from
+        stat = os.stat(path)
+        return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+    def execute(self, rank, alpha, dropout, targets, continue_from=NO_LORA):
+        path = None
+        if continue_from != NO_LORA:
+            path = _lora_path(continue_from)
+            if path is None:
+                raise LeanLoRAError(f"continue_from: {continue_from!r} is not in the loras folder any more; pick "
+                                    "another LoRA (refresh the list with R) or none")
+        settings = LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"], path)
+        if path is not None:
+            check_file(settings)  # unreadable, not a LoRA, other rank/alpha: fails here, before any encoding
+        return (settings,)
+
+
+# folder_paths is imported where it is used, so the node table (nodes/labels.py tests) loads without ComfyUI.
+def _lora_files() -> list[str]:
+    import folder_paths
+    return [name for name in folder_paths.get_filename_list("loras") if name.lower().endswith(".safetensors")]
+
+
+def _lora_path(name: str) -> str | None:
+    import folder_paths
+    return folder_paths.get_full_path("loras", name)

@@ -171,6 +171,9 @@ class TinyAdapter:
     def kohya_module_names(self):
         return None
 
+    def diffusers_module_names(self):
+        return None
+
 
 def protocol_members(protocol: type) -> set[str]:
     """The attributes and methods a typing.Protocol asks for."""

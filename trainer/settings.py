@@ -204,12 +204,18 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: LoraTargets = LoraTargets.ATTENTION
+    continue_from: str | None = None  # a LoRA .safetensors to start from (kohya's prev_lora_ckpt); trainer/lora_import.py
 
     def __post_init__(self):
         _require(1 <= self.rank <= 1024, "rank", f"got {self.rank}; use 1..1024 (4-32 is typical)")
         _require(self.alpha > 0, "alpha", f"got {self.alpha}; use a positive number (often equal to rank)")
         _require(0.0 <= self.dropout < 1.0, "dropout", f"got {self.dropout}; use 0 <= dropout < 1")
         _require_member(self, "targets", LoraTargets)
+        path = self.continue_from
+        if path is not None:
+            _require(isinstance(path, str) and path.lower().endswith(".safetensors"), "continue_from",
+                     f"got {path!r}; use the path of a .safetensors LoRA (pickled .pt/.ckpt files are never read)")
+            _require(Path(path).is_file(), "continue_from", f"{path!r} is not a file; pick an existing LoRA")
 
     @property
     def target_modules(self) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
 from .estimate import estimate_error
 from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
+from .lora_import import ContinuedLora, continue_from_file
 from .loop import StepInfo
 from .memory_plan import resolve_for_device
 from .model_adapter import ModelAdapter
@@ -107,6 +108,14 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     unet = adapter.training_unet()
     fingerprints = {"dataset": dataset_fingerprint(dataset), "model": model_fingerprint(unet)}
     params = inject_lora(unet, lora, train.seed)
+    continued = None
+    if lora.continue_from:
+        try:
+            continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.base_model_kind())
+        except LeanLoRAError:
+            adapter.free(unet)
+            raise
+        report.append(continued.describe())
     fingerprints["lora"] = lora_fingerprint(lora, params)
     if resumed is not None:
         check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps)
@@ -131,7 +140,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule}
-    exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at)
+    exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at, continued)
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
 
     def on_save(step: int) -> None:
@@ -298,8 +307,9 @@ class LoraExporter:
     """The LoRA file's tensors (kohya's keys, fp16, fp32 where fp16 would overflow) and metadata at a step."""
 
     def __init__(self, adapter: ModelAdapter, unet: torch.nn.Module, lora: LoraSettings, dataset: Dataset,
-                 train: TrainSettings, started_at: float):
+                 train: TrainSettings, started_at: float, continued: ContinuedLora | None = None):
         self.adapter, self.unet, self.lora, self.dataset, self.train = adapter, unet, lora, dataset, train
+        self.continued = continued  # the LoRA file this run started from: its steps count in ss_steps
         self.started_at, self.stem = started_at, sanitize_name(train.output_name)
         self.module_names = adapter.kohya_module_names()
 
@@ -324,7 +334,8 @@ class LoraExporter:
                                               "ss_lr_warmup_steps": str(train.warmup_steps),
                                               "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
                                               "ss_enable_bucket": str(dataset.buckets),
-                                              "leanlora_partial": str(partial)})
+                                              "leanlora_partial": str(partial),
+                                              **(self.continued.metadata(steps_done) if self.continued else {})})
         return state_dict, with_file_hashes(state_dict, metadata)
 
 

@@ -1,0 +1,352 @@
+"""Continue training from an existing LoRA file (kohya's prev_lora_ckpt): read it (safetensors only, never pickle),
+recognise its naming, match its modules to the LoRA layers peft injected into the training copy and copy its
+weights in. The file fixes rank, alpha and targets: a LoRA Config that says otherwise, or a file made for another
+model, is an error naming both sides and the file.
+
+Names are matched from the model side: every weight module of the training copy (ComfyUI's ldm paths) is spelled
+the ways LoRA files spell it (kohya with either module-name style, ComfyUI's `diffusion_model.` paths, diffusers
+and peft), and the file's module names are looked up among those spellings. kohya's underscored names are never
+un-underscored (`to_out_0` and `attn1` cannot be split back reliably)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
+
+from .errors import LeanLoRAError
+from .lora import ADAPTER, UNET_PREFIX, BaseModelKind
+from .settings import LoraSettings, LoraTargets
+
+# One LoRA tensor per key: `<module><part>`. The module part is matched against the model's spellings below.
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+?)(?:"
+    r"\.lora_(?P<kohya>down|up)\.weight"            # kohya, ComfyUI (its trainer and LoRA extraction)
+    r"|\.lora_(?P<peft>A|B)(?:\.[^.]+)?\.weight"    # peft / diffusers (optionally with peft's adapter name)
+    r"|\.lora\.(?P<compatible>down|up)\.weight"     # diffusers' LoRACompatibleLinear
+    r"|_lora\.(?P<processor>down|up)\.weight"       # diffusers' attention processors (to_q_lora.down)
+    r"|\.(?P<alpha>alpha)"
+    r")$")
+# Weights of LoRA variants (DoRA, LoHa, LoKr, Tucker convs, OFT) and ComfyUI trainer's full bias/norm differences:
+# their effect has no plain-LoRA form, so continuing would silently drop what they learned.
+_VARIANT_PARTS = {".dora_scale": "DoRA", ".lora_magnitude_vector": "DoRA", ".hada_w1_a": "LoHa",
+                  ".lokr_w1": "LoKr", ".lora_mid.weight": "Tucker (LoCon)", ".oft_blocks": "OFT",
+                  ".diff": "full weight differences", ".diff_b": "bias differences"}
+_TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "te1.", "te2.", "te.", "base_model.model.text_encoder")
+
+_KOHYA_LDM = "kohya (ldm-style names)"
+_KOHYA_DIFFUSERS = "kohya (diffusers-style names)"
+_COMFY = "ComfyUI (diffusion_model. paths)"
+_DIFFUSERS = "diffusers/peft"
+
+
+@dataclass(frozen=True)
+class ContinuedLora:
+    """What a continued run started from, for the report and the new file's metadata."""
+    file: Path
+    format: str
+    modules: int
+    rank: int
+    alpha: float
+    steps: int | None  # the file's ss_steps, when it records them
+    text_encoder_keys_skipped: int
+
+    def describe(self) -> str:
+        steps = f"{self.steps} steps recorded" if self.steps is not None else "no step count recorded"
+        skipped = (f"; {self.text_encoder_keys_skipped} text-encoder keys skipped (LeanLoRA trains the diffusion "
+                   "model only, so those stay as they were in that file)" if self.text_encoder_keys_skipped else "")
+        return (f"continued from {self.file.name} ({self.format}): {self.modules} modules loaded, rank {self.rank}, "
+                f"alpha {self.alpha:g}, {steps}{skipped}; the optimizer starts fresh")
+
+    def metadata(self, steps_done: int) -> dict[str, str]:
+        """The new file's entries: where it came from, and kohya's step count over both runs."""
+        return {"leanlora_continued_from": self.file.name, "ss_steps": str((self.steps or 0) + steps_done)}
+
+
+def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_names: Mapping[str, str] | None,
+                       model_kind: BaseModelKind) -> ContinuedLora:
+    """Loads `settings.continue_from` into the LoRA layers `inject_lora` put into `unet` (fp32 master weights).
+    `diffusers_names` is the adapter's diffusers_module_names() (ldm path -> diffusers path of each weight module,
+    any family: kohya's SD1.x names and diffusers/peft files use them); None reads ldm-named files only."""
+    path = Path(settings.continue_from)
+    name = f"continue_from {path.name!r}"
+    keys, metadata = _read_keys(path, name)
+    model = _family(model_kind)
+    _check_base_model(name, metadata, model)
+
+    lora_layers = {p: m for p, m in unet.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+    if not lora_layers:
+        raise LeanLoRAError("continue_from: the training copy holds no LoRA layers to load the file into")
+    spellings = _spellings(unet, lora_layers, diffusers_names)
+    file_modules, text_encoder_keys = _lora_modules(keys, name)
+    parts: dict[str, dict[str, str]] = {}  # module path -> {"down"/"up"/"alpha": key}
+    formats: Counter[str] = Counter()
+    unmatched = []
+    for module, module_parts in file_modules.items():
+        hit = spellings.get(module)
+        if hit is None:
+            unmatched.append(module_parts.get("down") or next(iter(module_parts.values())))
+            continue
+        parts[hit[0]] = module_parts
+        formats[hit[1]] += 1
+    if unmatched:
+        hint = (" (this model has no diffusers names: pick a kohya- or ComfyUI-named file)"
+                if diffusers_names is None and "down_blocks" in unmatched[0] else "")
+        raise LeanLoRAError(
+            f"{name} does not fit this {model} model: {len(unmatched)} of its {len(file_modules)} LoRA modules "
+            f"match none of its modules, e.g. {unmatched[0]!r}{hint}. It was made for another model family (an SDXL "
+            f"LoRA on SD1.5, or the other way round) or another architecture: pick a LoRA trained on a {model} model")
+
+    file_targets = _file_targets(name, set(parts), lora_layers, unet)  # before shapes: a conv LoRA is a target matter
+    tensors = _read_tensors(path, {key for module_parts in parts.values() for key in module_parts.values()})
+    weights = {}
+    for module_path, module_parts in parts.items():
+        missing = {"down", "up"} - set(module_parts)
+        if missing:
+            present = next(iter(module_parts.values()))
+            raise LeanLoRAError(f"{name} is incomplete: {present!r} has no matching lora_{missing.pop()} weight. "
+                                "Pick a complete LoRA file")
+        down, up = tensors[module_parts["down"]], tensors[module_parts["up"]]
+        base = _base_weight_shape(unet.get_submodule(module_path))
+        if down.dim() != 2 or up.dim() != 2 or base is None or (up.shape[0], down.shape[1]) != base \
+                or up.shape[1] != down.shape[0]:
+            raise LeanLoRAError(
+                f"{name} does not fit this {model} model: {module_parts['down']!r} has shape {tuple(down.shape)} and "
+                f"its lora_up {tuple(up.shape)}, but that module of the model has a weight of shape "
+                f"{base}. It was made for another model family or size: pick a LoRA trained on a {model} model")
+        weights[module_path] = (down, up, tensors.get(module_parts.get("alpha")))
+
+    rank = _one_value(name, "rank", {p: int(w[0].shape[0]) for p, w in weights.items()})
+    alpha = _file_alpha(name, metadata, rank, {p: w[2] for p, w in weights.items()})
+    differences = ([f"targets {file_targets.value}"], [f"targets {settings.targets.value}"]) if file_targets else ([], [])
+    _rank_and_alpha(name, path, settings, rank, alpha, *differences)
+
+    with torch.no_grad():
+        for module_path, (down, up, _) in weights.items():
+            layer = lora_layers[module_path]
+            layer.lora_A[ADAPTER].weight.copy_(down.to(torch.float32))
+            layer.lora_B[ADAPTER].weight.copy_(up.to(torch.float32))
+    style = formats.most_common(1)[0][0]
+    if metadata.get("leanlora_version"):
+        style = f"LeanLoRA {metadata['leanlora_version']}, {style}"
+    steps = metadata.get("ss_steps", "")
+    return ContinuedLora(path, style, len(weights), rank, alpha, int(steps) if steps.isdigit() else None,
+                         text_encoder_keys)
+
+
+def check_file(settings: LoraSettings) -> None:
+    """What `settings.continue_from` says without a model, read from its header and alpha tensors only: a file
+    that is no readable LoRA, or whose rank or alpha differ from the settings, fails here, before any encoding
+    (the LoRA Config node calls this; the model-side checks come in continue_from_file)."""
+    path = Path(settings.continue_from)
+    name = f"continue_from {path.name!r}"
+    keys, metadata = _read_keys(path, name)
+    modules, _ = _lora_modules(keys, name)
+    with safe_open(str(path), "pt") as file:
+        ranks = {m: file.get_slice(p["down"]).get_shape()[0] for m, p in modules.items() if "down" in p}
+        alphas = {m: file.get_tensor(p["alpha"]) if "alpha" in p else None for m, p in modules.items()}
+    if not ranks:
+        return  # continue_from_file names the incomplete module
+    rank = _one_value(name, "rank", ranks)
+    _rank_and_alpha(name, path, settings, rank, _file_alpha(name, metadata, rank, alphas), [], [])
+
+
+# --- the file ---
+
+def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]], int]:
+    """The file's UNet LoRA modules as the file names them -> {"down"/"up"/"alpha": key}, and how many
+    text-encoder keys were skipped. Files of LoRA variants, or holding no LoRA, are errors."""
+    modules: dict[str, dict[str, str]] = {}
+    text_encoder_keys, other = 0, []
+    for key in keys:
+        variant = next((kind for part, kind in _VARIANT_PARTS.items() if key.endswith(part)), None)
+        if variant:
+            raise LeanLoRAError(
+                f"{name} holds {variant} weights (e.g. {key!r}), not a plain LoRA: continuing it would drop what they "
+                "learned" + (". It looks like ComfyUI's own trainer's output (LoRA on every layer plus bias and "
+                             "norm differences): continue it with ComfyUI's Train LoRA node" if "diff" in key else "")
+                + ". Pick a plain LoRA (kohya, diffusers/peft or LeanLoRA) or train a new one")
+        match = _LORA_KEY.match(key)
+        if match is None:
+            other.append(key)
+            continue
+        if match["module"].startswith(_TEXT_ENCODER_PREFIXES):
+            text_encoder_keys += 1
+            continue
+        part = "alpha" if match["alpha"] else next(
+            {"A": "down", "B": "up"}.get(value, value) for value in
+            (match["kohya"], match["peft"], match["compatible"], match["processor"]) if value)
+        modules.setdefault(match["module"], {})[part] = key
+    if not modules:
+        if text_encoder_keys:
+            raise LeanLoRAError(f"{name} holds only text-encoder LoRA weights ({text_encoder_keys} keys); LeanLoRA "
+                                "trains the diffusion model: pick a LoRA with UNet weights")
+        example = f" (e.g. {other[0]!r})" if other else ""
+        raise LeanLoRAError(f"{name} holds no LoRA weights: {len(keys)} tensors{example}, none named like a LoRA's "
+                            "lora_down/lora_up (kohya, ComfyUI) or lora_A/lora_B (diffusers/peft). Is it a checkpoint "
+                            "or an embedding? Pick a LoRA file from the loras folder")
+    return modules, text_encoder_keys
+
+
+def _read_keys(path: Path, name: str) -> tuple[list[str], dict[str, str]]:
+    if not path.is_file():
+        raise LeanLoRAError(f"{name}: no such file ({path}); pick a LoRA that is in the loras folder")
+    if path.suffix.lower() != ".safetensors":
+        raise LeanLoRAError(f"{name}: LeanLoRA reads LoRAs from .safetensors files only (never pickled "
+                            ".pt/.ckpt files, which can run code); pick or convert to a .safetensors LoRA")
+    try:
+        with safe_open(str(path), "pt") as file:
+            return list(file.keys()), dict(file.metadata() or {})
+    except Exception as error:  # safetensors raises its own error type, or OSError, for a damaged header
+        with open(path, "rb") as file:
+            head = file.read(2)
+        # torch.save's zip archive, or a bare pickle (protocol 2-5); a valid safetensors header can start with
+        # these bytes too, so only a file safetensors refused is taken for one
+        if head == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+            raise LeanLoRAError(f"{name} ({path}) is a pickled PyTorch file renamed to .safetensors; LeanLoRA never "
+                                "unpickles files (they can run code). Convert it to safetensors in a tool you trust, "
+                                "or pick another LoRA") from error
+        raise LeanLoRAError(f"{name} ({path}) is not a readable safetensors file ({type(error).__name__}: {error}); "
+                            "it may be truncated or another format: pick another LoRA file") from error
+
+
+def _read_tensors(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as file:
+        return {key: file.get_tensor(key) for key in keys}
+
+
+def _family(kind: BaseModelKind) -> str:
+    return "SDXL" if kind.sdxl else "SD2.x" if kind.v2 else "SD1.x"
+
+
+def _check_base_model(name: str, metadata: Mapping[str, str], model: str) -> None:
+    """kohya's ss_base_model_version (or the SAI model spec's architecture), where the file records one."""
+    recorded = metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture") or ""
+    if not recorded:
+        return
+    family = ("SDXL" if recorded.startswith(("sdxl", "stable-diffusion-xl")) else
+              "SD2.x" if recorded.startswith(("sd_v2", "stable-diffusion-v2")) else
+              "SD1.x" if recorded.startswith(("sd_v1", "stable-diffusion-v1")) else recorded)
+    if family != model:
+        raise LeanLoRAError(f"{name} was trained on a {family} model (its metadata says {recorded!r}); this is a "
+                            f"{model} model: pick a LoRA trained on a {model} model")
+
+
+def _alpha_without_tensors(metadata: Mapping[str, str], rank: int) -> float:
+    """A file without `.alpha` tensors: diffusers' adapter metadata, kohya's ss_network_alpha, else alpha = rank
+    (scale 1, what kohya, diffusers and ComfyUI apply such files with)."""
+    try:
+        return float(json.loads(metadata["lora_adapter_metadata"])["lora_alpha"])
+    except (KeyError, ValueError, TypeError):
+        pass
+    try:
+        return float(metadata["ss_network_alpha"])
+    except (KeyError, ValueError):
+        return float(rank)
+
+
+def _file_alpha(name: str, metadata: Mapping[str, str], rank: int,
+                alphas: Mapping[str, torch.Tensor | None]) -> float:
+    default = _alpha_without_tensors(metadata, rank)
+    return _one_value(name, "alpha", {m: float(a) if a is not None else default for m, a in alphas.items()},
+                      close=True)
+
+
+def _one_value(name: str, what: str, per_module: dict[str, float], close: bool = False) -> float:
+    """The file's rank or alpha: every module must have the same (a LoRA Config has one of each)."""
+    values = sorted(set(per_module.values()))
+    first = values[0]
+    other = next((v for v in values if not (math.isclose(v, first, rel_tol=1e-3) if close else v == first)), None)
+    if other is not None:
+        a = next(p for p, v in per_module.items() if v == first)
+        b = next(p for p, v in per_module.items() if v == other)
+        raise LeanLoRAError(f"{name} has a different {what} per module ({a}: {first:g}, {b}: {other:g}); a LoRA "
+                            f"Config has one {what}, so LeanLoRA cannot continue it: pick another file")
+    return first
+
+
+# --- the model ---
+
+def _base_weight_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+    weight = getattr(base, "weight", None)
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def _weight_modules(unet: torch.nn.Module, lora_layers: Mapping[str, torch.nn.Module]) -> list[str]:
+    """Paths of the modules a LoRA file can name: the LoRA layers, and every other module with a weight of its
+    own outside them (so a file for other targets of this model says so instead of 'another model')."""
+    inside = tuple(f"{path}." for path in lora_layers)
+    paths = list(lora_layers)
+    for path, module in unet.named_modules():
+        if path and path not in lora_layers and not path.startswith(inside) \
+                and isinstance(module._parameters.get("weight"), torch.Tensor):
+            paths.append(path)
+    return paths
+
+
+def _spellings(unet: torch.nn.Module, lora_layers: Mapping[str, torch.nn.Module],
+               diffusers_names: Mapping[str, str] | None) -> dict[str, tuple[str, str]]:
+    """Every way a LoRA file names each module of the training copy -> (module path, format)."""
+    spelled: dict[str, tuple[str, str]] = {}
+    for path in _weight_modules(unet, lora_layers):
+        names = [(UNET_PREFIX + path.replace(".", "_"), _KOHYA_LDM), (f"diffusion_model.{path}", _COMFY),
+                 (path, _COMFY)]
+        diffusers = diffusers_names.get(path) if diffusers_names is not None else None
+        if diffusers:
+            processor = re.sub(r"\.(to_[qkv]|to_out)(\.0)?$", r".processor.\1", diffusers)
+            names += [(UNET_PREFIX + diffusers.replace(".", "_"), _KOHYA_DIFFUSERS)]
+            names += [(prefix + spelling, _DIFFUSERS) for spelling in dict.fromkeys((diffusers, processor))
+                      for prefix in ("", "unet.", "base_model.model.", "base_model.model.unet.")]
+        for spelling, style in names:
+            spelled.setdefault(spelling, (path, style))
+    return spelled
+
+
+def _targets_of(paths: set[str], all_paths: list[str]) -> LoraTargets | None:
+    """The target preset that puts LoRA on exactly `paths` in this model (peft's suffix match), if one does."""
+    for targets in LoraTargets:
+        chosen = {p for p in all_paths if any(p == t or p.endswith(f".{t}") for t in targets.modules)}
+        if chosen == paths:
+            return targets
+    return None
+
+
+def _file_targets(name: str, loaded: set[str], lora_layers: Mapping[str, torch.nn.Module],
+                  unet: torch.nn.Module) -> LoraTargets | None:
+    """None when the file has LoRA on exactly the layers the settings injected; else the other target preset it
+    was trained with, or an error when no preset trains its layers."""
+    if loaded == set(lora_layers):
+        return None
+    file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers))
+    if file_targets is None:
+        extra, missing = sorted(loaded - set(lora_layers)), sorted(set(lora_layers) - loaded)
+        example = f"it has LoRA on {extra[0]}" if extra else f"it has none on {missing[0]}"
+        raise LeanLoRAError(
+            f"{name} has LoRA on {len(loaded)} modules that no target preset trains together ({example}): LeanLoRA "
+            "trains the attention or the attention+feed-forward layers of every transformer block. Pick a LoRA "
+            "trained on those")
+    return file_targets
+
+
+def _rank_and_alpha(name: str, path: Path, settings: LoraSettings, rank: int, alpha: float,
+                    file_side: list[str], config_side: list[str]) -> None:
+    """One error for every way the file and the settings differ (`file_side`/`config_side`: the targets, if they do)."""
+    shape_file, shape_config = [], []
+    if rank != settings.rank:
+        shape_file.append(f"rank {rank}")
+        shape_config.append(f"rank {settings.rank}")
+    if not math.isclose(alpha, settings.alpha, rel_tol=1e-3):
+        shape_file.append(f"alpha {alpha:g}")
+        shape_config.append(f"alpha {settings.alpha:g}")
+    file_side, config_side = shape_file + file_side, shape_config + config_side
+    if file_side:
+        raise LeanLoRAError(f"{name} has {', '.join(file_side)}; LoRA Config says {', '.join(config_side)}: set "
+                            f"those in the LoRA Config or pick another file ({path})")

@@ -69,18 +69,16 @@ def profile(spec, preset: str, batch: int, steps: int, device: torch.device, gra
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from trainer.loop import train_loop
-
     work = make_workload(spec, batch, device)
     memory = replace(presets()[preset], batch_size=batch)
     memory = memory if graphs else replace(memory, fast_path="off")
-    session, _, _, _ = start_session(work, memory, steps + 1)
+    warmup = 2 if graphs else 1
+    session, _, _, _ = start_session(work, memory, warmup + steps)
 
-    def run(n: int) -> None:
-        train_loop(session.params, session.step, session.data, session.optimizer, session.precision, n,
-                   session.memory.gradient_accumulation, lambda: False, lr_schedule=session.lr_schedule)
+    def run(n: int) -> None:  # the Train node's run, n more steps
+        session.run(lambda: False, until=session.steps_done + n)
 
-    run(2 if graphs else 1)  # warm-up: lazy initialisation, cuDNN/cuBLAS heuristics and capture stay out
+    run(warmup)  # warm-up: lazy initialisation, cuDNN/cuBLAS heuristics and capture stay out
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with torch_profile(activities=activities) as prof:

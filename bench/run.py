@@ -163,7 +163,6 @@ INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "no-combo": {"c
 # offload experiments: preset -> ActivationOffload keyword arguments for that row (TrainingSession's offload_settings)
 OFFLOAD_VARIANTS = {"lean+inflight8": {"in_flight": 8}, "lean+ahead3": {"fetch_ahead": 3},
                     "lean+inflight8+ahead3": {"in_flight": 8, "fetch_ahead": 3}}
-_NO_ENCODERS = "cached"  # ComfyAdapter wants CLIP/VAE; the bench feeds cached latents/text, so they're never used
 
 
 def start_session(work: Workload, memory, steps: int, cap_gib: float | None = None, start_on_cpu: bool = False,
@@ -188,7 +187,7 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
     if cap_gib is not None:
         apply_cap(device, cap_gib)
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=device)
-    adapter = ComfyAdapter(patcher, _NO_ENCODERS, _NO_ENCODERS)
+    adapter = ComfyAdapter.for_cached_inputs(patcher)  # the bench brings cached latents and text embeddings
     adapter.set_attention(memory.attention, compiled=memory.compile)  # as the Train node does
     if compile_variant in ("no-resblocks", "all-resblocks"):
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
@@ -249,16 +248,12 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
 
-    def loop(n, step_fn, after_step=lambda: None):
-        return train_loop(params, step_fn, session.data, session.optimizer, session.precision, n,
-                          session.memory.gradient_accumulation, lambda: False, sync_every=LOSS_READ_EVERY,
-                          lr_schedule=session.lr_schedule, after_step=after_step)
-
     clock = StepClock(device)
     work.reset_peak()
     retries = alloc_retries(device)
     clock.mark()
-    result = loop(warmup + steps, session.step, clock.mark)  # the Train node's loop: loss read every N steps
+    # the Train node's run: loss read every N steps, out-of-memory recovery, step count kept by the session
+    result = session.run(lambda: False, sync_every=LOSS_READ_EVERY, after_step=clock.mark)
     retries = alloc_retries(device) - retries
     if retries:  # each one frees the allocator's cache and synchronizes: a run at its cap's edge
         notes.append(f"allocator: {retries} allocations retried after freeing cached memory during the timed steps")
@@ -269,7 +264,9 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     if count_flops:  # one extra, untimed step after the peak was read
         # eager: dynamo would give up on compiled blocks under the counter's dispatch mode, for the whole process
         with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
-            loop(1, session.loss)  # eager: a replayed graph dispatches nothing to count
+            # one eager step (a replayed graph dispatches nothing to count)
+            train_loop(params, session.loss, session.data, session.optimizer, session.precision, 1,
+                       session.memory.gradient_accumulation, lambda: False)
         out["flops"] = counter.get_total_flops()
         out["flops_include_recompute"] = session.memory.gradient_checkpointing
     offload = session.micro_step.offload

@@ -97,6 +97,12 @@ class ComfyAdapter:
     # ComfyUI's cross-attention context: captions over 75 tokens encode to longer ones (CONDCrossAttn)
     sequence_conditioning = ("c_crossattn",)
 
+    @classmethod
+    def for_cached_inputs(cls, model) -> "ComfyAdapter":
+        """An adapter without CLIP and VAE, for callers that bring cached latents and text embeddings (the bench):
+        any use of an encoder is an error naming it."""
+        return cls(model, _NoEncoder("CLIP"), _NoEncoder("VAE"))
+
     def __init__(self, model, clip, vae):
         for name, value in (("model", model), ("clip", clip), ("vae", vae)):
             if value is None:
@@ -309,6 +315,17 @@ class ComfyAdapter:
         unet.to("cpu")
         with torch.inference_mode():
             comfy.model_management.soft_empty_cache()
+
+
+class _NoEncoder:
+    """Stands for an encoder an adapter was made without (ComfyAdapter.for_cached_inputs)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attribute: str):
+        raise LeanLoRAError(f"this training has no {self.name} (it trains from cached inputs only): "
+                            f"{self.name}.{attribute} is unavailable")
 
 
 def base_model_kind(base, model_sampling) -> BaseModelKind:

@@ -300,21 +300,27 @@ class TrainingSession:
     def run(self, should_stop: Callable[[], bool], on_step: Callable[[StepInfo], None] = lambda info: None,
             cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1, save_every: int = 0,
             on_save: Callable[[int], None] = lambda step: None,
-            on_recovery: Callable[[str], None] = lambda rung: None) -> LoopResult:
-        """Steps from steps_done to the run's total. An out-of-memory inside a step frees memory, moves one rung
-        down the memory ladder and repeats that step (self.recoveries says where). `on_save(step)` runs every
-        `save_every` steps, with the weights, optimizer and RNG at that step (see training_state)."""
+            on_recovery: Callable[[str], None] = lambda rung: None, after_step: Callable[[], None] = lambda: None,
+            until: int | None = None) -> LoopResult:
+        """Steps from steps_done to `until` (the run's total by default). An out-of-memory inside a step frees
+        memory, moves one rung down the memory ladder and repeats that step (self.recoveries says where).
+        `on_save(step)` runs every `save_every` steps, with the weights, optimizer and RNG at that step (see
+        training_state); `after_step` right after each optimizer step (the bench's clock)."""
         def counted(info: StepInfo) -> None:
             self.steps_done = info.step
             on_step(info)
 
         while True:
             try:
-                return train_loop(self.params, self.step, self.data, self.optimizer, self.precision, self.train.steps,
-                                  self.memory.gradient_accumulation, should_stop, counted,
-                                  first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
-                                  lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
-                                  on_step_start=self._mark_step_start)
+                result = train_loop(self.params, self.step, self.data, self.optimizer, self.precision,
+                                    until or self.train.steps,
+                                    self.memory.gradient_accumulation, should_stop, counted,
+                                    first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
+                                    lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
+                                    on_step_start=self._mark_step_start, after_step=after_step)
+                if result.diverged_at is not None:  # the weights went back to the last step checked finite
+                    self.steps_done = result.steps_done
+                return result
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise

@@ -212,9 +212,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     seconds = time.perf_counter() - started
     device_peak.__exit__(None, None, None)
     session.close()
-    # after a divergence the weights are back at the last step checked finite (later losses were reported)
-    steps_done = result.steps_done if diverged_at is not None else session.steps_done
-    session.steps_done = steps_done  # what a written state resumes from
+    steps_done = session.steps_done  # after a divergence: the last step checked finite (later losses were reported)
     run.notes, run.used = session.report_notes(), session.memory
     run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
     report += run.notes

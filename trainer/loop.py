@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import TrainingCancelled
-from .micro_steps import EagerMicroStep
+from .micro_steps import EagerMicroStep, MicroStep
 from .precision import Precision
 
 
@@ -84,7 +84,7 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
     event for timing). Every `save_every` steps (the last one excepted: the caller saves the end) the pending
     losses are read and, with the weights finite, `on_save(step)` runs with everything at that step.
     `on_step_start(done)` runs before each step draws its batches (`done` steps applied so far)."""
-    micro_step = step_fn if hasattr(step_fn, "zero_grad") else EagerMicroStep(step_fn, precision)
+    micro_step = step_fn if isinstance(step_fn, MicroStep) else EagerMicroStep(step_fn, precision)  # a bare loss fn
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []  # (step, loss, step was finite, lr)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -280,6 +280,15 @@ class GraphedMicroStep(EagerMicroStep):
                 grad.copy_(kept, non_blocking=False)
         graph.replay()
         return static_loss.clone()
+
+
+@runtime_checkable
+class MicroStep(Protocol):
+    """What the training loop steps with: (batch, accumulation) -> forward + backward, the detached loss; it also
+    zeroes the gradients its own way (BatchStep, EagerMicroStep and GraphedMicroStep are such steps)."""
+
+    def __call__(self, batch, accumulation: int) -> torch.Tensor: ...
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
 
 
 class BatchStep:

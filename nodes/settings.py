@@ -157,8 +157,13 @@ class LeanLoRALoraConfig:
 
 # folder_paths is imported where it is used, so the node table (nodes/labels.py tests) loads without ComfyUI.
 def _lora_files() -> list[str]:
+    """The loras folder's .safetensors files; none while the folder is missing (Train recreates it)."""
     import folder_paths
-    return [name for name in folder_paths.get_filename_list("loras") if name.lower().endswith(".safetensors")]
+    try:
+        names = folder_paths.get_filename_list("loras")
+    except OSError:  # ComfyUI's listing cache stats the folder: a deleted loras folder must not break the node
+        return []
+    return [name for name in names if name.lower().endswith(".safetensors")]
 
 
 def _lora_path(name: str) -> str | None:

@@ -75,4 +75,5 @@ class SampleRenderer:
                                     f"{settings.seed}, size {settings.size}x{settings.size}")
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)
-        return write_atomic(self.folder / f"step{step}_{index}.png", lambda tmp: Path(tmp).write_bytes(buffer.getvalue()))
+        path = self.folder / f"step{step}_{index}.png"
+        return write_atomic(path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()))

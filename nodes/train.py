@@ -24,6 +24,7 @@ PREVIEW_EVERY_S = 2.0
 LOG_EVERY_STEPS = 10
 FALLBACK_FOLDER = "leanlora_unsaved_loras"  # inside ComfyUI's output folder, where the loras folder fails at save
 SAMPLES_FOLDER = "leanlora_samples"  # inside ComfyUI's output folder: <output_name>/step<N>_<i>.png
+SAMPLE_PREVIEW_PIXELS = 1024  # the preview's longest side at most (ComfyUI's own max_size would also enlarge)
 SAMPLE_PREVIEW_HOLD_S = 10.0  # a step's samples stay on the node this long before the loss chart comes back
 _partial_runs = 0  # runs that ended with a partial LoRA: IS_CHANGED then makes a re-queue train again
 
@@ -69,7 +70,7 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
                 if event["kind"] == "sample":
                     logging.info("LeanLoRA: samples at step %d: %s", event["step"], ", ".join(event["paths"]))
                     # shown on the node as its preview (held a while before the loss chart returns)
-                    progress.update_absolute(last_step, total, ("PNG", sample_strip(event["paths"]), 1024))
+                    progress.update_absolute(last_step, total, ("PNG", sample_strip(event["paths"]), None))
                     last_preview = time.monotonic() + SAMPLE_PREVIEW_HOLD_S
                 if event["kind"] == "step":
                     losses.append(event["loss"])
@@ -107,6 +108,7 @@ def sample_strip(paths: list[str]):
     for image in images:
         strip.paste(image, (x, 0))
         x += image.width
+    strip.thumbnail((SAMPLE_PREVIEW_PIXELS, SAMPLE_PREVIEW_PIXELS))  # only ever made smaller
     return strip
 
 

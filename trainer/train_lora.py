@@ -309,8 +309,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     if peak:
         report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved"
                       + (f"; whole card (NVML, CUDA context included) {device_peak.peak / GIB:.2f} GiB"
-                         if device_peak.peak else ""))
-        if estimate is not None and not recoveries:
+                         if device_peak.peak else "")
+                      + ("; sampling included (the estimate is for training alone)" if samples.paths else ""))
+        if estimate is not None and not recoveries and not samples.paths:
             report.append(estimate_error(estimate, int(peak["peak_allocated"] * GIB)))
     if sample_every:
         report.append(samples.describe(sample_every))

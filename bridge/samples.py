@@ -40,7 +40,8 @@ class SampleRenderer:
         self._conds = None  # (positive per prompt, the empty negative), ComfyUI's conditioning lists
 
     def __call__(self, step: int, lora_state_dict: dict[str, torch.Tensor]) -> list[Path]:
-        devices = [comfy.model_management.get_torch_device()] if torch.cuda.is_available() else []
+        device = comfy.model_management.get_torch_device()
+        devices = [device] if device.type == "cuda" else []  # the CUDA generator sampling may draw from
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             try:
                 images = self._render(lora_state_dict)

@@ -61,7 +61,7 @@ def test_the_train_node_checks_the_sample_inputs_before_anything_runs():
                        sample_prompts="a cat", sample_every_n_steps=2, sample_size=100)
     with pytest.raises(errors.LeanLoRAError, match=r"the model input is empty"):  # sampling off: the next check
         node().execute(None, None, None, None, MEMORY, LORA, 6, 1e-3, "constant", 0, 0, "x",
-                       sample_prompts="a cat", sample_every_n_steps=0, sample_size=100 - 36)
+                       sample_prompts="a cat", sample_every_n_steps=0, sample_size=64)
 
 
 def _in_a_training_thread(work):

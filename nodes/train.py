@@ -8,9 +8,10 @@ import folder_paths
 
 from ..trainer.cache_store import LatentTextStore
 from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
+from ..bridge.samples import SampleRenderer
 from ..trainer.errors import LeanLoRAError, TrainingCancelled
-from ..trainer.files import sanitize_name
-from ..trainer.settings import LR_SCHEDULES, LatentCache, TrainSettings
+from ..trainer.files import check_writable, sanitize_name
+from ..trainer.settings import LR_SCHEDULES, LatentCache, SampleSettings, TrainSettings
 from ..trainer.train_lora import format_duration, train_lora
 from ..trainer.training_state import STATE_SUFFIX, find_latest_state
 from .common import CATEGORY, pil_to_image
@@ -22,6 +23,9 @@ from .plot import loss_chart
 PREVIEW_EVERY_S = 2.0
 LOG_EVERY_STEPS = 10
 FALLBACK_FOLDER = "leanlora_unsaved_loras"  # inside ComfyUI's output folder, where the loras folder fails at save
+SAMPLES_FOLDER = "leanlora_samples"  # inside ComfyUI's output folder: <output_name>/step<N>_<i>.png
+SAMPLE_PREVIEW_PIXELS = 1024  # the preview's longest side at most (ComfyUI's own max_size would also enlarge)
+SAMPLE_PREVIEW_HOLD_S = 10.0  # a step's samples stay on the node this long before the loss chart comes back
 _partial_runs = 0  # runs that ended with a partial LoRA: IS_CHANGED then makes a re-queue train again
 
 
@@ -53,7 +57,7 @@ def progress_line(event: dict) -> str:
 def wait_for(job: Job, total: int, node_id: str | None = None):
     """Runs in ComfyUI's worker thread: forwards progress and loss previews, turns Cancel into job.cancel()."""
     progress = comfy.utils.ProgressBar(total)
-    losses, last_preview = [], 0.0
+    losses, last_preview, last_step = [], 0.0, 0
     try:
         while True:
             finished = job.done.wait(0.1)
@@ -63,8 +67,14 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
                     logging.info("LeanLoRA: %s", event["text"])
                 if event["kind"] == "saved":
                     logging.info("LeanLoRA: step %d saved as %s", event["step"], event["path"])
+                if event["kind"] == "sample":
+                    logging.info("LeanLoRA: samples at step %d: %s", event["step"], ", ".join(event["paths"]))
+                    # shown on the node as its preview (held a while before the loss chart returns)
+                    progress.update_absolute(last_step, total, ("PNG", sample_strip(event["paths"]), None))
+                    last_preview = time.monotonic() + SAMPLE_PREVIEW_HOLD_S
                 if event["kind"] == "step":
                     losses.append(event["loss"])
+                    last_step = event["step"]
                     line = progress_line(event)
                     if event["step"] == 1 or event["step"] % LOG_EVERY_STEPS == 0:
                         logging.info("LeanLoRA %s", line)
@@ -87,6 +97,28 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
     if job.error is not None:
         raise job.error
     return job.result
+
+
+def sample_strip(paths: list[str]):
+    """One step's sample images side by side, for the node's preview."""
+    from PIL import Image
+    images = [Image.open(path).convert("RGB") for path in paths]
+    strip = Image.new("RGB", (sum(image.width for image in images), max(image.height for image in images)))
+    x = 0
+    for image in images:
+        strip.paste(image, (x, 0))
+        x += image.width
+    strip.thumbnail((SAMPLE_PREVIEW_PIXELS, SAMPLE_PREVIEW_PIXELS))  # only ever made smaller
+    return strip
+
+
+def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name) -> tuple[SampleSettings, Path]:
+    """Train's sample_* inputs, checked (with their folder) before anything runs."""
+    settings = SampleSettings.from_text(prompts, every_steps=every_n_steps, size=size, steps=steps, cfg=cfg, seed=seed)
+    folder = Path(folder_paths.get_output_directory()) / SAMPLES_FOLDER / sanitize_name(output_name)
+    if settings.on:
+        check_writable(folder, 0, "samples folder")
+    return settings, folder
 
 
 def _lora_folders() -> list[Path]:
@@ -173,6 +205,26 @@ class LeanLoRATrain:
                     "raised): weights, optimizer, schedule, RNG and data order. 'latest state of this output "
                     "name' picks the state with the most steps. Needs the same dataset and LoRA shape; memory "
                     "settings may differ (the report says what changed)."}),
+                "sample_prompts": ("STRING", {"multiline": True, "default": "", "tooltip":
+                    "Sample images while training: one prompt per line (the dataset's trigger word may appear). "
+                    "Empty: no samples. Rendered with the LoRA at its current weights on the input MODEL (a "
+                    "patched clone: the MODEL itself is not changed), saved to output/leanlora_samples/<output_name>/"
+                    "step<N>_<i>.png and shown on this node."}),
+                "sample_every_n_steps": ("INT", {"default": 0, "min": 0, "max": 1000000, "tooltip":
+                    "0: off. N: render the sample prompts every N steps and after the last step. Sampling needs "
+                    "the base model, CLIP and VAE on the GPU beside the training copy and is not in the memory "
+                    "estimate or auto-fit; ComfyUI loads them partially where they do not fit (slower). On small "
+                    "cards keep it off or rare; a sample that fails (out of memory) is reported and training goes on."}),
+                "sample_size": ("INT", {"default": 512, "min": 64, "max": 4096, "step": 64, "tooltip":
+                    "Width and height of the samples (512 for SD1.5, 1024 for SDXL)."}),
+                "sample_steps": ("INT", {"default": 20, "min": 1, "max": 1000, "tooltip":
+                    "Sampler steps per image (euler, normal schedule)."}),
+                "sample_cfg": ("FLOAT", {"default": 7.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                                         "tooltip": "Guidance scale (cfg) of the samples; the negative prompt is empty."}),
+                # fixed, like the training seed: the same noise at every step shows what the LoRA learned between
+                "sample_seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
+                                        "control_after_generate": False, "tooltip":
+                    "Noise seed of the samples, the same at every step so the images are comparable."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -195,17 +247,22 @@ class LeanLoRATrain:
         return _partial_runs  # equal inputs are served from ComfyUI's cache, unless the last run was cancelled
 
     def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, lr_schedule, warmup_steps,
-                seed, output_name, save_every_n_steps=0, keep_last_saves=0, resume=RESUME_OFF, unique_id=None):
+                seed, output_name, save_every_n_steps=0, keep_last_saves=0, resume=RESUME_OFF, sample_prompts="",
+                sample_every_n_steps=0, sample_size=512, sample_steps=20, sample_cfg=7.0, sample_seed=0,
+                unique_id=None):
         global _partial_runs
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
                                  save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name))
+        samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
+                                                  sample_cfg, sample_seed, output_name)
         adapter = ComfyAdapter(model, clip, vae)
+        renderer = SampleRenderer(model, clip, vae, samples, samples_folder) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
                                                 job.emit, lambda: job.cancelled, store, fallback_dir,
-                                                LATEST_TRAINING))
+                                                LATEST_TRAINING, samples.every_steps, renderer))
         outcome = wait_for(job, steps, unique_id)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:

@@ -121,7 +121,8 @@ def test_template_runs_once_the_user_picks_a_checkpoint_and_a_folder(comfy_serve
 @pytest.mark.comfy
 def test_template_is_served_to_the_template_browser(comfy_server):
     templates = requests.get(f"{comfy_server.url}/workflow_templates", timeout=10).json()
-    assert sorted(templates.get("LeanLoRA", [])) == ["leanlora_continue_training", "train_then_generate"]
+    assert sorted(templates.get("LeanLoRA", [])) == ["leanlora_continue_training", "leanlora_train_with_samples",
+                                                        "train_then_generate"]
     base = f"{comfy_server.url}/api/workflow_templates/LeanLoRA/train_then_generate"
     served = requests.get(base + ".json", timeout=10)
     assert served.ok and served.json() == json.loads(TEMPLATE.read_text())

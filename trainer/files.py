@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import unicodedata
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -62,14 +63,19 @@ def unused_path(folder: Path, stem: str, suffix: str = ".safetensors") -> Path:
 
 
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> Path:
-    """Writes a temp file next to `path` and renames it into place: `path` is either the old file or the complete
-    new one, never half written; a failed write leaves no temp file behind."""
+    return write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                                                    metadata=metadata))
+
+
+def write_atomic(path: Path, write: Callable[[str], None]) -> Path:
+    """`write(temp path)` fills a temp file next to `path`, which is then renamed into place: `path` is either the
+    old file or the complete new one, never half written; a failed write leaves no temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".leanlora-", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; a LoRA should be readable like any saved file
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; a saved file should be readable like any other
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

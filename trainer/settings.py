@@ -246,3 +246,44 @@ class TrainSettings:
                  f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")
         _require(0 < self.learning_rate < 1, "learning_rate",
                  f"got {self.learning_rate}; use a small positive value such as 1e-4")
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """Images rendered while training from the LoRA at its current weights (the Train node's sample_* inputs):
+    every `every_steps` optimizer steps, one image per prompt at `size`² with `steps` sampler steps, `cfg` and a
+    fixed `seed` (the same noise each time, so the images show what the LoRA learned in between)."""
+    prompts: tuple[str, ...] = ()
+    every_steps: int = 0  # 0: off
+    size: int = 512
+    steps: int = 20
+    cfg: float = 7.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(isinstance(self.prompts, tuple) and all(isinstance(p, str) and p.strip() for p in self.prompts),
+                 "sample_prompts", f"got {self.prompts!r}; write one prompt per line")
+        _require(isinstance(self.every_steps, int) and self.every_steps >= 0, "sample_every_n_steps",
+                 f"got {self.every_steps!r}; use 0 (off) or more")
+        _require(not self.every_steps or self.prompts, "sample_prompts",
+                 f"sample_every_n_steps is {self.every_steps} but there is no prompt: write one prompt per line, "
+                 "or set sample_every_n_steps to 0")
+        _require(isinstance(self.size, int) and 64 <= self.size <= 4096 and self.size % 64 == 0, "sample_size",
+                 f"got {self.size!r}; use a multiple of 64 from 64 to 4096 (512 for SD1.5, 1024 for SDXL)")
+        _require(isinstance(self.steps, int) and 1 <= self.steps <= 1000, "sample_steps",
+                 f"got {self.steps!r}; use 1 to 1000 sampler steps (20 is usual)")
+        cfg = self.cfg
+        _require(isinstance(cfg, (int, float)) and not isinstance(cfg, bool) and 0 <= cfg <= 100, "sample_cfg",
+                 f"got {cfg!r}; use a guidance scale from 0 to 100 (7 is usual for SD1.5)")
+        _require(isinstance(self.seed, int) and 0 <= self.seed <= 0xFFFFFFFFFFFFFFFF, "sample_seed",
+                 f"got {self.seed!r}; use 0 or a positive integer")
+
+    @classmethod
+    def from_text(cls, prompts: str, **values) -> "SampleSettings":
+        """Prompts as the node's multiline box holds them: one per line, blank lines skipped."""
+        _require(isinstance(prompts, str), "sample_prompts", f"got {prompts!r}; write one prompt per line")
+        return cls(tuple(line.strip() for line in prompts.splitlines() if line.strip()), **values)
+
+    @property
+    def on(self) -> bool:
+        return self.every_steps > 0

@@ -5,6 +5,7 @@ encoders, a training copy of the diffusion model, its noise schedule and forward
 An out-of-memory inside a step frees memory, moves one rung down the memory ladder and repeats that step."""
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from . import __version__
 from .cache import CacheStats, build_cache
 from .cache_store import LatentTextStore
 from .dataset import Dataset
-from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory
+from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory, one_line
 from .estimate import estimate_error
 from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
@@ -55,10 +56,13 @@ class TrainOutcome:
 def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
                store: LatentTextStore | None = None, fallback_dir: Path | None = None,
-               timeline: Timeline | None = None) -> TrainOutcome:
+               timeline: Timeline | None = None, sample_every: int = 0,
+               on_sample: Callable[[int, dict[str, torch.Tensor]], list[Path]] | None = None) -> TrainOutcome:
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
     `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full).
-    `timeline` records device memory per step (emptied first); the caller may read it during the run."""
+    `timeline` records device memory per step (emptied first); the caller may read it during the run.
+    `on_sample(step, kohya state dict)` renders images from the LoRA at that step and returns their files: every
+    `sample_every` steps between optimizer steps, and after the final save; a failure is reported, never fatal."""
     timeline = timeline if timeline is not None else Timeline()
     device = adapter.device
     loras_dir = Path(loras_dir)
@@ -163,6 +167,35 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                     stale.unlink(missing_ok=True)
             del step_files[:-train.keep_last_saves]
 
+    samples = SampleLog()
+
+    def sample(step: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Images from the LoRA at this step. A failure (out of memory while sampling, a file that cannot be
+        written) is said and training goes on; Cancel while sampling stops the run like Cancel in a step."""
+        emit(kind="phase", text=f"rendering samples at step {step}")
+        started_sampling = time.perf_counter()
+        try:
+            paths = on_sample(step, exporter.tensors() if state_dict is None else state_dict)
+        except cancel_errors:
+            raise
+        except Exception as error:  # noqa: BLE001 - a sample never loses the run
+            report.append(f"WARNING: the samples at step {step} failed ({one_line(error)}); training went on")
+            emit(kind="phase", text=report[-1])
+            samples.failed.append(step)
+            return
+        finally:
+            samples.seconds += time.perf_counter() - started_sampling
+        samples.paths += paths
+        emit(kind="sample", step=step, paths=[str(path) for path in paths])
+
+    sample_every = sample_every if on_sample is not None else 0
+
+    def between_steps(step: int) -> None:
+        if train.save_every_steps and step % train.save_every_steps == 0:
+            on_save(step)
+        if sample_every and step % sample_every == 0:
+            sample(step)
+
     timeline.reset()
     recoveries = session.recoveries
     failure: BaseException | None = None
@@ -202,14 +235,14 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         started = time.perf_counter()
         result = session.run(should_stop, on_step, cancel_errors,
                              sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
-                             save_every=train.save_every_steps, on_save=on_save,
+                             save_every=math.gcd(train.save_every_steps, sample_every), on_save=between_steps,
                              on_recovery=lambda rung: emit(kind="phase", text=f"recovered from out of memory: {rung}"))
         cancelled, diverged_at = result.cancelled, result.diverged_at
     except cancel_errors:  # Cancel while measuring memory, before the first step
         cancelled = True
     except Exception as error:  # keep what was learned before the failure, then report it
         failure = error
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - samples.seconds  # training time: sampling is reported on its own
     device_peak.__exit__(None, None, None)
     session.close()
     steps_done = session.steps_done  # after a divergence: the last step checked finite (later losses were reported)
@@ -247,6 +280,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         adapter.free(unet)
     if save_note:
         emit(kind="phase", text=save_note)
+    if sample_every and not partial and steps_done % sample_every == 0:  # the final LoRA's samples, once it is saved
+        try:
+            sample(steps_done, state_dict)
+        except cancel_errors:  # the LoRA is saved complete: only these samples are skipped
+            report.append(f"the samples at step {steps_done} were cancelled; the LoRA is saved complete")
 
     if diverged_at is not None:
         raise _diverged(diverged_at, path, lora, train, session.memory, save_note)
@@ -269,9 +307,12 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     if peak:
         report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved"
                       + (f"; whole card (NVML, CUDA context included) {device_peak.peak / GIB:.2f} GiB"
-                         if device_peak.peak else ""))
-        if estimate is not None and not recoveries:
+                         if device_peak.peak else "")
+                      + ("; sampling included (the estimate is for training alone)" if samples.paths else ""))
+        if estimate is not None and not recoveries and not samples.paths:
             report.append(estimate_error(estimate, int(peak["peak_allocated"] * GIB)))
+    if sample_every:
+        report.append(samples.describe(sample_every))
     if save_note:
         report.append(save_note)
     report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
@@ -301,6 +342,21 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+@dataclass
+class SampleLog:
+    """The sample images of a run: their files, the steps whose samples failed, the time spent sampling."""
+    paths: list[Path] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def describe(self, every: int) -> str:
+        where = f" in {self.paths[0].parent}" if self.paths else ""
+        failed = f"; failed at steps {', '.join(map(str, self.failed))}" if self.failed else ""
+        return (f"samples every {every} steps: {len(self.paths)} images rendered{where} ({self.seconds:.1f} s){failed}"
+                "; sampling memory is not in the estimate (ComfyUI loads the base model, CLIP and VAE beside the "
+                "training copy, partially where they do not fit)")
+
+
 class LoraExporter:
     """The LoRA file's tensors (kohya's keys, fp16, fp32 where fp16 would overflow) and metadata at a step."""
 
@@ -311,7 +367,8 @@ class LoraExporter:
         self.started_at, self.stem = started_at, sanitize_name(train.output_name)
         self.module_names = adapter.kohya_module_names()
 
-    def contents(self, steps_done: int, partial: bool, stem: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA file's tensors at the current weights, checked finite."""
         lora, names = self.lora, self.module_names
         state_dict = kohya_state_dict(self.unet, lora, names)
         if non_finite_tensors(state_dict) and not non_finite_tensors(kohya_state_dict(self.unet, lora, names,
@@ -321,7 +378,10 @@ class LoraExporter:
         if bad:  # the loop's checks should make this unreachable; never write or apply such weights
             raise LeanLoRAError(f"the trained LoRA has NaN/inf weights ({len(bad)} tensors, e.g. {bad[0]}); "
                                 "nothing was saved. Lower the learning rate or alpha/rank, or use mixed precision bf16")
-        dataset, train = self.dataset, self.train
+        return state_dict
+
+    def contents(self, steps_done: int, partial: bool, stem: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        state_dict, lora, dataset, train = self.tensors(), self.lora, self.dataset, self.train
         metadata = lora_metadata(
             lora, self.adapter.base_model_kind(), output_name=stem, resolution=(dataset.resolution, dataset.resolution),
             tags=tag_frequency(dataset.folder.name, (sample.caption for sample in dataset.samples)),

@@ -1,0 +1,80 @@
+"""Sample images while training: the user's MODEL patched with the LoRA at its current weights (a clone, as
+ComfyUI's LoraLoader patches), the prompts encoded by the CLIP input, ComfyUI's own sampling (KSampler's path:
+euler, normal schedule, a fixed seed) and the VAE's decode.
+
+It runs in the training thread between optimizer steps. ComfyUI's model management runs in inference mode (see
+ComfyAdapter.encode_image), the training's random streams are left as they were (ComfyUI seeds torch's global
+generator for its noise), and everything sampling loaded is unloaded afterwards, as the encoders are released
+before training: the training copy finds the memory as it left it."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+import comfy.model_management
+import comfy.sample
+
+from .comfy_adapter import apply_lora
+
+if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
+    from ..trainer.files import write_atomic
+    from ..trainer.settings import SampleSettings
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.files import write_atomic
+    from trainer.settings import SampleSettings
+
+SAMPLER, SCHEDULER = "euler", "normal"
+
+
+class SampleRenderer:
+    """`renderer(step, lora_state_dict)` renders one image per prompt and writes `step<N>_<i>.png` (i from 0, in
+    prompt order) into `folder`; returns the paths. The prompts are encoded once, at the first call."""
+
+    def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path):
+        self.model, self.clip, self.vae, self.settings, self.folder = model, clip, vae, settings, Path(folder)
+        self._conds = None  # (positive per prompt, the empty negative), ComfyUI's conditioning lists
+
+    def __call__(self, step: int, lora_state_dict: dict[str, torch.Tensor]) -> list[Path]:
+        device = comfy.model_management.get_torch_device()
+        devices = [device] if device.type == "cuda" else []  # the CUDA generator sampling may draw from
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            try:
+                images = self._render(lora_state_dict)
+            finally:  # also after an out-of-memory part-way: nothing of sampling stays loaded beside training
+                comfy.model_management.unload_all_models()
+                comfy.model_management.soft_empty_cache()
+        return [self._write(image, step, index) for index, image in enumerate(images)]
+
+    def _render(self, lora_state_dict: dict[str, torch.Tensor]) -> list[np.ndarray]:
+        settings = self.settings
+        if self._conds is None:
+            encode = lambda text: self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))  # noqa: E731
+            self._conds = [encode(prompt) for prompt in settings.prompts], encode("")
+        positives, negative = self._conds
+        patched, _ = apply_lora(self.model, None, lora_state_dict, 1.0, 0.0)
+        latent_size = settings.size // 8
+        images = []
+        for positive in positives:
+            latent = comfy.sample.fix_empty_latent_channels(patched, torch.zeros(1, 4, latent_size, latent_size))
+            noise = comfy.sample.prepare_noise(latent, settings.seed)
+            samples = comfy.sample.sample(patched, noise, settings.steps, settings.cfg, SAMPLER, SCHEDULER,
+                                          positive, negative, latent, disable_pbar=True, seed=settings.seed)
+            decoded = self.vae.decode(samples)
+            images.append((decoded[0].clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy())
+        return images
+
+    def _write(self, pixels: np.ndarray, step: int, index: int) -> Path:
+        settings = self.settings
+        info = PngInfo()  # what made the image, as text any viewer shows
+        info.add_text("parameters", f"{settings.prompts[index]}\nLeanLoRA sample at training step {step}; sampler "
+                                    f"{SAMPLER} {SCHEDULER}, steps {settings.steps}, cfg {settings.cfg:g}, seed "
+                                    f"{settings.seed}, size {settings.size}x{settings.size}")
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)
+        path = self.folder / f"step{step}_{index}.png"
+        return write_atomic(path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()))

@@ -1,0 +1,173 @@
+"""Sample images while training (issue 17, item 4): the sample settings' checks, and train_lora with ComfyUI's
+own sampling on the tiny SD1.5 checkpoint in this process, from a training thread like the Train node's job."""
+import hashlib
+import re
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import comfy.model_management
+import comfy.sample
+
+from bridge.comfy_adapter import ComfyAdapter
+from bridge.samples import SampleRenderer
+from trainer.errors import LeanLoRAError
+from trainer.settings import LoraSettings, MemorySettings, SampleSettings, TrainSettings
+from trainer.train_lora import train_lora
+
+MEMORY = MemorySettings("no", False)
+LORA = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # dropout draws from torch's global generator, as sampling does
+SAMPLES = SampleSettings(("lnlr, a red circle", "a blue square"), every_steps=2, size=64, steps=3, cfg=5.0, seed=3)
+
+
+@pytest.mark.parametrize("values, field, says", [
+    (dict(every_steps=-1), "sample_every_n_steps", "use 0 (off) or more"),
+    (dict(prompts=(), every_steps=5), "sample_prompts", "no prompt"),
+    (dict(size=100), "sample_size", "multiple of 64"),
+    (dict(size=0), "sample_size", "multiple of 64"),
+    (dict(steps=0), "sample_steps", "1 to 1000"),
+    (dict(cfg=-1.0), "sample_cfg", "0 to 100"),
+    (dict(cfg=float("nan")), "sample_cfg", "0 to 100"),
+    (dict(seed=-3), "sample_seed", "0 or a positive integer"),
+])
+def test_bad_sample_values_fail_naming_the_field(values, field, says):
+    with pytest.raises(LeanLoRAError, match=rf"^{field}: .*{re.escape(says)}"):
+        SampleSettings(**{"prompts": ("a prompt",), "every_steps": 2, **values})
+
+
+def test_prompts_are_one_per_line_and_no_prompts_is_off():
+    settings = SampleSettings.from_text("  lnlr, a cat \n\n a dog\n", every_steps=4)
+    assert settings.prompts == ("lnlr, a cat", "a dog") and settings.on
+    assert not SampleSettings.from_text("a prompt", every_steps=0).on
+    assert not SampleSettings.from_text("").on
+
+
+def test_the_train_node_checks_the_sample_inputs_before_anything_runs():
+    """Bad sample inputs fail the node first: here with no model connected, which would fail next."""
+    from helpers import node_module
+    node = node_module("train").LeanLoRATrain
+    optional = node.INPUT_TYPES()["optional"]
+    assert list(optional)[-6:] == ["sample_prompts", "sample_every_n_steps", "sample_size", "sample_steps",
+                                   "sample_cfg", "sample_seed"]
+    assert optional["sample_seed"][1]["control_after_generate"] is False
+    assert optional["sample_prompts"][1]["multiline"] is True
+    errors = __import__("leanlora_nodes_under_test.trainer.errors", fromlist=["LeanLoRAError"])
+    with pytest.raises(errors.LeanLoRAError, match=r"^sample_size: got 100"):
+        node().execute(None, None, None, None, MEMORY, LORA, 6, 1e-3, "constant", 0, 0, "x",
+                       sample_prompts="a cat", sample_every_n_steps=2, sample_size=100)
+    with pytest.raises(errors.LeanLoRAError, match=r"the model input is empty"):  # sampling off: the next check
+        node().execute(None, None, None, None, MEMORY, LORA, 6, 1e-3, "constant", 0, 0, "x",
+                       sample_prompts="a cat", sample_every_n_steps=0, sample_size=64)
+
+
+def _in_a_training_thread(work):
+    box = {}
+
+    def run():
+        try:
+            box["result"] = work()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+            box["error"] = error
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _base_weights_digest(model) -> str:
+    digest = hashlib.sha256()
+    with torch.inference_mode():
+        for name, tensor in model.model.state_dict().items():
+            digest.update(name.encode() + tensor.float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _train(comfy_objects, dataset, folder, name, renderer=None, events=None, steps=6):
+    events = [] if events is None else events
+
+    def work():
+        torch.manual_seed(0)  # LoRA dropout draws from the global generator, which train_lora does not seed
+        return train_lora(ComfyAdapter(*comfy_objects), dataset, MEMORY, LORA, TrainSettings(steps, 1e-3, 0, name),
+                          folder, lambda **event: events.append(event), lambda: False,
+                          sample_every=SAMPLES.every_steps, on_sample=renderer)
+    return _in_a_training_thread(work)
+
+
+def test_samples_render_every_n_steps_between_steps_and_leave_the_run_and_the_model_as_they_were(
+        comfy_objects, dataset, tmp_path, monkeypatch):
+    model, clip, vae = comfy_objects
+    before = _base_weights_digest(model)
+    plain = _train(comfy_objects, dataset, tmp_path / "loras", "plain")
+
+    calls, inference = [], []
+    for name in ("unload_all_models", "soft_empty_cache", "load_models_gpu"):
+        real = getattr(comfy.model_management, name)
+
+        def recorder(*args, _real=real, _name=name, **kwargs):
+            inference.append((_name, torch.is_inference_mode_enabled()))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(comfy.model_management, name, recorder)
+    renderer = SampleRenderer(model, clip, vae, SAMPLES, tmp_path / "samples")
+    recording = lambda step, state_dict: calls.append((step, state_dict)) or renderer(step, state_dict)  # noqa: E731
+    events = []
+    outcome = _train(comfy_objects, dataset, tmp_path / "loras", "sampled", recording, events)
+
+    # rendered at steps 2 and 4 between optimizer steps, and at 6 from the saved file's tensors
+    assert [step for step, _ in calls] == [2, 4, 6]
+    order = [(e["kind"], e["step"]) for e in events if e["kind"] in ("step", "sample")]
+    assert order == [("step", 1), ("step", 2), ("sample", 2), ("step", 3), ("step", 4), ("sample", 4),
+                     ("step", 5), ("step", 6), ("sample", 6)]
+    final = load_file(str(outcome.lora_path))
+    assert calls[-1][1].keys() == final.keys() and all(torch.equal(calls[-1][1][k], final[k]) for k in final)
+    assert not all(torch.equal(calls[0][1][k], final[k]) for k in final)  # step 2's LoRA, not the final one
+    files = sorted(p.name for p in (tmp_path / "samples").iterdir())
+    assert files == [f"step{s}_{i}.png" for s in (2, 4, 6) for i in (0, 1)]
+    assert [e["paths"] for e in events if e["kind"] == "sample"][0] == [str(tmp_path / "samples" / f"step2_{i}.png")
+                                                                       for i in (0, 1)]
+    with Image.open(tmp_path / "samples" / "step6_1.png") as image:
+        assert image.size == (64, 64) and "a blue square" in image.text["parameters"]
+    step2, step6 = (np.asarray(Image.open(tmp_path / "samples" / f"step{s}_0.png"), np.int16) for s in (2, 6))
+    assert np.abs(step2 - step6).mean() > 0.5  # the LoRA at its current weights, not one fixed image
+    assert "samples every 2 steps: 6 images rendered in " + str(tmp_path / "samples") in outcome.report
+
+    # sampling left training as it was (ComfyUI reseeds torch's global generator), and the user's MODEL too
+    assert outcome.losses == plain.losses
+    assert torch.equal(load_file(str(plain.lora_path))[next(iter(final))], final[next(iter(final))])
+    assert _base_weights_digest(model) == before
+    assert {"load_models_gpu", "unload_all_models"} <= {n for n, _ in inference}
+    assert all(on for _, on in inference), inference
+    assert not comfy.model_management.current_loaded_models  # what sampling loaded is unloaded again
+
+
+def test_a_sampling_failure_is_reported_and_training_goes_on(comfy_objects, dataset, tmp_path, monkeypatch):
+    real, attempts = comfy.sample.sample, []
+
+    def out_of_memory_at_first(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(comfy.sample, "sample", out_of_memory_at_first)
+    model, clip, vae = comfy_objects
+    renderer = SampleRenderer(model, clip, vae, SAMPLES, tmp_path / "samples")
+    outcome = _train(comfy_objects, dataset, tmp_path / "loras", "failing", renderer)
+    assert not outcome.partial and len(outcome.losses) == 6 and outcome.lora_path.is_file()
+    assert "WARNING: the samples at step 2 failed (OutOfMemoryError: CUDA out of memory" in outcome.report
+    assert "training went on" in outcome.report and "; failed at steps 2" in outcome.report
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == [f"step{s}_{i}.png" for s in (4, 6)
+                                                                          for i in (0, 1)]
+    assert not comfy.model_management.current_loaded_models  # unloaded after the failure too
+
+
+def test_cancel_while_sampling_stops_the_run_and_keeps_a_partial_lora(comfy_objects, dataset, tmp_path):
+    def cancelled(step, state_dict):
+        raise comfy.model_management.InterruptProcessingException()
+    outcome = _train(comfy_objects, dataset, tmp_path / "loras", "cancel_sampling", cancelled)
+    assert outcome.partial and len(outcome.losses) == 2
+    assert outcome.lora_path.name == "cancel_sampling_partial_step2.safetensors"

@@ -42,6 +42,7 @@ class TrainingState:
     fingerprints: dict[str, str]  # "dataset", "model", "lora", "settings"
     settings: dict[str, str] = field(default_factory=dict)  # for the report: what the run trained with
     output_name: str = ""
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) so far
 
 
 def _flatten(value, tensors: dict[str, torch.Tensor], prefix: str):
@@ -80,7 +81,7 @@ def save_training_state(path: Path, state: TrainingState) -> Path:
     body = {"step": state.step, "lora": state.lora, "optimizer_name": state.optimizer_name,
             "optimizer": state.optimizer, "scaler": state.scaler, "rng": state.rng, "data": state.data,
             "losses": state.losses, "fingerprints": state.fingerprints, "settings": state.settings,
-            "output_name": state.output_name}
+            "output_name": state.output_name, "validation_losses": state.validation_losses}
     skeleton = _flatten(body, tensors, "state")
     metadata = {"format": FORMAT, "state": json.dumps(skeleton), "step": str(state.step),
                 "output_name": state.output_name}
@@ -187,7 +188,9 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
                        "continue_from (its LoRA file)",
             "model": "the base model differs from the one it trained on: resume with the same checkpoint, or "
                      "continue from its LoRA file (LoRA Config's continue_from) on this one",
-            "lora": "the LoRA shape (rank, alpha or targets) differs: set LoRA Config as the state was trained"}
+            "lora": "the LoRA shape (rank, alpha or targets) differs: set LoRA Config as the state was trained",
+            "validation": "the images held out for validation differ (validation_fraction or seed changed): set "
+                          "them as the state was trained, so it trains on the same images"}
     for key, why in what.items():
         if state.fingerprints.get(key) != fingerprints.get(key):
             raise LeanLoRAError(f"cannot resume from {path.name}: {why}")

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 import tiny_assets as tiny_assets_lib
+from comfy_headless import execution_error
+from test_node_ux import train_only_prompt
 from test_resume import _assert_same_lora_file
 from trainer.cache import CachedSample, build_cache
 from trainer.dataset import scan_folder
@@ -168,3 +170,19 @@ def test_the_loss_plot_draws_the_validation_curve_beside_the_training_loss():
     assert green(with_validation) > 30  # three dots and the line between them
     right_half = with_validation.crop((with_validation.width // 2, 0, with_validation.width, with_validation.height))
     assert green(right_half) > 0  # step 20 is drawn at the right end, on the training loss's step axis
+
+
+@pytest.mark.comfy
+def test_the_train_node_holds_out_validation_images_through_a_real_server(comfy_server):
+    info = comfy_server.object_info()["LeanLoRATrain"]["input"]["optional"]
+    assert list(info)[-2:] == ["validation_fraction", "validation_every_n_steps"]
+    log_start = len(comfy_server.log_text())
+    prompt = train_only_prompt(steps=4, output_name="validated_node", validation_fraction=0.2,
+                               validation_every_n_steps=2)
+    entry = comfy_server.run(prompt, timeout=300)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    report = entry["outputs"]["5"]["text"][0]
+    assert "validation: 1 of 6 images held out" in report and "evaluated every 2 steps and at the end" in report
+    assert "validation loss: first" in report and "(step 2), last" in report and "(step 4), 2 evaluations" in report
+    log = comfy_server.log_text()[log_start:]
+    assert "LeanLoRA: step 2 validation loss" in log and "LeanLoRA: step 4 validation loss" in log

@@ -159,6 +159,22 @@ def test_a_resumed_run_continues_the_same_validation_curve_bit_identically(adapt
         _train(adapter, three_images, tmp_path / "x", 10, resume_from=folder / f"validated_step3{STATE_SUFFIX}")
 
 
+def test_a_validation_out_of_memory_is_skipped_and_said_and_training_goes_on(adapter, three_images, tmp_path):
+    predict, calls = adapter.predict, {"evaluations": 0}
+
+    def short_of_memory_at_the_first_evaluation(unet, x, t, cond):
+        if not torch.is_grad_enabled():  # only validation's forwards run without gradients
+            calls["evaluations"] += 1
+            if calls["evaluations"] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return predict(unet, x, t, cond)
+    adapter.predict = short_of_memory_at_the_first_evaluation
+    outcome = _train(adapter, three_images, tmp_path, 4, validation_fraction=0.3, validation_every_steps=2)
+    assert not outcome.partial and len(outcome.losses) == 4
+    assert "WARNING: the validation loss at step 2 ran out of GPU memory and was skipped" in outcome.report
+    assert [step for step, _ in outcome.validation_losses] == [4]
+
+
 def test_the_loss_plot_draws_the_validation_curve_beside_the_training_loss():
     spec = importlib.util.spec_from_file_location("leanlora_plot_under_test", REPO / "nodes" / "plot.py")
     plot = importlib.util.module_from_spec(spec)

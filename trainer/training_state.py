@@ -2,9 +2,10 @@
 
 `<lora stem>.leanlora-state` is a safetensors file (never pickle): the fp32 LoRA weights, the optimizer's state
 (8-bit states included), the fp16 loss scaler, step, RNG states (torch CPU/CUDA, Python, the sampler's generator),
-the epoch's batch order and position, the losses so far, and fingerprints of the dataset, the base model, the LoRA
-shape and the settings. Non-tensor parts go into the file's JSON metadata. It is LoRA-sized (weights plus two
-optimizer moments), never the base model; the extension keeps it out of ComfyUI's LoRA lists."""
+the epoch's batch order and position, the losses so far (validation's too), and fingerprints of the dataset, the
+base model, the LoRA shape, the validation split and the settings. Non-tensor parts go into the file's JSON metadata.
+It is LoRA-sized (weights plus two optimizer moments), never the base model; the extension keeps it out of ComfyUI's
+LoRA lists."""
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,7 @@ class TrainingState:
     rng: dict  # "sampler": the run's generator; "torch", "cuda", "python": process-wide ones (LoRA dropout)
     data: dict  # cache.Batches.state_dict()
     losses: list[float]
-    fingerprints: dict[str, str]  # "dataset", "model", "lora", "settings"
+    fingerprints: dict[str, str]  # "dataset", "model", "lora", "settings"; "validation" with images held out
     settings: dict[str, str] = field(default_factory=dict)  # for the report: what the run trained with
     output_name: str = ""
     validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) so far

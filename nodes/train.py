@@ -58,6 +58,7 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
     """Runs in ComfyUI's worker thread: forwards progress and loss previews, turns Cancel into job.cancel()."""
     progress = comfy.utils.ProgressBar(total)
     losses, last_preview, last_step = [], 0.0, 0
+    validation = []  # (step of this run, held-out loss)
     try:
         while True:
             finished = job.done.wait(0.1)
@@ -72,6 +73,9 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
                     # shown on the node as its preview (held a while before the loss chart returns)
                     progress.update_absolute(last_step, total, ("PNG", sample_strip(event["paths"]), None))
                     last_preview = time.monotonic() + SAMPLE_PREVIEW_HOLD_S
+                if event["kind"] == "validation":
+                    logging.info("LeanLoRA: step %d validation loss %.4f", event["step"], event["loss"])
+                    validation.append((event["step"] - event.get("first_step", 0), event["loss"]))
                 if event["kind"] == "step":
                     losses.append(event["loss"])
                     last_step = event["step"]
@@ -80,7 +84,7 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
                         logging.info("LeanLoRA %s", line)
                     preview = None
                     if time.monotonic() - last_preview > PREVIEW_EVERY_S or event["step"] == total:
-                        preview, last_preview = ("PNG", loss_chart(losses), 512), time.monotonic()
+                        preview, last_preview = ("PNG", loss_chart(losses, validation=validation), 512), time.monotonic()
                         _show_on_node(node_id, line)
                     progress.update_absolute(event["step"], total, preview)  # raises if Cancel was pressed
             if finished:
@@ -225,6 +229,12 @@ class LeanLoRATrain:
                 "sample_seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
                                         "control_after_generate": False, "tooltip":
                     "Noise seed of the samples, the same at every step so the images are comparable."}),
+                "validation_fraction": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, "tooltip":
+                    "0: off. Else this share of the images (at least 1) is held out of training and its loss, with "
+                    "noise and timesteps fixed per image, is measured every validation_every_n_steps and drawn "
+                    "in green beside the training loss: a rising curve means the LoRA is overfitting."}),
+                "validation_every_n_steps": ("INT", {"default": 50, "min": 0, "max": 1000000, "tooltip":
+                    "How often the validation loss is measured (and at the end); 0: at the end only."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -235,7 +245,7 @@ class LeanLoRATrain:
                        "The input CLIP, passed through (the LoRA trains the diffusion model only).",
                        "The LoRA weights, usable by ComfyUI's Load LoRA Model node and LeanLoRA Apply LoRA.",
                        "The saved file's name in the loras folder (pick it in Load LoRA in later runs).",
-                       "Loss per step (raw and smoothed).",
+                       "Loss per step (raw and smoothed); the validation loss in green when validation_fraction is on.",
                        "What was trained, how long it took, peak VRAM and where the file is.")
     FUNCTION = "execute"
     CATEGORY = CATEGORY
@@ -249,10 +259,11 @@ class LeanLoRATrain:
     def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, lr_schedule, warmup_steps,
                 seed, output_name, save_every_n_steps=0, keep_last_saves=0, resume=RESUME_OFF, sample_prompts="",
                 sample_every_n_steps=0, sample_size=512, sample_steps=20, sample_cfg=7.0, sample_seed=0,
-                unique_id=None):
+                validation_fraction=0.0, validation_every_n_steps=50, unique_id=None):
         global _partial_runs
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
-                                 save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name))
+                                 save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name),
+                                 validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps)
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
                                                   sample_cfg, sample_seed, output_name)
         adapter = ComfyAdapter(model, clip, vae)
@@ -270,7 +281,7 @@ class LeanLoRATrain:
         saved = outcome.lora_path
         lora_name = saved.relative_to(loras_dir).as_posix() if saved.is_relative_to(loras_dir) else str(saved)
         result = (*apply_lora(model, clip, outcome.lora_state_dict, 1.0, 1.0), outcome.lora_state_dict, lora_name,
-                  pil_to_image(loss_chart(outcome.losses)), outcome.report)
+                  pil_to_image(loss_chart(outcome.losses, validation=outcome.validation_losses)), outcome.report)
         if outcome.partial:
             # Cancel pressed: this node ends with the partial LoRA (its name in the node's output, the history and
             # on the node), then the rest of the graph stops like any interrupted graph. The flag is set again

@@ -19,6 +19,7 @@ from .errors import LeanLoRAError
 class CachedSample:
     latent: torch.Tensor            # [1, C, h, w], the model's own latent space (already process_in'd)
     cond: dict[str, torch.Tensor]   # conditioning kwargs of the diffusion model, each with batch dim 1
+    name: str = ""                  # the image's file name, for the report (e.g. which images validation holds out)
 
 
 ImageEncoder = Callable[[torch.Tensor], torch.Tensor]              # [1, H, W, 3] 0..1 -> [1, C, h, w]
@@ -101,7 +102,7 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 lambda: {k: v.detach().to("cpu") for k, v in encode_text(sample.caption, width, height).items()})
         stats.text_hits += hit
         stats.text_misses += not hit
-        cached.append(CachedSample(latent["latent"], run_texts[text_id]))
+        cached.append(CachedSample(latent["latent"], run_texts[text_id], sample.path.name))
         on_item(index + 1, total)
     if store is not None and store.disk_problem:
         stats.notes.append(store.disk_problem)

@@ -70,7 +70,8 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
                after_step: Callable[[], None] = lambda: None, save_every: int = 0,
                on_save: Callable[[int], None] = lambda step: None,
-               on_step_start: Callable[[int], None] = lambda done: None) -> LoopResult:
+               on_step_start: Callable[[int], None] = lambda done: None, evaluate_every: int = 0,
+               on_evaluate: Callable[[int], None] = lambda step: None) -> LoopResult:
     """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
     `step_fn` is a loss function (batch -> loss, run eagerly here) or a micro-step (micro_steps.BatchStep: called
     with (batch, accumulation) it runs forward + backward and returns the detached loss; it also zeroes grads).
@@ -83,7 +84,9 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
     `after_step` runs right after each optimizer step, without waiting for the device (e.g. to record a CUDA
     event for timing). Every `save_every` steps (the last one excepted: the caller saves the end) the pending
     losses are read and, with the weights finite, `on_save(step)` runs with everything at that step.
-    `on_step_start(done)` runs before each step draws its batches (`done` steps applied so far)."""
+    `on_step_start(done)` runs before each step draws its batches (`done` steps applied so far).
+    Every `evaluate_every` steps (the last one excepted, as for saves) `on_evaluate(step)` runs the same way,
+    before that step's save (so a state written there holds its evaluation); a Cancel inside it ends the run."""
     micro_step = step_fn if isinstance(step_fn, MicroStep) else EagerMicroStep(step_fn, precision)  # a bare loss fn
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
@@ -142,8 +145,15 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
             after_step()
             pending.append((step + 1, step_loss, finite, lr))
             save_now = save_every and (step + 1) % save_every == 0 and step + 1 < steps
-            if len(pending) >= sync_every or save_now:
+            evaluate_now = evaluate_every and (step + 1) % evaluate_every == 0 and step + 1 < steps
+            if len(pending) >= sync_every or save_now or evaluate_now:
                 report()
+            if evaluate_now and result.diverged_at is None:
+                try:
+                    on_evaluate(step + 1)
+                except (TrainingCancelled, *cancel_errors):
+                    result.cancelled = True
+                    break
             if save_now and result.diverged_at is None:
                 on_save(step + 1)
             if result.diverged_at is not None:

@@ -30,3 +30,4 @@ class RunReport:
     cancelled: bool = False
     diverged_at: int | None = None
     seconds: float = 0.0  # the training steps' wall time (the estimate's probes excluded)
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), resumed ones too

@@ -281,8 +281,10 @@ class TrainingSession:
         """One batch with its random draws, on the device. Copies go through pinned memory without blocking,
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
-        tensors = {"clean": clean, **draw_noise(self.sampling_on_cpu, clean.shape, self.generator),
-                   **{f"cond.{name}": value for name, value in cond.items()}}
+        return self._on_device({"clean": clean, **draw_noise(self.sampling_on_cpu, clean.shape, self.generator),
+                                **{f"cond.{name}": value for name, value in cond.items()}})
+
+    def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.adapter.device
         if device.type != "cuda":
             return {name: t.to(device) for name, t in tensors.items()}
@@ -297,15 +299,33 @@ class TrainingSession:
     def loss(self, batch) -> torch.Tensor:
         return self.compute_loss(self.inputs(batch))
 
+    def forward_loss(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training loss of one batch whose draws are given (validation): forward only, without gradients,
+        with the run's precision, eagerly (outside CUDA graphs; compiled blocks would compile a no-grad variant)
+        and in eval mode (LoRA dropout off). Every random stream, the optimizer and the gradients stay as they
+        were: training goes on as if it had not run."""
+        was_training = self.unet.training
+        device = self.adapter.device
+        uncompiled = self.compiled.uncompiled() if self.is_compiled else contextlib.nullcontext()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
+                    uncompiled, self.precision.autocast():
+                self.unet.eval()
+                return self.compute_loss(self._on_device(inputs)).float()
+        finally:
+            self.unet.train(was_training)
+
     def run(self, should_stop: Callable[[], bool], on_step: Callable[[StepInfo], None] = lambda info: None,
             cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1, save_every: int = 0,
             on_save: Callable[[int], None] = lambda step: None,
             on_recovery: Callable[[str], None] = lambda rung: None, after_step: Callable[[], None] = lambda: None,
-            until: int | None = None) -> LoopResult:
+            until: int | None = None, evaluate_every: int = 0,
+            on_evaluate: Callable[[int], None] = lambda step: None) -> LoopResult:
         """Steps from steps_done to `until` (the run's total by default). An out-of-memory inside a step frees
         memory, moves one rung down the memory ladder and repeats that step (self.recoveries says where).
         `on_save(step)` runs every `save_every` steps, with the weights, optimizer and RNG at that step (see
-        training_state); `after_step` right after each optimizer step (the bench's clock)."""
+        training_state); `on_evaluate(step)` every `evaluate_every` steps, before the save (validation);
+        `after_step` right after each optimizer step (the bench's clock)."""
         def counted(info: StepInfo) -> None:
             self.steps_done = info.step
             on_step(info)
@@ -317,7 +337,8 @@ class TrainingSession:
                                     self.memory.gradient_accumulation, should_stop, counted,
                                     first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
                                     lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
-                                    on_step_start=self._mark_step_start, after_step=after_step)
+                                    on_step_start=self._mark_step_start, after_step=after_step,
+                                    evaluate_every=evaluate_every, on_evaluate=on_evaluate)
                 if result.diverged_at is not None:  # the weights went back to the last step checked finite
                     self.steps_done = result.steps_done
                 return result
@@ -333,7 +354,8 @@ class TrainingSession:
         # after it takes the RNG and batch order from before that step, so a resume draws what it would have.
         self._step_start = (done, rng_states(self.generator), self.data.state_dict())
 
-    def training_state(self, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str]) -> TrainingState:
+    def training_state(self, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str],
+                       validation_losses: list[tuple[int, float]] = ()) -> TrainingState:
         """What resume_from needs to go on exactly from steps_done (between steps, or after the run stopped)."""
         scaler = self.precision.scaler
         rng, data = rng_states(self.generator), self.data.state_dict()
@@ -344,7 +366,8 @@ class TrainingSession:
             optimizer_name=type(self.optimizer).__name__, optimizer=self.optimizer.state_dict(),
             scaler=scaler.state_dict() if scaler is not None else None, rng=rng, data=data,
             losses=list(losses[:self.steps_done]), fingerprints=fingerprints, settings=settings,
-            output_name=sanitize_name(self.train.output_name))
+            output_name=sanitize_name(self.train.output_name),
+            validation_losses=[(step, value) for step, value in validation_losses if step <= self.steps_done])
 
     def resume_from(self, state: TrainingState) -> list[str]:
         """Puts the run where `state` stopped (after start(): the memory settings may differ from the state's).

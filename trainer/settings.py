@@ -236,6 +236,8 @@ class TrainSettings:
     save_every_steps: int = 0  # 0: only the final file; N: also <name>_step<N>.safetensors + its training state
     keep_last_saves: int = 0  # of those step files, keep the last K (0: all)
     resume_from: Path | None = None  # a training state (training_state.py) to go on from
+    validation_fraction: float = 0.0  # 0: off; else this share of the images is held out for validation loss
+    validation_every_steps: int = 50  # validation loss every N steps (and at the end); 0: at the end only
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
@@ -246,6 +248,12 @@ class TrainSettings:
                  f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")
         _require(0 < self.learning_rate < 1, "learning_rate",
                  f"got {self.learning_rate}; use a small positive value such as 1e-4")
+        fraction = self.validation_fraction
+        _require(isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction < 1,
+                 "validation_fraction", f"got {fraction!r}; use 0 (off) or a share below 1 such as 0.1 (at least "
+                 "one image is held out, at least one left to train on)")
+        _require(isinstance(self.validation_every_steps, int) and self.validation_every_steps >= 0,
+                 "validation_every_n_steps", f"got {self.validation_every_steps!r}; use 0 (at the end only) or more")
 
 
 @dataclass(frozen=True)

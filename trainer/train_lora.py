@@ -31,6 +31,7 @@ from .session import TrainingSession
 from .settings import LoraSettings, MemorySettings, TrainSettings
 from .training_state import (TrainingState, check_resumable, dataset_fingerprint, load_training_state,
                              lora_fingerprint, model_fingerprint, save_training_state, state_path)
+from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
 from .vram import GIB, DevicePeak, Timeline, device_memory_gib, reset_peak
 
 
@@ -51,6 +52,10 @@ class TrainOutcome:
     @property
     def recoveries(self) -> list[str]:
         return [recovery.describe() for recovery in self.run.recoveries]
+
+    @property
+    def validation_losses(self) -> list[tuple[int, float]]:
+        return self.run.validation_losses
 
 
 def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings, train: TrainSettings,
@@ -82,6 +87,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
 
+    held_out_count(train.validation_fraction, len(dataset.samples))  # too few images: said before any encoding
     resumed: TrainingState | None = None
     if train.resume_from is not None:  # read and checked against the dataset before any encoding
         resumed = load_training_state(Path(train.resume_from))
@@ -107,6 +113,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     adapter.release_encoders()
     if should_stop():
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved")
+    all_cached, cached_images = cache, len(cache)
+    cache, held_out = split_validation(cache, train.validation_fraction, train.seed)  # RNG of its own
 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
@@ -121,6 +129,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             raise
         report.append(continued.describe())
     fingerprints["lora"] = lora_fingerprint(lora, params)
+    if held_out:
+        fingerprints["validation"] = split_fingerprint(cached_images, held_out)
     if resumed is not None:
         check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps)
     unet.train()
@@ -128,6 +138,16 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
     session = TrainingSession(adapter, unet, params, cache, dataset.repeats, train)
     run.recoveries = session.recoveries
+    validation = None
+    if held_out:
+        validation = ValidationSet.build([all_cached[i] for i in held_out], train.validation_every_steps,
+                                         session.sampling_on_cpu, train.seed)
+        if resumed is not None:  # the curve so far: a resumed run's curve is the uninterrupted run's
+            validation.losses[:] = [(int(step), float(value)) for step, value in resumed.validation_losses]
+        names = [sample.name for sample in validation.samples]
+        report.append(validation.describe(cached_images) + f": {', '.join(names[:5])}"
+                      + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+        run.validation_losses = validation.losses
 
     losses: list[float] = list(resumed.losses) if resumed else []
     first_step = resumed.step if resumed else 0
@@ -142,9 +162,25 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
              first_step=first_step, s_per_step=s_per_step,
              eta_s=None if s_per_step is None else s_per_step * (info.total - info.step))
 
+    def on_evaluate(step: int) -> None:
+        """The validation loss at this step's weights; out of memory skips it (training goes on)."""
+        try:
+            value = validation.evaluate(session.forward_loss, step)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            error.__traceback__ = None  # its frames hold the forward's tensors
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            report.append(f"WARNING: the validation loss at step {step} ran out of GPU memory and was skipped; "
+                          "training went on")
+            emit(kind="phase", text=report[-1])
+            return
+        emit(kind="validation", step=step, loss=value, first_step=first_step)
+
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule}
-    exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at, continued)
+    exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at, continued, len(held_out))
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
 
     def on_save(step: int) -> None:
@@ -154,7 +190,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             state_dict, metadata = exporter.contents(step, partial=False, stem=f"{exporter.stem}_step{step}")
             path, note = save_with_fallback(state_dict, loras_dir, f"{exporter.stem}_step{step}", metadata, None)
             state_settings["memory"] = session.memory.describe()
-            save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings))
+            save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings,
+                                                                         run.validation_losses))
         except (LeanLoRAError, *SAVE_ERRORS) as error:
             report.append(f"WARNING: the save at step {step} failed ({error}); training went on")
             emit(kind="phase", text=report[-1])
@@ -236,8 +273,15 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         result = session.run(should_stop, on_step, cancel_errors,
                              sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
                              save_every=math.gcd(train.save_every_steps, sample_every), on_save=between_steps,
-                             on_recovery=lambda rung: emit(kind="phase", text=f"recovered from out of memory: {rung}"))
+                             on_recovery=lambda rung: emit(kind="phase", text=f"recovered from out of memory: {rung}"),
+                             evaluate_every=validation.every if validation else 0, on_evaluate=on_evaluate)
         cancelled, diverged_at = result.cancelled, result.diverged_at
+        if validation is not None and not cancelled and diverged_at is None and session.steps_done > first_step \
+                and (not validation.losses or validation.losses[-1][0] != session.steps_done):
+            try:
+                on_evaluate(session.steps_done)  # the end: the finished LoRA's validation loss
+            except cancel_errors:
+                report.append("validation loss at the end skipped: cancelled (the training had finished)")
     except cancel_errors:  # Cancel while measuring memory, before the first step
         cancelled = True
     except Exception as error:  # keep what was learned before the failure, then report it
@@ -271,7 +315,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         if partial or train.save_every_steps:  # resumable: a stopped run always, a finished one when saving steps
             state_settings["memory"] = session.memory.describe()
             try:
-                save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings))
+                save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings,
+                                                                             run.validation_losses))
                 report.append(f"training state for resume: {state_path(path)}")
             except SAVE_ERRORS as error:
                 report.append(f"WARNING: the training state could not be written beside {path} ({error}); the "
@@ -303,6 +348,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         head, tail = losses[first_step:first_step + 10], losses[-10:]
         report.append(f"loss: first {len(head)} steps mean {sum(head) / len(head):.4f}, "
                       f"last {len(tail)} mean {sum(tail) / len(tail):.4f}")
+    if validation is not None and validation.summary():
+        report.append(validation.summary())
     peak = device_memory_gib(device)
     if peak:
         report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved"
@@ -361,8 +408,9 @@ class LoraExporter:
     """The LoRA file's tensors (kohya's keys, fp16, fp32 where fp16 would overflow) and metadata at a step."""
 
     def __init__(self, adapter: ModelAdapter, unet: torch.nn.Module, lora: LoraSettings, dataset: Dataset,
-                 train: TrainSettings, started_at: float, continued: ContinuedLora | None = None):
+                 train: TrainSettings, started_at: float, continued: ContinuedLora | None = None, held_out: int = 0):
         self.adapter, self.unet, self.lora, self.dataset, self.train = adapter, unet, lora, dataset, train
+        self.held_out = held_out  # images validation keeps out of training
         self.continued = continued  # the LoRA file this run started from: its steps count in ss_steps
         self.started_at, self.stem = started_at, sanitize_name(train.output_name)
         self.module_names = adapter.kohya_module_names()
@@ -390,7 +438,7 @@ class LoraExporter:
                                               "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
                                               "ss_lr_scheduler": train.lr_schedule,
                                               "ss_lr_warmup_steps": str(train.warmup_steps),
-                                              "ss_num_train_images": str(len(dataset.samples) * dataset.repeats),
+                                              "ss_num_train_images": str((len(dataset.samples) - self.held_out) * dataset.repeats),
                                               "ss_enable_bucket": str(dataset.buckets),
                                               "leanlora_partial": str(partial),
                                               **(self.continued.metadata(steps_done) if self.continued else {})})

@@ -2,9 +2,10 @@
 
 `<lora stem>.leanlora-state` is a safetensors file (never pickle): the fp32 LoRA weights, the optimizer's state
 (8-bit states included), the fp16 loss scaler, step, RNG states (torch CPU/CUDA, Python, the sampler's generator),
-the epoch's batch order and position, the losses so far, and fingerprints of the dataset, the base model, the LoRA
-shape and the settings. Non-tensor parts go into the file's JSON metadata. It is LoRA-sized (weights plus two
-optimizer moments), never the base model; the extension keeps it out of ComfyUI's LoRA lists."""
+the epoch's batch order and position, the losses so far (validation's too), and fingerprints of the dataset, the
+base model, the LoRA shape, the validation split and the settings. Non-tensor parts go into the file's JSON metadata.
+It is LoRA-sized (weights plus two optimizer moments), never the base model; the extension keeps it out of ComfyUI's
+LoRA lists."""
 from __future__ import annotations
 
 import hashlib
@@ -39,9 +40,10 @@ class TrainingState:
     rng: dict  # "sampler": the run's generator; "torch", "cuda", "python": process-wide ones (LoRA dropout)
     data: dict  # cache.Batches.state_dict()
     losses: list[float]
-    fingerprints: dict[str, str]  # "dataset", "model", "lora", "settings"
+    fingerprints: dict[str, str]  # "dataset", "model", "lora", "settings"; "validation" with images held out
     settings: dict[str, str] = field(default_factory=dict)  # for the report: what the run trained with
     output_name: str = ""
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) so far
 
 
 def _flatten(value, tensors: dict[str, torch.Tensor], prefix: str):
@@ -80,7 +82,7 @@ def save_training_state(path: Path, state: TrainingState) -> Path:
     body = {"step": state.step, "lora": state.lora, "optimizer_name": state.optimizer_name,
             "optimizer": state.optimizer, "scaler": state.scaler, "rng": state.rng, "data": state.data,
             "losses": state.losses, "fingerprints": state.fingerprints, "settings": state.settings,
-            "output_name": state.output_name}
+            "output_name": state.output_name, "validation_losses": state.validation_losses}
     skeleton = _flatten(body, tensors, "state")
     metadata = {"format": FORMAT, "state": json.dumps(skeleton), "step": str(state.step),
                 "output_name": state.output_name}
@@ -187,7 +189,9 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
                        "continue_from (its LoRA file)",
             "model": "the base model differs from the one it trained on: resume with the same checkpoint, or "
                      "continue from its LoRA file (LoRA Config's continue_from) on this one",
-            "lora": "the LoRA shape (rank, alpha or targets) differs: set LoRA Config as the state was trained"}
+            "lora": "the LoRA shape (rank, alpha or targets) differs: set LoRA Config as the state was trained",
+            "validation": "the images held out for validation differ (validation_fraction or seed changed): set "
+                          "them as the state was trained, so it trains on the same images"}
     for key, why in what.items():
         if state.fingerprints.get(key) != fingerprints.get(key):
             raise LeanLoRAError(f"cannot resume from {path.name}: {why}")

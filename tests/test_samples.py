@@ -51,8 +51,10 @@ def test_the_train_node_checks_the_sample_inputs_before_anything_runs():
     from helpers import node_module
     node = node_module("train").LeanLoRATrain
     optional = node.INPUT_TYPES()["optional"]
-    assert list(optional)[-6:] == ["sample_prompts", "sample_every_n_steps", "sample_size", "sample_steps",
-                                   "sample_cfg", "sample_seed"]
+    names = list(optional)  # after resume, in this order (saved workflows keep their widget positions)
+    start = names.index("sample_prompts")
+    assert names[start - 1] == "resume" and names[start:start + 6] == [
+        "sample_prompts", "sample_every_n_steps", "sample_size", "sample_steps", "sample_cfg", "sample_seed"]
     assert optional["sample_seed"][1]["control_after_generate"] is False
     assert optional["sample_prompts"][1]["multiline"] is True
     errors = __import__("leanlora_nodes_under_test.trainer.errors", fromlist=["LeanLoRAError"])

@@ -145,3 +145,15 @@ def test_a_state_round_trips_nested_optimizer_state_without_pickle(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     header = path.read_bytes()[:2000]
     assert b"pickle" not in header and b"leanlora-training-state/1" in header
+
+
+def test_the_same_seed_gives_the_same_run_with_lora_dropout(adapter, dataset, tmp_path):
+    # peft's dropout draws from torch's global generator, which other code in the process moves on
+    dropout = LoraSettings(rank=4, alpha=4.0, dropout=0.3)
+    runs = []
+    for name in ("a", "b"):
+        torch.rand(7)  # the process's generator is elsewhere each time
+        runs.append(train_lora(adapter, dataset, FP32, dropout, TrainSettings(4, 1e-3, 0, name), tmp_path / name,
+                               lambda **e: None, lambda: False))
+    assert runs[0].losses == runs[1].losses
+    assert all(torch.equal(runs[0].lora_state_dict[k], runs[1].lora_state_dict[k]) for k in runs[0].lora_state_dict)

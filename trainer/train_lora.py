@@ -259,6 +259,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                           f"epoch holds {len(cache)} images x {dataset.repeats} repeats"
                           + (" and batches hold one image size" if len({s.latent.shape for s in cache}) > 1 else "")
                           + f" (effective batch {used * session.memory.gradient_accumulation})")
+        # LoRA dropout draws from torch's process-wide generators (peft): seeded here, after the probes, so the
+        # same seed gives the same run with dropout too (a resume puts the state's generators back instead)
+        torch.manual_seed(train.seed)
         if resumed is not None:
             notes = session.resume_from(resumed)
             line = (f"resumed from {Path(train.resume_from).name}: step {resumed.step} of {train.steps}, trained "

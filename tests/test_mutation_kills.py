@@ -283,12 +283,12 @@ def test_a_half_written_file_is_hidden_and_not_a_safetensors_name(tmp_path, monk
     """ComfyUI lists every *.safetensors in models/loras: the temp file is a dot file ending in .tmp."""
     from trainer import files
     written = []
-    real_save = files.save_file
+    real_save = files.write_safetensors
 
     def recording_save(tensors, filename, metadata=None):
         written.append(Path(filename))
         return real_save(tensors, filename, metadata=metadata)
-    monkeypatch.setattr(files, "save_file", recording_save)
+    monkeypatch.setattr(files, "write_safetensors", recording_save)
     path = files.save_safetensors_atomic({"w": torch.ones(2)}, tmp_path / "mine.safetensors", {})
     (temp,) = written
     assert temp.parent == tmp_path and temp.name.startswith(".leanlora-") and temp.name.endswith(".tmp")

@@ -44,6 +44,7 @@ def test_seven_steps_then_a_resumed_thirteen_equal_twenty_straight(adapter, data
     assert resumed.losses == straight.losses and len(resumed.losses) == 20
     assert resumed.lora_path.name == straight.lora_path.name == "resume_me.safetensors"
     _assert_same_lora_file(resumed.lora_path, straight.lora_path)
+    assert resumed.lora_path.read_bytes() == straight.lora_path.read_bytes()  # the file, byte for byte
     assert "resumed from resume_me_step7.leanlora-state: step 7 of 20" in resumed.report
     assert "(steps 8-20 of 20)" in resumed.report
     # saving every N steps changes nothing about the training itself

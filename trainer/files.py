@@ -3,6 +3,7 @@ sanitized name inside a folder it was given, and is written atomically (temp fil
 fails at save time (read-only, disk full) goes to a fallback folder instead of being lost."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -11,8 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import safetensors.torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from .errors import LeanLoRAError, one_line
 
@@ -63,8 +64,22 @@ def unused_path(folder: Path, stem: str, suffix: str = ".safetensors") -> Path:
 
 
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> Path:
-    return write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                                                    metadata=metadata))
+    return write_atomic(path, lambda tmp: write_safetensors(tensors, tmp, metadata))
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
+    Path(filename).write_bytes(safetensors_bytes(tensors, metadata or {}))
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The safetensors file, its header written with sorted keys: safetensors writes its metadata map in no fixed
+    order, so equal content gave files of other bytes (and another whole-file hash, the AutoV2 hash A1111 and
+    civitai show). The tensor data and offsets are safetensors' own."""
+    blob = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    length = int.from_bytes(blob[:8], "little")
+    header = json.dumps(json.loads(blob[8:8 + length]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data stays 8-byte aligned, as safetensors pads it
+    return len(header).to_bytes(8, "little") + header + blob[8 + length:]
 
 
 def write_atomic(path: Path, write: Callable[[str], None]) -> Path:

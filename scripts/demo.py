@@ -77,9 +77,14 @@ def run_demo(base: Path, workflow: Path, timeout: float) -> int:
     loras = files_written_since(base / "models" / "loras", started)
     print("[demo] LoRA files written:" + "".join(f"\n  {p}" for p in loras))
     print("[demo] images:" + "".join(f"\n  {p}" for p in output_files(base, entry)))
+    shown: list[str] = []
     for node_output in entry.get("outputs", {}).values():  # the training report and VRAM monitor text
         for text in node_output.get("text", []):
-            print("[demo] " + text.replace("\n", "\n       "))
+            for earlier in shown:  # the VRAM monitor repeats the latest training's report: print it once
+                text = text.replace(earlier, "")
+            if text.strip():
+                shown.append(text.strip())
+                print("[demo] " + text.strip().replace("\n", "\n       "))
     print(f"[demo] ComfyUI log: {server.log_path}")
     if not loras:
         print("[demo] FAILED: the workflow succeeded but wrote no LoRA file", file=sys.stderr)

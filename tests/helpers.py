@@ -2,6 +2,7 @@
 are realistic in unit tests."""
 import importlib
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -62,3 +63,21 @@ def regression_problem(seed: int = 0):
             idx = torch.randint(0, 64, (8,), generator=g)
             yield x[idx], y[idx]
     return net, params, data(), (x, y)
+
+
+def in_a_training_thread(work):
+    """Runs `work` in a fresh thread (normal mode, like the training job) and returns its result or raises its
+    error."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = work()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = error
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

@@ -2,30 +2,15 @@
 in inference mode, as ComfyUI's executor runs it: loading or unloading its models in normal mode leaves tensors
 without a version counter that are not inference tensors, and later uses fail, ComfyUI's own CLIPTextEncode too
 ("Inference tensors do not track version counter", seen on an H200 server after low-VRAM runs and cancels)."""
-import threading
 
 import pytest
 import torch
 
 import comfy.model_management
 from bridge.comfy_adapter import ComfyAdapter
+from helpers import in_a_training_thread
 
 
-def _in_a_training_thread(work):
-    """Runs `work` in a fresh thread (normal mode, like the training job) and returns its result."""
-    box = {}
-
-    def run():
-        try:
-            box["result"] = work()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            box["error"] = error
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 @pytest.fixture
@@ -57,7 +42,7 @@ def test_comfyuis_model_management_runs_in_inference_mode_from_the_training_thre
         adapter.free(unet)
         return latent, conds, unet
 
-    latent, conds, unet = _in_a_training_thread(work)
+    latent, conds, unet = in_a_training_thread(work)
     names = {name for name, _ in model_management_calls}
     assert {"load_models_gpu", "unload_all_models", "soft_empty_cache"} <= names, model_management_calls
     assert all(inference for _, inference in model_management_calls), model_management_calls

@@ -127,12 +127,9 @@ FIXTURE = {"1": {"ckpt_name": "leanlora_tiny_sd15.safetensors"}, "2": {"folder":
 
 
 def test_the_shipped_continue_workflow_names_the_users_files_not_the_fixtures():
-    from test_template import FIXTURE_VALUES
+    from test_template import notes_of_a_shipped_workflow
     ui = json.loads(WORKFLOW.read_text())
-    for node in ui["nodes"]:
-        values = node.get("widgets_values") or []
-        assert not FIXTURE_VALUES & {v for v in values if isinstance(v, str)}, (node["id"], node["type"], values)
-    notes = " ".join(n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note")
+    notes = notes_of_a_shipped_workflow(ui)
     assert "continue_from" in notes and "ComfyUI/models/loras" in notes and "ComfyUI/input" in notes
     [config] = [n for n in ui["nodes"] if n["type"] == "LeanLoRALoraConfig"]
     [train] = [n for n in ui["nodes"] if n["type"] == "LeanLoRATrain"]

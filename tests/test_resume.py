@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from trainer.errors import LeanLoRAError, TrainingCancelled
+from trainer.errors import LeanLoRAError
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import (STATE_SUFFIX, find_latest_state, load_training_state, save_training_state,

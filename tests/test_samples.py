@@ -2,7 +2,6 @@
 own sampling on the tiny SD1.5 checkpoint in this process, from a training thread like the Train node's job."""
 import hashlib
 import re
-import threading
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from bridge.samples import SampleRenderer
 from trainer.errors import LeanLoRAError
 from trainer.settings import LoraSettings, MemorySettings, SampleSettings, TrainSettings
 from trainer.train_lora import train_lora
+from helpers import in_a_training_thread
 
 MEMORY = MemorySettings("no", False)
 LORA = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # dropout draws from torch's global generator, as sampling does
@@ -66,20 +66,6 @@ def test_the_train_node_checks_the_sample_inputs_before_anything_runs():
                        sample_prompts="a cat", sample_every_n_steps=0, sample_size=64)
 
 
-def _in_a_training_thread(work):
-    box = {}
-
-    def run():
-        try:
-            box["result"] = work()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            box["error"] = error
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def _base_weights_digest(model) -> str:
@@ -98,7 +84,7 @@ def _train(comfy_objects, dataset, folder, name, renderer=None, events=None, ste
         return train_lora(ComfyAdapter(*comfy_objects), dataset, MEMORY, LORA, TrainSettings(steps, 1e-3, 0, name),
                           folder, lambda **event: events.append(event), lambda: False,
                           sample_every=SAMPLES.every_steps, on_sample=renderer)
-    return _in_a_training_thread(work)
+    return in_a_training_thread(work)
 
 
 def test_samples_render_every_n_steps_between_steps_and_leave_the_run_and_the_model_as_they_were(

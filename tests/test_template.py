@@ -18,6 +18,14 @@ TWIN = REPO / "workflows" / "api" / "train_then_generate.json"
 TWIN_OVERRIDES = REPO / "workflows" / "api" / "train_then_generate.overrides.json"
 # What the tiny test fixture needs and a real user's run must not have (issue 15, item 12).
 FIXTURE_VALUES = {"leanlora_tiny_sd15.safetensors", "tiny_dataset"}
+
+
+def notes_of_a_shipped_workflow(ui: dict) -> str:
+    """A shipped UI workflow names no test fixture (the user picks their own files); returns its notes' text."""
+    for node in ui["nodes"]:
+        values = node.get("widgets_values") or []
+        assert not FIXTURE_VALUES & {v for v in values if isinstance(v, str)}, (node["id"], node["type"], values)
+    return " ".join(n["widgets_values"][0] for n in ui["nodes"] if n["type"] in ("Note", "MarkdownNote"))
 REGENERATE = ("regenerate the twin: scripts/workflow_convert.py example_workflows/train_then_generate.json "
               "--object-info URL --overrides workflows/api/train_then_generate.overrides.json")
 
@@ -42,10 +50,7 @@ def test_template_and_thumbnail_are_where_comfyui_looks():
 
 def test_template_has_no_fixture_value_and_tells_the_user_what_to_pick():
     ui = json.loads(TEMPLATE.read_text())
-    for node in ui["nodes"]:
-        values = node.get("widgets_values") or []
-        assert not FIXTURE_VALUES & {v for v in values if isinstance(v, str)}, (node["id"], node["type"], values)
-    notes = " ".join(n["widgets_values"][0] for n in ui["nodes"] if n["type"] in ("Note", "MarkdownNote"))
+    notes = notes_of_a_shipped_workflow(ui)
     assert "checkpoint" in notes and "ComfyUI/input" in notes and "absolute path" in notes
     checkpoint = next(n for n in ui["nodes"] if n["type"] == "CheckpointLoaderSimple")
     # the frontend offers to download a missing model listed here

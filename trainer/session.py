@@ -53,7 +53,7 @@ class TrainingSession:
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
         self.checkpointed = 0.0  # the checkpoint share wrapped so far (units are never unwrapped)
-        self.steps_done = 0  # optimizer steps applied (train() keeps it); a rebuilt LR schedule resumes from here
+        self.steps_done = 0  # optimizer steps applied (run() keeps it); a rebuilt LR schedule resumes from here
         self.recoveries: list[Recovery] = []
         self._step_start: tuple[int, dict, dict] | None = None  # (steps done, RNG states, batch order) then
         self.restore_allocator = lambda: None
@@ -524,8 +524,9 @@ def graphs_incompatible(random_forward: bool, streamed: bool, allocator: str) ->
     if streamed and allocator == "cudaMallocAsync":
         # SD1.5 auto-fit 2 GiB (fp8 streamed + activation offload, ComfyUI 0.3.75, H200, 1 and 2 Dec 2026): the
         # capture failed inside autograd's own thread (a free in cudaMallocAsync's sync_raw), where nothing can
-        # catch it, and the process aborted; a small streamed model captured but trained differently from its
-        # eager steps (bench/streamed_capture_probe.py). The native allocator graphs streamed steps correctly.
+        # catch it, and the process aborted (a small streamed model of ComfyUI's layers captures there and trains
+        # like its eager steps, bench/streamed_capture_probe.py: the first error is not found). The native
+        # allocator graphs streamed steps correctly.
         return ("frozen weights are streamed under ComfyUI's default cudaMallocAsync allocator, where a captured "
                 "streamed step aborted a ComfyUI server; start ComfyUI with --disable-cuda-malloc for graphed "
                 "streaming")

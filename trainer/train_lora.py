@@ -89,10 +89,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     held_out_count(train.validation_fraction, len(dataset.samples))  # too few images: said before any encoding
     resumed: TrainingState | None = None
+    dataset_id = dataset_fingerprint(dataset)
     if train.resume_from is not None:  # read and checked against the dataset before any encoding
         resumed = load_training_state(Path(train.resume_from))
-        check_resumable(resumed, Path(train.resume_from), {**resumed.fingerprints,
-                                                           "dataset": dataset_fingerprint(dataset)}, train.steps)
+        check_resumable(resumed, Path(train.resume_from), {"dataset": dataset_id}, train.steps, checks=("dataset",))
     cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
     # wall clock, for the file's metadata: a resumed run's file says when its training began
     started_at = float(resumed.settings.get("started_at", time.time())) if resumed else time.time()
@@ -118,7 +118,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
-    fingerprints = {"dataset": dataset_fingerprint(dataset), "model": model_fingerprint(unet)}
+    fingerprints = {"dataset": dataset_id, "model": model_fingerprint(unet)}
     params = inject_lora(unet, lora, train.seed)
     continued = None
     if lora.continue_from:
@@ -183,15 +183,20 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at, continued, len(held_out))
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
 
+    def write_state(lora_path: Path) -> None:
+        """The training state beside `lora_path`: what a resume goes on from (training_state.py)."""
+        state_settings["memory"] = session.memory.describe()
+        save_training_state(state_path(lora_path), session.training_state(losses, fingerprints, state_settings,
+                                                                          run.validation_losses))
+
     def on_save(step: int) -> None:
         """A complete LoRA file and its training state at this step; a file that cannot be written is said and
         training goes on (the final save still comes)."""
+        stem = f"{exporter.stem}_step{step}"
         try:
-            state_dict, metadata = exporter.contents(step, partial=False, stem=f"{exporter.stem}_step{step}")
-            path, note = save_with_fallback(state_dict, loras_dir, f"{exporter.stem}_step{step}", metadata, None)
-            state_settings["memory"] = session.memory.describe()
-            save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings,
-                                                                         run.validation_losses))
+            state_dict, metadata = exporter.contents(step, partial=False, stem=stem)
+            path, _ = save_with_fallback(state_dict, loras_dir, stem, metadata, None)  # no fallback mid-run
+            write_state(path)
         except (LeanLoRAError, *SAVE_ERRORS) as error:
             report.append(f"WARNING: the save at step {step} failed ({error}); training went on")
             emit(kind="phase", text=report[-1])
@@ -316,10 +321,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     try:
         path, save_note = save_with_fallback(state_dict, loras_dir, stem, metadata, fallback_dir)
         if partial or train.save_every_steps:  # resumable: a stopped run always, a finished one when saving steps
-            state_settings["memory"] = session.memory.describe()
             try:
-                save_training_state(state_path(path), session.training_state(losses, fingerprints, state_settings,
-                                                                             run.validation_losses))
+                write_state(path)
                 report.append(f"training state for resume: {state_path(path)}")
             except SAVE_ERRORS as error:
                 report.append(f"WARNING: the training state could not be written beside {path} ({error}); the "

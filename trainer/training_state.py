@@ -181,9 +181,11 @@ def restore_rng_states(states: dict, generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(list(states["cuda"]))
 
 
-def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, str], total_steps: int) -> None:
+def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, str], total_steps: int,
+                    checks: tuple[str, ...] = ("dataset", "model", "lora", "validation")) -> None:
     """Raises a LeanLoRAError naming the file and what differs; a state is resumed only on its own dataset,
-    base model and LoRA shape, with steps left to train."""
+    base model, LoRA shape and validation split, with steps left to train. `checks`: the fingerprints to compare
+    (the dataset's alone can be checked before any encoding)."""
     what = {"dataset": "the dataset (images, captions, repeats, resolution or framing) differs from the one it "
                        "trained on: resume on the same dataset, or train further on new data with LoRA Config's "
                        "continue_from (its LoRA file)",
@@ -192,8 +194,9 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
             "lora": "the LoRA shape (rank, alpha or targets) differs: set LoRA Config as the state was trained",
             "validation": "the images held out for validation differ (validation_fraction or seed changed): set "
                           "them as the state was trained, so it trains on the same images"}
-    for key, why in what.items():
+    for key in checks:
         if state.fingerprints.get(key) != fingerprints.get(key):
+            why = what[key]
             raise LeanLoRAError(f"cannot resume from {path.name}: {why}")
     if state.step >= total_steps:
         raise LeanLoRAError(f"cannot resume from {path.name}: it has trained {state.step} steps already, and Train "

@@ -1,0 +1,114 @@
+"""Why a captured streamed SD1.5 step aborts a ComfyUI server under cudaMallocAsync (issue 14), on the real model:
+the full-size SD1.5 checkpoint through ComfyUI's own loader, `train_lora` as the Train node runs it, graphs forced
+on for streamed weights (session.graphs_incompatible bypassed), one child process per variant and allocator (an
+abort kills only its child). A capture that fails is caught under the native allocator: its traceback is printed,
+naming the first op that broke the capture. GPU machine, after bench/server_gpu.sh's install step:
+
+    PYTHONPATH=/tmp/site python3 -m bench.sd15_capture_probe [VARIANT ...]     # default: all
+
+Variants (all: bf16, per-layer checkpointing, AdamW8bit, fp8 weights, CUDA graphs, 512², batch 1):
+  streamed          + activation offload + weights streamed (what auto-fit 2 GiB picks)
+  streamed_nhwc_off the same with conv weights left NCHW (SD1.5's channels-last layout off)
+  streamed_no_offload   streamed weights, activations stay on the device
+  resident_offload  fp8 weights resident + activation offload
+  streamed_cap2     `streamed` inside a 2 GiB per-process cap (the emulated card's)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMFY = os.environ.get("COMFYUI_PATH", str(REPO / ".cache" / "comfyui"))
+ALLOCATORS = {"native": "backend:native", "cudaMallocAsync": "backend:cudaMallocAsync"}
+VARIANTS = ["streamed", "streamed_nhwc_off", "streamed_no_offload", "resident_offload", "streamed_cap2"]
+STEPS = 12
+
+
+def _memory(variant: str):
+    from trainer.settings import BaseWeights, MemorySettings
+    streamed = variant.startswith("streamed")
+    return MemorySettings("bf16", True, 1, 1, "AdamW8bit",
+                          BaseWeights.FP8_STREAMED if streamed else BaseWeights.FP8,
+                          activation_offload=variant != "streamed_no_offload")
+
+
+def child(variant: str, checkpoint: str, data: str) -> None:
+    sys.path[:0] = [COMFY, str(REPO), str(REPO / "scripts")]
+    import torch
+    import comfy.sd
+    from bridge.comfy_adapter import ComfyAdapter
+    from trainer import micro_steps, session
+    from trainer.dataset import scan_folder
+    from trainer.settings import LoraSettings, TrainSettings
+    from trainer.train_lora import train_lora
+
+    session.graphs_incompatible = lambda random_forward, streamed, allocator: None  # graphs forced on
+    original_one_line = micro_steps.one_line
+
+    def one_line_with_traceback(error, limit=300):  # called in the capture's except block: the traceback is there
+        print("CAPTURE-TRACEBACK", "".join(traceback.format_exc())[-4000:], file=sys.stderr, flush=True)
+        return original_one_line(error, limit)
+    micro_steps.one_line = one_line_with_traceback
+    if variant == "streamed_nhwc_off":
+        ComfyAdapter.set_conv_layout = lambda self, unet, device, dtype: None
+    if variant.endswith("_cap2"):
+        torch.cuda.set_per_process_memory_fraction(2 * 2 ** 30 / torch.cuda.get_device_properties(0).total_memory)
+    with torch.inference_mode():
+        model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=True, output_clip=True,
+                                                                      embedding_directory=None)
+    adapter = ComfyAdapter(model, clip, vae)
+    dataset = scan_folder(Path(data), 512)
+    stamps = []
+
+    def emit(**event):
+        if event["kind"] == "step":
+            stamps.append((event["step"], time.perf_counter()))
+    outcome = train_lora(adapter, dataset, _memory(variant), LoraSettings(16, 16.0),
+                         TrainSettings(STEPS, 1e-4, 0, f"probe_{variant}"), Path(tempfile.mkdtemp()), emit,
+                         lambda: False)
+    fast = [line for line in outcome.report.splitlines() if "fast path" in line or "graph" in line]
+    per_step = (stamps[-1][1] - stamps[0][1]) / (stamps[-1][0] - stamps[0][0]) if len(stamps) > 1 else None
+    print("RESULT " + json.dumps({"losses": [round(x, 5) for x in outcome.losses[-3:]], "s_per_step_rough": per_step,
+                                  "fast_path": fast[-3:]}), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["child"]:
+        child(*sys.argv[2:5])
+        return
+    sys.path[:0] = [COMFY, str(REPO), str(REPO / "scripts")]
+    from bench import full_size_assets
+    work = Path(tempfile.mkdtemp(prefix="sd15-capture-"))
+    names = full_size_assets.build_model_files("sd15", work / "models", forms=("checkpoint",))
+    checkpoint = str(work / "models" / "checkpoints" / names["checkpoint"])
+    data = str(full_size_assets.build_dataset(work / "data", 512, n=4))
+    for variant in sys.argv[1:] or VARIANTS:
+        for allocator, conf in ALLOCATORS.items():
+            env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTHONUNBUFFERED": "1"}
+            started = time.perf_counter()
+            try:
+                run = subprocess.run([sys.executable, "-m", "bench.sd15_capture_probe", "child", variant, checkpoint,
+                                      data], env=env, capture_output=True, text=True, timeout=240, cwd=str(REPO))
+                code, out, err = run.returncode, run.stdout, run.stderr
+            except subprocess.TimeoutExpired as timeout:
+                code, out, err = "timeout", str(timeout.stdout or ""), str(timeout.stderr or "")
+            result = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            print(f"== {variant} allocator={allocator} exit={code} {time.perf_counter() - started:.0f}s "
+                  f"{result[-1] if result else ''}", flush=True)
+            if "CAPTURE-TRACEBACK" in err:
+                print(err[err.index("CAPTURE-TRACEBACK"):][:4000], flush=True)
+            if code != 0:
+                tail = [line for line in err.splitlines()
+                        if "rror" in line or "terminate" in line or "what()" in line or "Warning" in line]
+                print("   " + "\n   ".join(tail[-12:])[:3000], flush=True)
+
+
+if __name__ == "__main__":
+    main()

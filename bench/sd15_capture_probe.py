@@ -11,7 +11,9 @@ Variants (all: bf16, per-layer checkpointing, AdamW8bit, fp8 weights, CUDA graph
   streamed_nhwc_off the same with conv weights left NCHW (SD1.5's channels-last layout off)
   streamed_no_offload   streamed weights, activations stay on the device
   resident_offload  fp8 weights resident + activation offload
-  streamed_cap2     `streamed` inside a 2 GiB per-process cap (the emulated card's)
+  streamed_cap2     `streamed` inside a 2 GiB per-process cap (the emulated card's), set once the cache is filled
+  autofit2          auto-fit to 2 GiB from the fast preset under that cap (the server row that aborted)
+  autofit2_thread   the same in a training thread of its own, as the Train node runs it
 """
 from __future__ import annotations
 
@@ -27,12 +29,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 COMFY = os.environ.get("COMFYUI_PATH", str(REPO / ".cache" / "comfyui"))
 ALLOCATORS = {"native": "backend:native", "cudaMallocAsync": "backend:cudaMallocAsync"}
-VARIANTS = ["streamed", "streamed_nhwc_off", "streamed_no_offload", "resident_offload", "streamed_cap2"]
+VARIANTS = ["streamed", "streamed_nhwc_off", "streamed_no_offload", "resident_offload", "streamed_cap2", "autofit2",
+            "autofit2_thread"]
 STEPS = 12
 
 
 def _memory(variant: str):
-    from trainer.settings import BaseWeights, MemorySettings
+    from trainer.settings import AutoFit, BaseWeights, MemorySettings
+    if variant.startswith("autofit2"):
+        return MemorySettings("bf16", False, 1, 1, auto_fit=AutoFit(card_gib=2))
     streamed = variant.startswith("streamed")
     return MemorySettings("bf16", True, 1, 1, "AdamW8bit",
                           BaseWeights.FP8_STREAMED if streamed else BaseWeights.FP8,
@@ -58,8 +63,7 @@ def child(variant: str, checkpoint: str, data: str) -> None:
     micro_steps.one_line = one_line_with_traceback
     if variant == "streamed_nhwc_off":
         ComfyAdapter.set_conv_layout = lambda self, unet, device, dtype: None
-    if variant.endswith("_cap2"):
-        torch.cuda.set_per_process_memory_fraction(2 * 2 ** 30 / torch.cuda.get_device_properties(0).total_memory)
+    capped = "cap2" in variant or variant.startswith("autofit2")
     with torch.inference_mode():
         model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=True, output_clip=True,
                                                                       embedding_directory=None)
@@ -70,13 +74,25 @@ def child(variant: str, checkpoint: str, data: str) -> None:
     def emit(**event):
         if event["kind"] == "step":
             stamps.append((event["step"], time.perf_counter()))
-    outcome = train_lora(adapter, dataset, _memory(variant), LoraSettings(16, 16.0),
-                         TrainSettings(STEPS, 1e-4, 0, f"probe_{variant}"), Path(tempfile.mkdtemp()), emit,
-                         lambda: False)
-    fast = [line for line in outcome.report.splitlines() if "fast path" in line or "graph" in line]
+        if capped and event.get("text") == "preparing the training copy":  # the encoders ran uncapped
+            torch.cuda.set_per_process_memory_fraction(2 * 2 ** 30 / torch.cuda.get_device_properties(0).total_memory)
+        if event["kind"] == "phase":
+            print("PHASE", event["text"][:300], flush=True)
+
+    def train():
+        return train_lora(adapter, dataset, _memory(variant), LoraSettings(16, 16.0),
+                          TrainSettings(STEPS, 1e-4, 0, f"probe_{variant}"), Path(tempfile.mkdtemp()), emit,
+                          lambda: False)
+    if variant.endswith("_thread"):
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            outcome = pool.submit(train).result()
+    else:
+        outcome = train()
+    fast = [line[:400] for line in outcome.report.splitlines() if "fast path" in line or "graph" in line or "auto-fit" in line]
     per_step = (stamps[-1][1] - stamps[0][1]) / (stamps[-1][0] - stamps[0][0]) if len(stamps) > 1 else None
     print("RESULT " + json.dumps({"losses": [round(x, 5) for x in outcome.losses[-3:]], "s_per_step_rough": per_step,
-                                  "fast_path": fast[-3:]}), flush=True)
+                                  "fast_path": fast[-5:]}), flush=True)
 
 
 def main() -> None:
@@ -105,6 +121,7 @@ def main() -> None:
             if "CAPTURE-TRACEBACK" in err:
                 print(err[err.index("CAPTURE-TRACEBACK"):][:4000], flush=True)
             if code != 0:
+                print("   " + "\n   ".join(line for line in out.splitlines() if line.startswith("PHASE"))[-1500:])
                 tail = [line for line in err.splitlines()
                         if "rror" in line or "terminate" in line or "what()" in line or "Warning" in line]
                 print("   " + "\n   ".join(tail[-12:])[:3000], flush=True)

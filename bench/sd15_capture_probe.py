@@ -5,6 +5,7 @@ abort kills only its child). A capture that fails is caught under the native all
 naming the first op that broke the capture. GPU machine, after bench/server_gpu.sh's install step:
 
     PYTHONPATH=/tmp/site python3 -m bench.sd15_capture_probe [VARIANT ...]     # default: all
+    ALLOCATORS=cudaMallocAsync ...                                             # one allocator only
 
 Variants (all: bf16, per-layer checkpointing, AdamW8bit, fp8 weights, CUDA graphs, 512², batch 1):
   streamed          + activation offload + weights streamed (what auto-fit 2 GiB picks)
@@ -99,14 +100,17 @@ def main() -> None:
     if sys.argv[1:2] == ["child"]:
         child(*sys.argv[2:5])
         return
-    sys.path[:0] = [COMFY, str(REPO), str(REPO / "scripts")]
-    from bench import full_size_assets
+    # The weights are built in a process of its own: this one must hold no device memory, as auto-fit measures
+    # what the whole device has in use outside the training process's allocator.
     work = Path(tempfile.mkdtemp(prefix="sd15-capture-"))
-    names = full_size_assets.build_model_files("sd15", work / "models", forms=("checkpoint",))
-    checkpoint = str(work / "models" / "checkpoints" / names["checkpoint"])
-    data = str(full_size_assets.build_dataset(work / "data", 512, n=4))
+    subprocess.run([sys.executable, "-m", "bench.full_size_assets", "--out", str(work), "--models", "sd15",
+                    "--forms", "checkpoint", "--images", "4"], check=True, cwd=str(REPO), stdout=subprocess.DEVNULL)
+    assets = json.loads((work / "assets.json").read_text())["sd15"]
+    checkpoint, data = str(work / "models" / "checkpoints" / assets["checkpoint"]), assets["dataset"]
     for variant in sys.argv[1:] or VARIANTS:
         for allocator, conf in ALLOCATORS.items():
+            if allocator not in os.environ.get("ALLOCATORS", ",".join(ALLOCATORS)).split(","):
+                continue
             env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTHONUNBUFFERED": "1"}
             started = time.perf_counter()
             try:

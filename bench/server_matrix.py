@@ -165,7 +165,7 @@ def plan_more() -> list[Server]:
 
 def plan_extra() -> list[Server]:
     """What "more" leaves out: the native allocator uncapped with re-queues, a cancel in an auto-fitted low-VRAM
-    server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 GiB."""
+    server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 and 2 GiB."""
     return [
         Server("sdxl_24_native", "sdxl", [
             Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
@@ -185,6 +185,11 @@ def plan_extra() -> list[Server]:
         Server("sd15_3_native", "sd15", [
             Job("autofit_3", settings("fast", auto_fit=_fit(3)), est_step_s=0.05, est_setup_s=15)],
             card_gib=3, native_allocator=True, est_start_s=12),
+        # streamed weights keep their graphs under the native allocator: the row whose capture aborted the server
+        # under cudaMallocAsync (session.graphs_incompatible), where a failed capture is caught and named
+        Server("sd15_2_native", "sd15", [
+            Job("autofit_2", settings("fast", auto_fit=_fit(2)), est_step_s=0.05, est_setup_s=25)],
+            card_gib=2, native_allocator=True, est_start_s=12),
     ]
 
 

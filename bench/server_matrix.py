@@ -760,14 +760,13 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
     if server.nvml.available:
         row["nvml_peak_gib"] = round(peak / GIB, 3)
         if train_peak is not None:
-            row["nvml_train_peak_gib"] = round(train_peak / GIB, 3)
-            row["nvml_train_peak_over_baseline_gib"] = round((train_peak - server.nvml_baseline) / GIB, 3)
-            if caching_peak is not None:  # train_peak is then the training copy's part (caching's is apart)
+            # after a split, train_peak is the training part alone and the Train node's peak the larger of both
+            node_peak = max(train_peak, caching_peak or 0)
+            row["nvml_train_peak_gib"] = round(node_peak / GIB, 3)
+            row["nvml_train_peak_over_baseline_gib"] = round((node_peak - server.nvml_baseline) / GIB, 3)
+            if caching_peak is not None:
                 row["nvml_caching_peak_over_baseline_gib"] = round((caching_peak - server.nvml_baseline) / GIB, 3)
-                row["nvml_training_peak_over_baseline_gib"] = row["nvml_train_peak_over_baseline_gib"]
-                row["nvml_train_peak_over_baseline_gib"] = round((max(train_peak, caching_peak)
-                                                                  - server.nvml_baseline) / GIB, 3)
-                row["nvml_train_peak_gib"] = round(max(train_peak, caching_peak) / GIB, 3)
+                row["nvml_training_peak_over_baseline_gib"] = round((train_peak - server.nvml_baseline) / GIB, 3)
         row["nvml_peak_over_baseline_gib"] = round((peak - server.nvml_baseline) / GIB, 3)
         row["nvml_process_peak_gib"] = round(process_peak / GIB, 3) if process_peak else None
         row["nvml_samples"] = samples

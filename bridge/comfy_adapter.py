@@ -168,8 +168,15 @@ class ComfyAdapter:
         return int(comfy.model_management.extra_reserved_memory())
 
     def release_encoders(self) -> None:
+        """ComfyUI's models off the GPU and their VRAM given back, before training measures what it has. ComfyUI
+        0.33's DynamicVRAM (comfy-aimdo) also keeps per-stream cast buffers on the GPU after unloading; ComfyUI
+        drops them only after each node (reset_cast_buffers), and its encoders just ran inside this one."""
         with torch.inference_mode():  # see encode_image
-            _unload_comfy_models()
+            comfy.model_management.unload_all_models()
+            if getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False) \
+                    and hasattr(comfy.model_management, "reset_cast_buffers"):
+                comfy.model_management.reset_cast_buffers()
+            comfy.model_management.soft_empty_cache()
 
     # --- the diffusion model ---
     def training_unet(self) -> torch.nn.Module:
@@ -177,7 +184,7 @@ class ComfyAdapter:
         streaming are decided before anything lands on the GPU): cloning turns ComfyUI's inference tensors
         (which cannot be saved for backward) into normal ones. LoRAs already patched onto the MODEL are baked in."""
         with torch.inference_mode():  # see encode_image
-            _unload_comfy_models()  # weights back to their unpatched, offloaded state
+            comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
         unet = _plain_copy(self.base.diffusion_model)
         for key, patches in self.patcher.patches.items():
             if key.startswith("diffusion_model."):
@@ -314,18 +321,6 @@ class ComfyAdapter:
         unet.to("cpu")
         with torch.inference_mode():
             comfy.model_management.soft_empty_cache()
-
-
-def _unload_comfy_models() -> None:
-    """ComfyUI's models off the GPU, and the VRAM they used given back, before training measures what it has.
-    ComfyUI 0.33's DynamicVRAM (comfy-aimdo) also keeps per-stream cast buffers on the GPU after its models are
-    unloaded; ComfyUI itself drops them after every node (reset_cast_buffers), so the Train node drops them too
-    (mid-node, ComfyUI's encoders just ran in it)."""
-    comfy.model_management.unload_all_models()
-    if getattr(getattr(comfy, "memory_management", None), "aimdo_enabled", False) \
-            and hasattr(comfy.model_management, "reset_cast_buffers"):
-        comfy.model_management.reset_cast_buffers()
-    comfy.model_management.soft_empty_cache()
 
 
 class _NoEncoder:

@@ -145,6 +145,46 @@ def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
         assert torch.allclose(fused, frozen_weights._dequantize_eager(weight, scale, dtype), rtol=2 ** -7, atol=0)
 
 
+def test_an_eager_micro_step_launches_its_fp8_upcasts_from_the_host_and_a_failed_one_resets_that():
+    """Eager CUDA steps are host-bound: their fp8 upcasts skip the compiled kernel's call overhead
+    (frozen_weights.host_launched_upcasts). The flag covers the whole forward + backward and is gone after it,
+    also when the step fails; a graph's warm-up (forward_backward called directly) keeps the compiled kernel."""
+    from trainer import frozen_weights
+    from trainer.micro_steps import EagerMicroStep
+    from trainer.precision import Precision
+    weight = torch.nn.Parameter(torch.ones(3))
+    seen = []
+
+    def loss_of(inputs):
+        seen.append(frozen_weights._host_launched_steps)
+        if inputs.get("fail") is not None:
+            raise RuntimeError("out of memory in the forward")
+        return (weight * inputs["x"]).sum()
+    step = EagerMicroStep(loss_of, Precision("no", torch.device("cpu")))
+    step({"x": torch.ones(3)}, 1)
+    assert seen == [1] and frozen_weights._host_launched_steps == 0 and weight.grad is not None
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step({"x": torch.ones(3), "fail": torch.ones(1)}, 1)
+    assert frozen_weights._host_launched_steps == 0
+    step.forward_backward({"x": torch.ones(3)}, 1)  # how a graph's warm-up runs: compiled upcasts
+    assert seen[-1] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
+def test_host_launched_fp8_upcasts_skip_the_compiled_kernel_with_the_same_numbers(monkeypatch):
+    from trainer import frozen_weights
+    weight = (torch.randn(300, 77, device="cuda") * 100).to(frozen_weights.FP8)
+    scale = torch.tensor(0.0123, device="cuda")
+    calls = []
+    fused = frozen_weights.FusedUpcast()
+    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", fused)
+    fused.kernel = lambda *args: calls.append(1) or frozen_weights._dequantize_fused(*args)
+    compiled = frozen_weights.dequantize(weight, scale, torch.bfloat16, float(scale))
+    with frozen_weights.host_launched_upcasts():
+        eager = frozen_weights.dequantize(weight, scale, torch.bfloat16, float(scale))
+    assert len(calls) == 1 and torch.equal(compiled, eager)
+
+
 def test_same_seed_same_lora_init():
     a, b = TinyNet(), TinyNet()
     b.load_state_dict(a.state_dict())

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
+import traceback
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -30,6 +32,7 @@ import torch
 from .activation_offload import ActivationOffload
 from .allocator import backend as allocator_backend, memory_fraction
 from .errors import is_out_of_memory, one_line
+from .frozen_weights import host_launched_upcasts
 from .precision import Precision
 from .settings import FastPath
 from .vram import device_memory_bytes
@@ -110,7 +113,12 @@ class EagerMicroStep:
         return loss.detach()
 
     def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
-        return self.forward_backward(inputs, accumulation)
+        return self.eager_step(inputs, accumulation)
+
+    def eager_step(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
+        """A micro-step that no capture follows (the host launches every kernel)."""
+        with host_launched_upcasts():
+            return self.forward_backward(inputs, accumulation)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)  # gradients need no memory between steps
@@ -148,11 +156,11 @@ class GraphedMicroStep(EagerMicroStep):
 
     def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
         if self.disabled:
-            return self.forward_backward(inputs, accumulation)
+            return self.eager_step(inputs, accumulation)
         self._attach_grads()
         key = self.key(inputs, accumulation)
         if key in self.eager_keys:
-            return self.forward_backward(inputs, accumulation)
+            return self.eager_step(inputs, accumulation)
         entry = self.graphs.get(key)
         if entry is None:
             return self._warm_up_and_capture(key, inputs, accumulation)
@@ -258,6 +266,10 @@ class GraphedMicroStep(EagerMicroStep):
             # Out of memory here means the graph's pool does not fit next to what is already held: eager steps
             # need no extra pool, so they go on (and OOM recovery still handles a real shortage later).
             self.disabled = one_line(error, 300)
+            # the console keeps where the capture broke (the report has one line), as text: a log record holding
+            # the traceback would pin the capture's tensors
+            logging.getLogger(__name__).warning("LeanLoRA: CUDA graph capture failed; steps run eagerly\n%s",
+                                                traceback.format_exc(limit=-12))
             why = "it needs more memory than is left" if is_out_of_memory(error) else self.disabled
             self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
             if allocator_backend() == "cudaMallocAsync":

@@ -208,6 +208,40 @@ def failed_capture():
     assert len(losses) == 4
 
 
+def capture_broken_by_cuda_gives_its_pool_back():
+    """A capture CUDA itself invalidates (a synchronizing call inside it, as the native allocator's cudaFree at a
+    memory cap was in a ComfyUI server): steps go on eagerly, and under the native allocator the failed capture's
+    private pool is given back (it kept 1.36 GiB reserved on a 2 GiB card, and ComfyUI's VAE decode failed).
+    Native allocator only: under cudaMallocAsync a failed capture's memory is kept on purpose (_never_free)."""
+    if allocator_backend() != "native":
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(DEVICE)
+
+    def build():
+        net, params = _net()
+
+        class Breaks(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = net
+
+            def forward(self, x):
+                if torch.cuda.is_current_stream_capturing():
+                    torch.empty(1 << 26, device=DEVICE)  # 256 MiB of the graph's pool
+                    torch.cuda.synchronize()  # illegal in a capture: CUDA invalidates it
+                return self.net(x)
+        return Breaks(), params
+    losses, _, micro = _train(True, steps=4, build=build)
+    assert micro.disabled and len(losses) == 4, micro.notes
+    del micro
+    gc.collect()
+    torch.cuda.empty_cache()
+    kept = torch.cuda.memory_reserved(DEVICE) - before
+    assert kept < 64 * 2 ** 20, f"{kept / 2 ** 20:.0f} MiB still reserved after a failed capture"
+
+
 def fp8_weights():
     """fp8 weights on the device through ComfyUI's layers: graphed under both allocators, and under cudaMallocAsync
     (where the graphs run the eager upcast) with the eager steps' numbers."""
@@ -251,7 +285,8 @@ def probe(name: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
-                                     fp16_loss_scaling, failed_capture, fp8_weights, streamed_fp8_weights)}
+                                     fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back, fp8_weights,
+                                     streamed_fp8_weights)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "probe":

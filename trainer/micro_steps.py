@@ -58,6 +58,31 @@ def _never_free(*objects) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(item))
 
 
+def _give_back_failed_capture_pool(device: torch.device, graph: torch.cuda.CUDAGraph, pool) -> None:
+    """What a capture that CUDA itself ended with an error leaves in PyTorch's native allocator: a CUDAGraph
+    releases its private memory pool only after a capture that ended well, and newer PyTorch stops routing
+    allocations to the pool only then too. SD1.5 auto-fit 2 GiB in a ComfyUI server (H200, --disable-cuda-malloc):
+    after the failed capture 1.36 GiB stayed reserved beside 0.36 allocated, and ComfyUI's VAE decode after the
+    Train node ran out of memory on the 2 GiB card. Ends the pool's recording (already ended on older PyTorch)
+    and drops the capture's claim on it, so that empty_cache() can return its memory once the capture's tensors
+    are gone. A capture that ended well (the error was raised in Python) is the graph's to release: a second
+    release would fail inside its destructor, which aborts the process."""
+    try:
+        graph.pool()  # raises unless the capture ended well
+        return
+    except RuntimeError:
+        pass
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        step = getattr(torch._C, name, None)
+        if step is None:
+            continue
+        try:
+            step(index, pool)
+        except RuntimeError:  # "not currently recording": this PyTorch ended it in capture_end already
+            pass
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
         stream = torch.cuda.Stream(device)
@@ -250,12 +275,14 @@ class GraphedMicroStep(EagerMicroStep):
                 self.notes.append(note + "steps run eagerly")
             return loss
         graph = torch.cuda.CUDAGraph()
+        # the pool named here, not left to the graph: a failed capture's pool must be given back by its id
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         host_buffers: list = []
         # thread_local: training runs in its own thread; CUDA calls ComfyUI's other threads might make during the
         # capture must neither break it nor fail themselves.
         try:
             with self.offload.capturing() if self.offload else contextlib.nullcontext([]) as host_buffers, \
-                    torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+                    torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 captured_loss = self.forward_backward(static_inputs, accumulation)
                 static_loss.copy_(captured_loss)
                 del captured_loss  # freed inside the capture: the graph frees it on every replay
@@ -274,6 +301,8 @@ class GraphedMicroStep(EagerMicroStep):
             self.notes.append(f"fast path: CUDA graph capture failed ({why}); steps run eagerly")
             if allocator_backend() == "cudaMallocAsync":
                 _never_free(error, graph, host_buffers)  # the error's frames hold the capture's tensors
+            elif self.pool is None:  # a pool of its own: no other graph's claim can be dropped by mistake
+                _give_back_failed_capture_pool(device, graph, pool)
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
             del graph, host_buffers
             self.graphs.clear()
@@ -282,7 +311,7 @@ class GraphedMicroStep(EagerMicroStep):
             torch.cuda.empty_cache()
             return loss
         if self.pool is None:
-            self.pool = graph.pool()
+            self.pool = pool
         self.graphs[key] = (graph, static_inputs, static_loss, host_buffers)
         # Launch the graph now, as this micro-step: from here on whatever it allocated exists and may be freed.
         for param, grad, kept in zip(self.params, self.grads, before_step):

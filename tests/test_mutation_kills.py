@@ -15,9 +15,11 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def test_a_gpu_without_bf16_gets_fp16_with_fp32_lora_weights_and_a_note(monkeypatch):
     """Pre-Ampere cards (T4, V100) have no bf16: the run falls back to fp16 loss scaling, says so, and the OOM
     ladder's 'mixed precision on' rung picks fp16 there too. CPU and bf16 cards keep the settings as asked."""
+    from trainer import memory_plan
     from trainer.memory_plan import next_rung, resolve_for_device
     asked = MemorySettings("bf16", lora_weights=LoraWeights.BF16_STOCHASTIC_ROUNDING)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(memory_plan, "cpu_computes_natively", lambda mode: True)  # an AVX512-BF16 / AMX CPU
     resolved, notes = resolve_for_device(asked, CUDA)
     assert (resolved.mixed_precision, resolved.lora_weights) == ("fp16", LoraWeights.FP32)
     assert notes == ["this GPU has no bf16: using fp16 with loss scaling (and fp32 LoRA weights) instead"]
@@ -27,6 +29,31 @@ def test_a_gpu_without_bf16_gets_fp16_with_fp32_lora_weights_and_a_note(monkeypa
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert resolve_for_device(asked, CUDA) == (asked, [])
     assert next_rung(MemorySettings("no", True), CUDA)[0].mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_a_cpu_without_16_bit_instructions_trains_in_fp32_and_says_so(monkeypatch, mode):
+    """An AVX2-only CPU emulates bf16/fp16 convolutions (~175x slower than fp32 there: the shipped template's
+    first step took over 400 s on a 2-core EPYC); the run computes in fp32, as ComfyUI does on a CPU, and the
+    report names why. A GPU keeps its precision whatever the host CPU has."""
+    from trainer import memory_plan
+    monkeypatch.setattr(memory_plan, "cpu_computes_natively", lambda asked: False)
+    lora_weights = LoraWeights.BF16_STOCHASTIC_ROUNDING if mode == "bf16" else LoraWeights.FP32
+    asked = MemorySettings(mode, True, lora_weights=lora_weights)
+    resolved, notes = memory_plan.resolve_for_device(asked, CPU)
+    assert (resolved.mixed_precision, resolved.lora_weights, resolved.gradient_checkpointing) == \
+        ("no", LoraWeights.FP32, True)
+    assert notes == [f"this CPU has no {mode} instructions (PyTorch would emulate them, ~100x slower): training in "
+                     "fp32 instead, as ComfyUI computes on a CPU"]
+    assert memory_plan.resolve_for_device(MemorySettings("no"), CPU) == (MemorySettings("no"), [])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert memory_plan.resolve_for_device(asked, CUDA) == (asked, [])
+
+
+def test_the_cpu_check_reads_pytorchs_own_answer():
+    from trainer.memory_plan import cpu_computes_natively
+    assert cpu_computes_natively("bf16") is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert cpu_computes_natively("fp16") is bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def test_a_batch_of_two_is_the_first_thing_split_on_oom():

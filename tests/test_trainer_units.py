@@ -608,3 +608,35 @@ def test_compile_preparation_splits_geglus_only_for_whole_layers(comfy_objects):
         assert geglus and all((getattr(m.forward, "__func__", None) is _split_geglu_forward) == split for m in geglus)
     assert not any(getattr(m.forward, "__func__", None) is _split_geglu_forward
                    for m in adapter.base.diffusion_model.modules() if isinstance(m, GEGLU))  # the user's model
+
+
+class _FailedCapture:
+    """What torch.cuda.CUDAGraph's pool() does after a capture: raises unless the capture ended well."""
+
+    def __init__(self, ended_well: bool):
+        self.ended_well = ended_well
+
+    def pool(self):
+        if not self.ended_well:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return (0, 7)
+
+
+@pytest.mark.parametrize("ended_well,has_instantiate,released", [
+    (False, True, True),    # CUDA ended the capture with an error: the pool is ours to give back
+    (True, True, False),    # ended well: the graph's destructor releases it; a second release aborts the process
+    (False, False, False),  # an older PyTorch whose destructor may release it after a failed instantiate: keep it
+])
+def test_a_failed_captures_pool_is_given_back_only_where_the_graph_will_not_release_it(
+        monkeypatch, ended_well, has_instantiate, released):
+    from trainer import micro_steps
+    calls = []
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(torch._C, name, lambda index, pool, name=name: calls.append((name, index, pool)),
+                            raising=False)
+    # PyTorch >= the keep_graph era has CUDAGraph.instantiate; an older one is stood in by a class without it
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", type("CUDAGraph", (), {"instantiate": lambda self: None}
+                                                      if has_instantiate else {}))
+    micro_steps._give_back_failed_capture_pool(torch.device("cuda", 0), _FailedCapture(ended_well), (0, 7))
+    expected = [("_cuda_endAllocateToPool", 0, (0, 7)), ("_cuda_releasePool", 0, (0, 7))] if released else []
+    assert calls == expected

@@ -66,7 +66,14 @@ def _give_back_failed_capture_pool(device: torch.device, graph: torch.cuda.CUDAG
     Train node ran out of memory on the 2 GiB card. Ends the pool's recording (already ended on older PyTorch)
     and drops the capture's claim on it, so that empty_cache() can return its memory once the capture's tensors
     are gone. A capture that ended well (the error was raised in Python) is the graph's to release: a second
-    release would fail inside its destructor, which aborts the process."""
+    release would fail inside its destructor, which aborts the process.
+
+    Only on PyTorch whose CUDAGraph has `instantiate` (the keep_graph era): there `pool()` and the destructor's
+    release test the same flag (capture_ended_). Before it, `pool()` tests "instantiated" while the destructor
+    releases once the capture itself ended, so a failed cudaGraphInstantiate (out of memory on a small card)
+    would be released twice; those versions keep the leak instead."""
+    if not hasattr(torch.cuda.CUDAGraph, "instantiate"):
+        return
     try:
         graph.pool()  # raises unless the capture ended well
         return

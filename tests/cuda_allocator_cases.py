@@ -104,17 +104,21 @@ def _batches(shapes, count, seed=1):
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
-           optimizer_name="AdamW", fail_capture=False, build=None, streamed=False):
+           optimizer_name="AdamW", fail_capture=False, build=None, streamed=False, graph_kept_alive=False):
     net, params = build() if build else _net(compiled_part)
     precision = Precision(precision_mode, DEVICE)
     captures = {"n": 0}
+    kept = []  # graph_kept_alive: an output of the first eager step, with its autograd graph
 
     def loss_of(inputs):
         if fail_capture and torch.cuda.is_current_stream_capturing():
             captures["n"] += 1
             torch.empty(1 << 20, device=DEVICE)  # allocated during the failing capture, never launched
             raise RuntimeError("injected capture failure")
-        return torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])
+        out = net(inputs["x"])
+        if graph_kept_alive and not kept:
+            kept.append(out)
+        return torch.nn.functional.mse_loss(out.float(), inputs["y"])
 
     saver = ActivationOffload(min_bytes=0) if offload else None
     if graphed:  # as the trainer decides it (session.graphs_incompatible)
@@ -122,6 +126,10 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
                                     incompatible=graphs_incompatible(False, streamed, allocator_backend()))
     else:
         micro = EagerMicroStep(loss_of, precision, saver)
+    if graph_kept_alive:  # an eager step on the default stream (as a probe ran), its graph held past its backward
+        micro.forward_backward(next(_batches(shapes, 1, seed=7)), 1)
+        for p in params:
+            p.grad = None
     optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=DEVICE)
     result = train_loop(params, BatchStep(lambda batch: batch, micro), _batches(shapes, steps * 4), optimizer,
                         precision, steps=steps, accumulation=1, should_stop=lambda: False)
@@ -242,6 +250,16 @@ def capture_broken_by_cuda_gives_its_pool_back():
     assert kept < 64 * 2 ** 20, f"{kept / 2 ** 20:.0f} MiB still reserved after a failed capture"
 
 
+def earlier_graph_kept_alive():
+    """An eager step's autograd graph on the default stream still alive when the graph is captured (an auto-fit
+    probe's out-of-memory traceback held one in a ComfyUI server): autograd reuses the parameters' gradient
+    accumulators that graph holds, and one on the default stream made CUDA invalidate the capture
+    (cudaErrorStreamCaptureImplicit). The step makes them on its own stream first: the capture holds."""
+    losses, _, micro = _train(True, shapes=((2, 8), (1, 12)), steps=6, graph_kept_alive=True)
+    assert micro.disabled is None and micro.graphs, micro.notes
+    assert len(losses) == 6
+
+
 def fp8_weights():
     """fp8 weights on the device through ComfyUI's layers: graphed under both allocators, and under cudaMallocAsync
     (where the graphs run the eager upcast) with the eager steps' numbers."""
@@ -285,7 +303,8 @@ def probe(name: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
-                                     fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back, fp8_weights,
+                                     fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back,
+                                     earlier_graph_kept_alive, fp8_weights,
                                      streamed_fp8_weights)}
 
 if __name__ == "__main__":

@@ -129,3 +129,48 @@ def test_streamed_weights_are_never_graphed_under_cudamallocasync():
     assert session_module.graphs_incompatible(False, False, "cudaMallocAsync") is None
     assert "dropout" in session_module.graphs_incompatible(True, False, "native")
 
+
+
+def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_rung_probes():
+    """Auto-fit walks down the ladder after a probe that ran out of memory at the card's size. That probe's
+    activations and autograd graph stay reachable from the error's traceback, past the except block wherever a
+    frame in it refers back to the error (a cycle only the garbage collector frees): on a small card they are
+    what the next rung's probe needs, and on CUDA the graph's gradient accumulators outlived the probe."""
+    import gc
+    import weakref
+    from trainer.estimate import MemoryEstimate
+
+    held_by_failed_probe: list[weakref.ref] = []
+    alive_at_next_probe: list[bool] = []
+
+    class Session:
+        adapter = type("Adapter", (), {"device": torch.device("cpu")})()
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        micro_step = type("Step", (), {"budget": None, "extra_memory": staticmethod(lambda estimate: 0)})()
+        memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2))
+        free_failed_step = session_module.TrainingSession.free_failed_step
+
+        def configure(self, memory):
+            self.memory = memory
+
+        def estimate(self, raise_oom=False):
+            alive_at_next_probe.extend(ref() is not None for ref in held_by_failed_probe)
+            if held_by_failed_probe:
+                return MemoryEstimate(frozen_weights=GIB // 2, lora_parameters=0, gradients=0, optimizer_state=0,
+                                      activations=0, workspace=0)
+            activations = torch.ones(1024)  # what the probe's frames hold when it runs out of memory
+            held_by_failed_probe.append(weakref.ref(activations))
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            except torch.OutOfMemoryError as error:
+                kept = error  # this frame (in the traceback) now refers to the error: a cycle
+                raise kept
+
+    gc.disable()
+    try:
+        estimate, lines = session_module.fit_to_budget(Session(), 2 * GIB)
+    finally:
+        gc.enable()
+    assert alive_at_next_probe == [False], "the failed probe's tensors were still alive when the next rung probed"
+    assert any("the probe ran out of memory" in line for line in lines), lines
+    assert estimate.frozen_weights == GIB // 2

@@ -104,6 +104,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def _pin_gradient_accumulators(params: list[torch.nn.Parameter], stream: torch.cuda.Stream) -> list:
+    """Each parameter's AccumulateGrad node, made on `stream` and kept for as long as the step lives.
+    Autograd makes that node when a parameter first enters a graph, on the stream current then, and reuses it while
+    any graph holding it lives. One made on the default stream by an eager step (an auto-fit probe whose graph an
+    out-of-memory traceback kept alive) makes a captured backward sync the legacy stream with the capturing one:
+    CUDA invalidates the capture (cudaErrorStreamCaptureImplicit, SD1.5 auto-fit 2 GiB in a ComfyUI server, H200,
+    2 Dec 2026). Made here first, every graph of these parameters accumulates on the capture's stream."""
+    with torch.enable_grad(), torch.cuda.stream(stream):
+        return [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+
+
 def _memory_limit(device: torch.device, budget: int | None) -> int | None:
     """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
     limits = [budget] if budget else []
@@ -152,6 +163,11 @@ class EagerMicroStep:
         with host_launched_upcasts():
             return self.forward_backward(inputs, accumulation)
 
+    def throwaway(self, inputs: dict[str, torch.Tensor]) -> None:
+        """A forward + backward outside training (the estimate's probes, the compile step); the caller clears the
+        gradients."""
+        self.forward_backward(inputs, 1)
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)  # gradients need no memory between steps
 
@@ -172,8 +188,9 @@ class GraphedMicroStep(EagerMicroStep):
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
                  passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None):
         super().__init__(compute_loss, precision, offload)
-        _side_stream(torch.cuda.current_stream().device)  # so its cuBLAS workspace exists before the estimate
+        side = _side_stream(torch.cuda.current_stream().device)  # its cuBLAS workspace exists before the estimate
         self.params = params
+        self.accumulators = _pin_gradient_accumulators(params, side)
         self.passthrough_errors = passthrough_errors  # Cancel: re-raised, never a reason to give up on graphs
         # shape key -> (graph, its input tensors, its loss tensor, host buffers its offload copies use)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor, list]] = {}
@@ -201,6 +218,17 @@ class GraphedMicroStep(EagerMicroStep):
             static_inputs[name].copy_(tensor, non_blocking=True)
         graph.replay()
         return static_loss.clone()  # the next replay overwrites static_loss
+
+    def throwaway(self, inputs: dict[str, torch.Tensor]) -> None:
+        """On the capture's stream, as the warm-up: an autograd graph these steps leave alive (an out-of-memory
+        error's traceback holds one) then holds no accumulator of another stream's (see _pin_gradient_accumulators)."""
+        side = _side_stream(torch.cuda.current_stream().device)
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                super().throwaway(inputs)
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
 
     def extra_memory(self, estimate) -> int:
         """Reserved bytes a graphed run needs beyond the estimate: a second stream's cuBLAS workspace and the

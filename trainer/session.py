@@ -229,6 +229,7 @@ class TrainingSession:
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise
+            self.free_failed_step(error)
             self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
             return estimate
 
@@ -272,7 +273,7 @@ class TrainingSession:
         the run's RNG stream untouched (the training steps draw the same noise with or without it)."""
         rng = self.generator.get_state()
         try:
-            self.micro_step.forward_backward(self.inputs(batch), 1)
+            self.micro_step.throwaway(self.inputs(batch))
         finally:  # also when it failed part-way (compile errors, out of memory): no gradients left behind
             self.generator.set_state(rng)
             self.optimizer.zero_grad(set_to_none=True)
@@ -493,6 +494,9 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
+            # its traceback holds the probe's activations and autograd graph: on a small card they are what the
+            # next rung's probe needs
+            session.free_failed_step(error)
             estimate, total = None, None  # even the small probe did not fit
         budget = card if isinstance(card, int) else card.usable()
         session.micro_step.budget = budget

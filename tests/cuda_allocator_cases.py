@@ -218,7 +218,8 @@ def failed_capture():
 
 def capture_broken_by_cuda_gives_its_pool_back():
     """A capture CUDA itself invalidates (a synchronizing call inside it, as the native allocator's cudaFree at a
-    memory cap was in a ComfyUI server): steps go on eagerly, and under the native allocator the failed capture's
+    memory cap was in a ComfyUI server): steps go on eagerly, random draws on the GPU still work after it (the
+    failed capture left the generator in capture mode), and under the native allocator the failed capture's
     private pool is given back (it kept 1.36 GiB reserved on a 2 GiB card, and ComfyUI's VAE decode failed).
     Native allocator only: under cudaMallocAsync a failed capture's memory is kept on purpose (_never_free)."""
     if allocator_backend() != "native":
@@ -243,6 +244,7 @@ def capture_broken_by_cuda_gives_its_pool_back():
         return Breaks(), params
     losses, _, micro = _train(True, steps=4, build=build)
     assert micro.disabled and len(losses) == 4, micro.notes
+    torch.randn(4, device=DEVICE)  # the GPU's random generator works after it (ComfyUI's GPU noise needs it)
     del micro
     gc.collect()
     torch.cuda.empty_cache()

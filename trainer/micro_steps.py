@@ -90,6 +90,24 @@ def _give_back_failed_capture_pool(device: torch.device, graph: torch.cuda.CUDAG
             pass
 
 
+def _end_random_generator_capture(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """A capture that CUDA ended with an error leaves the GPU's default random generator in capture mode (PyTorch
+    ends it only after a capture that ended well): every later random draw on that GPU in the process, ComfyUI's
+    GPU noise included, fails with "Offset increment outside graph capture encountered unexpectedly" (H200, torch
+    2.11). A small capture that ends well ends it."""
+    target = torch.zeros(1, device=device)
+    try:
+        torch.empty(1, device=device).uniform_()
+        return  # the generator is fine: the capture failed in Python, and torch.cuda.graph ended it
+    except RuntimeError as error:
+        if "outside graph capture" not in str(error):
+            raise
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        target.add_(1)  # allocates nothing: the graph may go without ever being launched
+    del graph
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
         stream = torch.cuda.Stream(device)
@@ -338,6 +356,7 @@ class GraphedMicroStep(EagerMicroStep):
                 _never_free(error, graph, host_buffers)  # the error's frames hold the capture's tensors
             elif self.pool is None:  # a pool of its own: no other graph's claim can be dropped by mistake
                 _give_back_failed_capture_pool(device, graph, pool)
+            _end_random_generator_capture(device, side)
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
             del graph, host_buffers
             self.graphs.clear()

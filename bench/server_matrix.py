@@ -185,8 +185,7 @@ def plan_extra() -> list[Server]:
         Server("sd15_3_native", "sd15", [
             Job("autofit_3", settings("fast", auto_fit=_fit(3)), est_step_s=0.05, est_setup_s=15)],
             card_gib=3, native_allocator=True, est_start_s=12),
-        # streamed weights keep their graphs under the native allocator: the row whose capture aborted the server
-        # under cudaMallocAsync (session.graphs_incompatible), where a failed capture is caught and named
+        # the row whose streamed capture once aborted the server under cudaMallocAsync, here under the native one
         Server("sd15_2_native", "sd15", [
             Job("autofit_2", settings("fast", auto_fit=_fit(2)), est_step_s=0.05, est_setup_s=25)],
             card_gib=2, native_allocator=True, est_start_s=12),

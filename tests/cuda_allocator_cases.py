@@ -104,7 +104,7 @@ def _batches(shapes, count, seed=1):
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
-           optimizer_name="AdamW", fail_capture=False, build=None, streamed=False, graph_kept_alive=False):
+           optimizer_name="AdamW", fail_capture=False, build=None, graph_kept_alive=False):
     net, params = build() if build else _net(compiled_part)
     precision = Precision(precision_mode, DEVICE)
     captures = {"n": 0}
@@ -123,7 +123,7 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
     saver = ActivationOffload(min_bytes=0) if offload else None
     if graphed:  # as the trainer decides it (session.graphs_incompatible)
         micro, _ = build_micro_step(FastPath.CUDA_GRAPHS, loss_of, precision, params, DEVICE, offload=saver,
-                                    incompatible=graphs_incompatible(False, streamed, allocator_backend()))
+                                    incompatible=graphs_incompatible(False))
     else:
         micro = EagerMicroStep(loss_of, precision, saver)
     if graph_kept_alive:  # an eager step on the default stream (as a probe ran), its graph held past its backward
@@ -272,10 +272,10 @@ def fp8_weights():
 
 def streamed_fp8_weights():
     """fp8 weights streamed from pinned CPU memory through ComfyUI's layers, as the trainer streams them (copies on
-    the current stream, norms resident), with activation offload: graphed under the native allocator, eager (the
-    trainer's choice) under cudaMallocAsync, the same training either way."""
-    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True, build=_comfy_ops_net, streamed=True)
-    assert bool(getattr(micro, "graphs", None)) == (allocator_backend() != "cudaMallocAsync"), micro.notes
+    the current stream, norms resident), with activation offload: graphed under both allocators, the same training
+    as eager steps."""
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True, build=_comfy_ops_net)
+    assert micro.graphs, micro.notes
 
 
 PROBES = {  # bench/streamed_capture_probe.py: which ingredient of a streamed step breaks capture, per allocator

@@ -120,14 +120,11 @@ def test_probes_are_capped_and_uncapped_where_pytorch_cannot_tell_the_cap(monkey
     assert caps[-2:] == [pytest.approx(4 / 141), pytest.approx(8 / 141)]  # a known cap is put back
 
 
-def test_streamed_weights_are_never_graphed_under_cudamallocasync():
-    # A captured streamed step aborted a ComfyUI server (SD1.5, auto-fit 2 GiB, H200): the error was raised in
-    # autograd's own thread, where nothing can catch it. The native allocator keeps graphed streaming.
-    reason = session_module.graphs_incompatible(False, True, "cudaMallocAsync")
-    assert reason and "--disable-cuda-malloc" in reason
-    assert session_module.graphs_incompatible(False, True, "native") is None
-    assert session_module.graphs_incompatible(False, False, "cudaMallocAsync") is None
-    assert "dropout" in session_module.graphs_incompatible(True, False, "native")
+def test_only_random_forwards_keep_steps_from_being_graphed():
+    # Streamed weights are graphed under cudaMallocAsync too (SD1.5 2 GiB and SDXL 3 GiB in a ComfyUI server, H200,
+    # 3 Dec 2026); LoRA dropout draws inside the step, which a replay would repeat.
+    assert session_module.graphs_incompatible(False) is None
+    assert "dropout" in session_module.graphs_incompatible(True)
 
 
 

@@ -132,7 +132,7 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=self.adapter.cancel_errors,
-            incompatible=graphs_incompatible(random_forward, streamed, allocator_backend()),
+            incompatible=graphs_incompatible(random_forward),
             offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -521,19 +521,13 @@ def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[M
         lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
 
 
-def graphs_incompatible(random_forward: bool, streamed: bool, allocator: str) -> str | None:
-    """Why this run's steps cannot be CUDA graphs, None when they can."""
+def graphs_incompatible(random_forward: bool) -> str | None:
+    """Why this run's steps cannot be CUDA graphs, None when they can. Streamed weights are graphed under both
+    allocators: the streamed capture that aborted a ComfyUI server under cudaMallocAsync (SD1.5 auto-fit 2 GiB)
+    was broken by a gradient accumulator an auto-fit probe left on the default stream (see
+    micro_steps._pin_gradient_accumulators), not by streaming."""
     if random_forward:
         return "LoRA dropout draws random numbers inside the step"
-    if streamed and allocator == "cudaMallocAsync":
-        # SD1.5 auto-fit 2 GiB (fp8 streamed + activation offload, ComfyUI 0.3.75, H200, 1 and 2 Dec 2026): the
-        # capture failed inside autograd's own thread (a free in cudaMallocAsync's sync_raw), where nothing can
-        # catch it, and the process aborted (a small streamed model of ComfyUI's layers captures there and trains
-        # like its eager steps, bench/streamed_capture_probe.py: the first error is not found). The native
-        # allocator graphs streamed steps correctly.
-        return ("frozen weights are streamed under ComfyUI's default cudaMallocAsync allocator, where a captured "
-                "streamed step aborted a ComfyUI server; start ComfyUI with --disable-cuda-malloc for graphed "
-                "streaming")
     return None
 
 

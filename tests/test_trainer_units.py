@@ -640,3 +640,49 @@ def test_a_failed_captures_pool_is_given_back_only_where_the_graph_will_not_rele
     micro_steps._give_back_failed_capture_pool(torch.device("cuda", 0), _FailedCapture(ended_well), (0, 7))
     expected = [("_cuda_endAllocateToPool", 0, (0, 7)), ("_cuda_releasePool", 0, (0, 7))] if released else []
     assert calls == expected
+
+
+@pytest.mark.parametrize("draw_error, capture_error, expected", [
+    (None, None, True),  # the capture failed in Python: torch.cuda.graph ended the generator's capture itself
+    ("Offset increment outside graph capture encountered unexpectedly.", None, True),  # ended by a small capture
+    ("Offset increment outside graph capture encountered unexpectedly.",
+     "Only one capture at a time is allowed in a process.", False),  # refused: the report says so
+])
+def test_a_failed_capture_leaves_the_gpus_random_generator_usable_or_says_it_cannot(
+        monkeypatch, draw_error, capture_error, expected):
+    """After a capture CUDA ended with an error PyTorch leaves the GPU's generator in capture mode and every GPU
+    random draw in the process fails (ComfyUI's GPU noise): a small capture that ends well ends it (on the GPU:
+    tests/cuda_allocator_cases.py, capture_broken_by_cuda_gives_its_pool_back)."""
+    import contextlib
+    from trainer import micro_steps
+    captured = []
+
+    class Draw:
+        def uniform_(self):
+            if draw_error:
+                raise RuntimeError(draw_error)
+
+    @contextlib.contextmanager
+    def graph(g, stream=None):
+        if capture_error:
+            raise RuntimeError(capture_error)
+        captured.append(stream)
+        yield
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: Draw())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    assert micro_steps._end_random_generator_capture(torch.device("cpu"), "side") is expected
+    assert captured == (["side"] if draw_error and not capture_error else [])
+
+
+def test_a_failed_random_draw_for_another_reason_is_not_hidden(monkeypatch):
+    from trainer import micro_steps
+
+    class Draw:
+        def uniform_(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: Draw())
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        micro_steps._end_random_generator_capture(torch.device("cpu"), "side")

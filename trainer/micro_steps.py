@@ -90,22 +90,26 @@ def _give_back_failed_capture_pool(device: torch.device, graph: torch.cuda.CUDAG
             pass
 
 
-def _end_random_generator_capture(device: torch.device, stream: torch.cuda.Stream) -> None:
+def _end_random_generator_capture(device: torch.device, stream: torch.cuda.Stream) -> bool:
     """A capture that CUDA ended with an error leaves the GPU's default random generator in capture mode (PyTorch
     ends it only after a capture that ended well): every later random draw on that GPU in the process, ComfyUI's
     GPU noise included, fails with "Offset increment outside graph capture encountered unexpectedly" (H200, torch
-    2.11). A small capture that ends well ends it."""
+    2.11). A small capture that ends well ends it. False where that capture is refused too (cudaMallocAsync may
+    still count the failed capture as under way)."""
     target = torch.zeros(1, device=device)
     try:
         torch.empty(1, device=device).uniform_()
-        return  # the generator is fine: the capture failed in Python, and torch.cuda.graph ended it
+        return True  # the generator is fine: the capture failed in Python, and torch.cuda.graph ended it
     except RuntimeError as error:
         if "outside graph capture" not in str(error):
             raise
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        target.add_(1)  # allocates nothing: the graph may go without ever being launched
-    del graph
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            target.add_(1)  # allocates nothing: the graph may go without ever being launched
+        return True
+    except RuntimeError:
+        return False
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -356,7 +360,9 @@ class GraphedMicroStep(EagerMicroStep):
                 _never_free(error, graph, host_buffers)  # the error's frames hold the capture's tensors
             elif self.pool is None:  # a pool of its own: no other graph's claim can be dropped by mistake
                 _give_back_failed_capture_pool(device, graph, pool)
-            _end_random_generator_capture(device, side)
+            if not _end_random_generator_capture(device, side):
+                self.notes.append("fast path: after the failed capture PyTorch keeps this GPU's random generator in "
+                                  "capture mode: samplers that draw noise on the GPU fail until ComfyUI restarts")
         if self.disabled:  # outside the except block: the error's traceback no longer pins the capture's tensors
             del graph, host_buffers
             self.graphs.clear()

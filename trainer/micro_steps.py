@@ -227,6 +227,8 @@ class GraphedMicroStep(EagerMicroStep):
 
     def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
         if self.disabled:
+            # eager steps run on the default stream: accumulators there, so that backward needs no stream syncs
+            self.accumulators.clear()
             return self.eager_step(inputs, accumulation)
         self._attach_grads()
         key = self.key(inputs, accumulation)

@@ -127,7 +127,6 @@ def test_only_random_forwards_keep_steps_from_being_graphed():
     assert "dropout" in session_module.graphs_incompatible(True)
 
 
-
 def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_rung_probes():
     """Auto-fit walks down the ladder after a probe that ran out of memory at the card's size. That probe's
     activations and autograd graph stay reachable from the error's traceback, past the except block wherever a

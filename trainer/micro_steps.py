@@ -96,13 +96,13 @@ def _end_random_generator_capture(device: torch.device, stream: torch.cuda.Strea
     GPU noise included, fails with "Offset increment outside graph capture encountered unexpectedly" (H200, torch
     2.11). A small capture that ends well ends it. False where that capture is refused too (cudaMallocAsync may
     still count the failed capture as under way)."""
-    target = torch.zeros(1, device=device)
     try:
         torch.empty(1, device=device).uniform_()
         return True  # the generator is fine: the capture failed in Python, and torch.cuda.graph ended it
     except RuntimeError as error:
         if "outside graph capture" not in str(error):
             raise
+    target = torch.zeros(1, device=device)  # made before the capture: never the graph's memory
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
@@ -124,6 +124,18 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
         stream.synchronize()
         _SIDE_STREAMS[device] = stream
     return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream):
+    """Work on `stream`, ordered after what the current stream queued before and before what it queues after."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
 
 
 def _pin_gradient_accumulators(params: list[torch.nn.Parameter], stream: torch.cuda.Stream) -> list:
@@ -246,13 +258,8 @@ class GraphedMicroStep(EagerMicroStep):
     def throwaway(self, inputs: dict[str, torch.Tensor]) -> None:
         """On the capture's stream, as the warm-up: an autograd graph these steps leave alive (an out-of-memory
         error's traceback holds one) then holds no accumulator of another stream's (see _pin_gradient_accumulators)."""
-        side = _side_stream(torch.cuda.current_stream().device)
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                super().throwaway(inputs)
-        finally:
-            torch.cuda.current_stream().wait_stream(side)
+        with _on_stream(_side_stream(torch.cuda.current_stream().device)):
+            super().throwaway(inputs)
 
     def extra_memory(self, estimate) -> int:
         """Reserved bytes a graphed run needs beyond the estimate: a second stream's cuBLAS workspace and the
@@ -300,11 +307,9 @@ class GraphedMicroStep(EagerMicroStep):
         # The gradients before this micro-step (on the host: no device memory), put back before the new graph
         # replays the micro-step; None where a parameter had none.
         before_step = [None if p.grad is None else p.grad.to("cpu") for p in self.params] if capturing else None
-        side.wait_stream(torch.cuda.current_stream())
         before = device_memory_bytes(device)
-        with torch.cuda.stream(side):
+        with _on_stream(side):
             loss = self.forward_backward(inputs, accumulation, record=True)
-        torch.cuda.current_stream().wait_stream(side)
         if not capturing:
             return loss
         after = device_memory_bytes(device)

@@ -92,18 +92,36 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
     return saved
 
 
-def stream_weights_from_cpu(module: torch.nn.Module) -> int:
-    """Moves the frozen weights and biases of the fp8 Linear/Conv2d layers (store_weights_fp8 first) to pinned
-    CPU memory; their forward copies them to the compute device on the current stream just before the layer
-    runs. With gradient checkpointing only the block being recomputed holds device copies. Returns the bytes kept
-    off the device.
+def streamed_layers(module: torch.nn.Module, share: float = 1.0) -> list[torch.nn.Module]:
+    """The fp8-computed layers that stream at `share`: the largest weights first, until they hold `share` of the
+    elements. A larger share streams a superset (the order depends on shapes alone, the same before and after fp8),
+    so a rung that streams more only adds layers. Largest first keeps the copies few and long: each streamed
+    byte crosses PCIe twice per step whatever layer it belongs to, but each copy has its own launch."""
+    layers = [layer for layer in module.modules() if _fp8_computed(layer) or isinstance(layer, _Fp8Compute)]
+    by_size = sorted(layers, key=lambda layer: -layer.weight.numel())  # stable: module order among equal sizes
+    total, taken, chosen = sum(layer.weight.numel() for layer in layers), 0, []
+    wanted = share * total
+    for layer in by_size:
+        if taken >= wanted - 1e-6 * total:  # float slack: share 1 takes every layer
+            break
+        chosen.append(layer)
+        taken += layer.weight.numel()
+    return chosen
 
-    Every other layer (norms: a few MB) stays on the device. Streamed through ComfyUI's generic cast, a layer is
-    copied on ComfyUI's offload streams and its copy freed there; under cudaMallocAsync a free is stream work,
-    and inside a CUDA-graph capture that work lands on a stream the capture never joins again."""
+
+def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:
+    """Moves the frozen weights and biases of the fp8 Linear/Conv2d layers (store_weights_fp8 first) that stream
+    at `share` (streamed_layers) to pinned CPU memory; their forward copies them to the compute device on the
+    current stream just before the layer runs. With gradient checkpointing only the block being recomputed holds
+    device copies. Returns the bytes kept off the device.
+
+    Every other layer (norms: a few MB; the fp8 layers beyond `share`) stays on the device. Streamed through
+    ComfyUI's generic cast, a layer is copied on ComfyUI's offload streams and its copy freed there; under
+    cudaMallocAsync a free is stream work, and inside a CUDA-graph capture that work lands on a stream the capture
+    never joins again."""
     moved = 0
     pin = torch.cuda.is_available()  # pinned pages let the host-to-device copies run asynchronously
-    for layer in module.modules():
+    for layer in streamed_layers(module, share):
         if not isinstance(layer, _Fp8Compute):
             continue
         for name in ("weight", "bias"):
@@ -119,17 +137,19 @@ def stream_weights_from_cpu(module: torch.nn.Module) -> int:
     return moved
 
 
-def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: BaseWeights) -> int:
-    """Device bytes the frozen weights will take under `base_weights`, before any conversion is made."""
-    streamed, fp8 = base_weights.streamed, base_weights.fp8
+def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: BaseWeights,
+                           stream_share: float = 1.0) -> int:
+    """Device bytes the frozen weights will take under `base_weights` (streaming `stream_share` of them), before
+    any conversion is made."""
+    fp8 = base_weights.fp8
+    streamed = {id(layer) for layer in streamed_layers(module, stream_share)} if base_weights.streamed else set()
     total = 0
     for layer in module.modules():
         castable = hasattr(layer, "comfy_cast_weights")
-        fp8_computed = _fp8_computed(layer)
         for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
             if getattr(tensor, "requires_grad", False) or not tensor.is_floating_point():
                 continue
-            if fp8_computed and streamed and name in ("weight", "bias"):
+            if id(layer) in streamed and name in ("weight", "bias"):
                 continue
             size = 1 if (castable and fp8 and name == "weight" and tensor.dim() >= 2) else \
                 torch.empty((), dtype=compute_dtype).element_size()

@@ -275,12 +275,12 @@ class ComfyAdapter:
     def store_weights_fp8(self, unet: torch.nn.Module) -> int:
         return cast_weights.store_weights_fp8(unet)
 
-    def stream_weights_from_cpu(self, unet: torch.nn.Module) -> int:
-        return cast_weights.stream_weights_from_cpu(unet)
+    def stream_weights_from_cpu(self, unet: torch.nn.Module, share: float = 1.0) -> int:
+        return cast_weights.stream_weights_from_cpu(unet, share)
 
     def projected_weight_bytes(self, unet: torch.nn.Module, compute_dtype: torch.dtype,
-                               base_weights: BaseWeights) -> int:
-        return cast_weights.projected_weight_bytes(unet, compute_dtype, base_weights)
+                               base_weights: BaseWeights, stream_share: float = 1.0) -> int:
+        return cast_weights.projected_weight_bytes(unet, compute_dtype, base_weights, stream_share)
 
     def set_compute_dtype(self, unet: torch.nn.Module, dtype: torch.dtype) -> None:
         cast_frozen_weights(unet, dtype)

@@ -53,7 +53,7 @@ def test_free_vram_is_the_card_less_comfyuis_reserve_and_what_is_held_outside_py
 
 def _weight_bytes(unet):
     """What the session hands plan_static: the adapter's projection (ComfyUI's, whose cast ops TinyNet mimics)."""
-    return lambda dtype, base_weights: projected_weight_bytes(unet, dtype, base_weights)
+    return lambda dtype, base_weights, share: projected_weight_bytes(unet, dtype, base_weights, share)
 
 
 def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training_naming_the_smallest_card(card):

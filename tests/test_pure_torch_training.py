@@ -148,10 +148,10 @@ class TinyAdapter:
     def store_weights_fp8(self, unet) -> int:
         return 0
 
-    def stream_weights_from_cpu(self, unet) -> int:
+    def stream_weights_from_cpu(self, unet, share=1.0) -> int:
         return 0
 
-    def projected_weight_bytes(self, unet, compute_dtype, base_weights) -> int:
+    def projected_weight_bytes(self, unet, compute_dtype, base_weights, stream_share=1.0) -> int:
         size = torch.empty((), dtype=compute_dtype).element_size()
         return sum(t.numel() * size for t in [*unet.parameters(), *unet.buffers()]
                    if t.is_floating_point() and not t.requires_grad)

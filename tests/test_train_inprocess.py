@@ -195,6 +195,40 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter, monke
     assert sum(t.numel() * t.element_size() for t in frozen_bound if t.dim()) == streamed_projection
 
 
+def test_a_stream_share_streams_the_largest_layers_up_to_that_share_and_its_projection_holds(adapter):
+    from bridge.cast_weights import projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu, streamed_layers
+    from trainer.frozen_weights import device_bound
+    from trainer.lora import inject_lora
+    unet = adapter.training_unet()
+    inject_lora(unet, LoraSettings(rank=4), seed=0)
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    projections = {share: projected_weight_bytes(unet, torch.float32, BaseWeights.FP8_STREAMED, share)
+                   for share in (0.2, 0.4, 0.6, 0.8, 1.0)}
+    fp8 = projected_weight_bytes(unet, torch.float32, BaseWeights.FP8)
+    assert fp8 > projections[0.2] > projections[0.4] > projections[0.6] > projections[0.8] > projections[1.0]
+    chosen = {share: streamed_layers(unet, share) for share in (0.2, 0.4, 1.0)}
+    everything = sum(layer.weight.numel() for layer in chosen[1.0])
+    for share in (0.2, 0.4):  # at least the share, and no layer more than needed to reach it
+        numels = [layer.weight.numel() for layer in chosen[share]]
+        assert sum(numels) >= share * everything > sum(numels) - min(numels)
+        assert min(numels) >= max(layer.weight.numel() for layer in chosen[1.0] if layer not in chosen[share])
+    assert {id(layer) for layer in chosen[0.2]} <= {id(layer) for layer in chosen[0.4]}  # more streams a superset
+    store_weights_fp8(unet)
+    with torch.no_grad():
+        reference = adapter.predict(unet, x, torch.tensor([500.0]), cond)
+    assert [id(layer) for layer in streamed_layers(unet, 0.4)] == [id(layer) for layer in chosen[0.4]]  # after fp8 too
+    stream_weights_from_cpu(unet, 0.2)
+    kept_off = stream_weights_from_cpu(unet, 0.4)  # a later rung streams more
+    streamed = [layer for layer in unet.modules() if getattr(layer, "leanlora_streamed", False)]
+    assert {id(layer) for layer in streamed} == {id(layer) for layer in chosen[0.4]}
+    frozen_bound = [t for t in device_bound(unet) if not t.requires_grad]
+    assert sum(t.numel() * t.element_size() for t in frozen_bound if t.dim()) == projections[0.4]
+    assert kept_off == pytest.approx(fp8 - projections[0.4], rel=0.02)
+    with torch.no_grad():
+        assert torch.equal(adapter.predict(unet, x, torch.tensor([500.0]), cond), reference)
+
+
 @pytest.mark.parametrize("backend", [Attention.SDPA, Attention.SUB_QUADRATIC])
 def test_attention_backends_compute_the_same_and_are_really_used(adapter, backend, monkeypatch):
     import comfy.ldm.modules.attention as comfy_attention

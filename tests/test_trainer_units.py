@@ -329,14 +329,19 @@ def test_memory_ladder_order_keeps_effective_batch():
             memory.base_weights) == (1, "bf16", True, "AdamW8bit", BaseWeights.FP8)
 
 
-def test_memory_ladder_on_cuda_ends_with_offload_then_streaming():
+def test_memory_ladder_on_cuda_ends_with_offload_then_streaming_a_fifth_of_the_weights_at_a_time():
     from trainer.memory_plan import next_rung
     memory = MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8")
     memory, first = next_rung(memory, torch.device("cuda"))
     assert memory.activation_offload and first.startswith("activations")
-    memory, second = next_rung(memory, torch.device("cuda"))
-    assert memory.base_weights is BaseWeights.FP8_STREAMED and "streamed" in second
-    assert next_rung(memory, torch.device("cuda")) is None
+    shares = []
+    while (rung := next_rung(memory, torch.device("cuda"))) is not None:
+        memory, description = rung
+        assert memory.base_weights is BaseWeights.FP8_STREAMED and "streamed" in description
+        shares.append(memory.stream_share)
+    assert shares == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert "20% of them" in MemorySettings(base_weights="fp8_streamed", stream_share=0.2).describe()
+    assert "% of them" not in MemorySettings(base_weights="fp8_streamed").describe()
 
 
 def test_estimate_static_terms_are_exact_counts():

@@ -95,15 +95,18 @@ class TrainingSession:
                 if note:
                     self.notes.append(note)
         to_fp8 = memory.base_weights.fp8 and (old is None or not old.base_weights.fp8)
-        to_stream = streamed and (old is None or not old.base_weights.streamed)
+        to_stream = streamed and (old is None or not old.base_weights.streamed or old.stream_share < memory.stream_share)
         if (to_fp8 or to_stream) and device.type == "cuda":
             park_frozen_on_cpu(self.unet)
         if to_fp8:
             saved = self.adapter.store_weights_fp8(self.unet)
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
         if to_stream:
-            moved = self.adapter.stream_weights_from_cpu(self.unet)
-            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU")
+            moved = self.adapter.stream_weights_from_cpu(self.unet, memory.stream_share)
+            self.notes = [n for n in self.notes if not n.startswith("frozen weights streamed from CPU: ")]
+            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU"
+                              + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays "
+                                 "on the GPU)" if memory.stream_share < 1 else ""))
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
@@ -158,7 +161,8 @@ class TrainingSession:
         else:
             # The ladder's probes run uncompiled (each rung's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
-            weight_bytes = lambda dtype, base: self.adapter.projected_weight_bytes(self.unet, dtype, base)  # noqa: E731
+            weight_bytes = lambda dtype, base, share: self.adapter.projected_weight_bytes(  # noqa: E731
+                self.unet, dtype, base, share)
             memory, lines = plan_static(memory, weight_bytes, self.params, budget, self.adapter.device, card.card)
             self.configure(memory)
             estimate, more_lines = fit_to_budget(self, card)
@@ -452,17 +456,17 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
             return kept, description
 
 
-def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights], int], params: list,
+def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
                 budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
     leave room for activations. A model larger than the budget never has to be loaded to find that out.
-    weight_bytes(compute dtype, base weights): device bytes the frozen weights would take (the model adapter's
-    projected_weight_bytes)."""
+    weight_bytes(compute dtype, base weights, stream share): device bytes the frozen weights would take (the model
+    adapter's projected_weight_bytes)."""
     lines = []
     while True:
         dtype = DTYPES[memory.mixed_precision] or torch.float32
         lora = sum(p.numel() * 4 for p in params)
-        static = weight_bytes(dtype, memory.base_weights) + 2 * lora + \
+        static = weight_bytes(dtype, memory.base_weights, memory.stream_share) + 2 * lora + \
             optimizer_state_bytes(memory.optimizer, params)
         if static <= budget * STATIC_SHARE:
             return memory, lines

@@ -146,6 +146,7 @@ class MemorySettings:
     lora_weights: LoraWeights = LoraWeights.FP32
     checkpoint_depth: CheckpointDepth = CheckpointDepth.LAYER
     checkpoint_share: float = 1.0  # with checkpointing: the fraction of units recomputed (trainer/checkpointing.py)
+    stream_share: float = 1.0  # with fp8 streamed: the fraction of the fp8 weights kept in CPU RAM, largest first
 
     def __post_init__(self):
         _require_choice(self, "mixed_precision", MIXED_PRECISION)
@@ -164,6 +165,10 @@ class MemorySettings:
         _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1,
                  "checkpoint_share", f"got {share!r}; use a fraction above 0 up to 1 (1 = every block recomputed, "
                  "0.5 = the half that frees the most memory per recompute)")
+        share = self.stream_share
+        _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1,
+                 "stream_share", f"got {share!r}; use a fraction above 0 up to 1 (1 = every fp8 weight streamed from "
+                 "CPU RAM, 0.3 = the largest layers holding 30% of them, the rest stays in VRAM)")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")
@@ -183,6 +188,7 @@ class MemorySettings:
                 f"{f'on ({depth}{self._share_text})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
                 + _BASE_WEIGHTS_TEXT[self.base_weights]
+                + (f" ({self.stream_share:.0%} of them)" if self.base_weights.streamed and self.stream_share < 1 else "")
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")
                 + f", {_ATTENTION_TEXT[self.attention]}, {_FAST_PATH_TEXT[self.fast_path]}"
                 + (", torch.compile" if self.compile else "")

@@ -39,13 +39,93 @@ def _compute_dtype(input: torch.Tensor) -> torch.dtype:
     return input.dtype
 
 
+class UpcastGroup:
+    """The fp8 layers of one block (a ResBlock, a transformer layer), upcast together: the first of them to run
+    upcasts every member whose fp8 weight is on its device with two multi-tensor kernels (`_foreach_copy_` into
+    the compute dtype, `_foreach_mul_` by each scale), and each member takes its own as it runs. One layer at a
+    time that is two kernels per weight, ~1,700 upcasts per SDXL step with checkpointing: fp8 weights made the
+    6 GiB card's graphed step 0.030 s slower than bf16 ones (0.148 vs 0.118 s, H200, cudaMallocAsync), far more
+    than the bytes they move. The numbers are the per-layer upcast's: fp8 -> dtype is exact, then one fp32
+    multiply by the Python-float scale and one rounding.
+
+    Active only while the block's forward runs (`_scoped`, installed inside checkpointing's wrapper, so the
+    recompute in backward groups its upcasts too): what it upcast is the block's like any local tensor, gone when
+    the forward returns or raises (nothing outlives a CUDA-graph capture)."""
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        self.layers = layers
+        self.ready: dict[int, torch.Tensor] = {}
+
+    def weight_for(self, layer: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        weight = self.ready.pop(id(layer), None)
+        if weight is not None and weight.dtype == dtype:
+            return weight
+        members = [m for m in self.layers if m.weight.dtype == FP8 and m.weight.device == device
+                   and hasattr(m, FP8_SCALE_VALUE)]
+        if not any(m is layer for m in members):
+            return None
+        upcast = [torch.empty_like(m.weight, dtype=dtype) for m in members]  # same strides: channels-last stays
+        torch._foreach_copy_(upcast, [m.weight for m in members])
+        torch._foreach_mul_(upcast, [getattr(m, FP8_SCALE_VALUE) for m in members])
+        self.ready = {id(m): w for m, w in zip(members, upcast) if m is not layer}
+        return next(w for m, w in zip(members, upcast) if m is layer)
+
+
+_ACTIVE_GROUPS: list[UpcastGroup] = []  # the blocks whose forward runs now (any thread: recompute runs in autograd's)
+
+
+def _scoped(forward, group: UpcastGroup):
+    def run(*args, **kwargs):
+        _ACTIVE_GROUPS.append(group)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _ACTIVE_GROUPS.pop()
+            group.ready = {}
+    run.leanlora_upcast_group = group
+    return run
+
+
+def group_upcasts(blocks) -> int:
+    """Makes each block's castable Linear/Conv2d layers one UpcastGroup, active while the block's forward runs.
+    Call before checkpointing wraps the blocks (the group is then active in the recompute too) and after compiling
+    (inside compiled code the upcast is inductor's, fused into the block). Returns how many blocks were grouped."""
+    count = 0
+    for block in blocks:
+        if getattr(block.forward, "leanlora_upcast_group", None) is not None:
+            continue
+        layers = [m for m in block.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+                  and hasattr(m, "comfy_cast_weights")]
+        if not layers:
+            continue
+        group = UpcastGroup(layers)
+        for layer in layers:
+            layer.leanlora_upcast_group = group
+        block.forward = _scoped(block.forward, group)
+        count += 1
+    return count
+
+
+def _grouped_weight(layer: torch.nn.Module, input: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    if torch.compiler.is_compiling():
+        return None
+    group = getattr(layer, "leanlora_upcast_group", None)
+    if group is None or not _ACTIVE_GROUPS or _ACTIVE_GROUPS[-1] is not group:
+        return None
+    return group.weight_for(layer, input.device, dtype)
+
+
 class _Fp8Compute:
     """Mixin for fp8 Linear/Conv2d layers: replaces ComfyUI's `forward_comfy_cast_weights` with weight (and bias)
-    to the input's device if streamed, one dequantizing upcast to the compute dtype, and the layer's op."""
+    to the input's device if streamed, one dequantizing upcast to the compute dtype (its block's grouped upcast
+    where there is one), and the layer's op."""
 
     def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.weight.to(input.device, non_blocking=True), getattr(self, FP8_SCALE),
-                            _compute_dtype(input), getattr(self, FP8_SCALE_VALUE, None))
+        dtype = _compute_dtype(input)
+        weight = _grouped_weight(self, input, dtype)
+        if weight is None:
+            weight = dequantize(self.weight.to(input.device, non_blocking=True), getattr(self, FP8_SCALE), dtype,
+                                getattr(self, FP8_SCALE_VALUE, None))
         bias = self.bias
         if bias is not None:
             bias = bias.to(input.device, weight.dtype, non_blocking=True)

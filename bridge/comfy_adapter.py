@@ -275,6 +275,11 @@ class ComfyAdapter:
     def store_weights_fp8(self, unet: torch.nn.Module) -> int:
         return cast_weights.store_weights_fp8(unet)
 
+    def group_upcasts(self, unet: torch.nn.Module) -> None:
+        """Each ResBlock's and each transformer layer's fp8 weights are upcast together (cast_weights.UpcastGroup)."""
+        cast_weights.group_upcasts(m for m in unet.modules()
+                                   if isinstance(m, (ResBlock, comfy_attention.BasicTransformerBlock)))
+
     def stream_weights_from_cpu(self, unet: torch.nn.Module, share: float = 1.0) -> int:
         return cast_weights.stream_weights_from_cpu(unet, share)
 

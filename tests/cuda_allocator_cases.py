@@ -42,15 +42,17 @@ def _net(compiled_part: str | None = None):
     return net, params
 
 
-def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool = True, checkpoint: bool = True,
-                   empty_cache_while_capturing: bool = False):
+def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool | float = True, checkpoint: bool = True,
+                   empty_cache_while_capturing: bool = False, grouped: bool = True):
     """Blocks of ComfyUI's own layers (LayerNorm -> Linear -> GELU -> Linear, checkpointed), fp8 and streamed from
     CPU as the trainer does it (bridge.cast_weights), LoRA on the first Linear. streamed_norms_through_comfyui: the
     norms' weights go to pinned CPU memory too, so ComfyUI's generic cast copies them on its offload streams (what
-    LeanLoRA streamed until 2 Dec 2026). stream / checkpoint off: the probe's variants without them."""
+    LeanLoRA streamed until 2 Dec 2026). stream / checkpoint off: the probe's variants without them; stream a fraction:
+    that share of the weights streamed (largest first). grouped: each block's fp8 upcasts run together
+    (cast_weights.group_upcasts), as the trainer does."""
     sys.path.insert(0, str(comfyui_path()))
     import comfy.ops
-    from bridge.cast_weights import store_weights_fp8, stream_weights_from_cpu
+    from bridge.cast_weights import group_upcasts, store_weights_fp8, stream_weights_from_cpu
     from trainer.frozen_weights import place_on_device
     ops = comfy.ops.disable_weight_init
 
@@ -81,11 +83,13 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool = 
             torch.nn.init.normal_(module.weight, 1.0 if isinstance(module, torch.nn.LayerNorm) else 0.0, 0.1)
             torch.nn.init.normal_(module.bias, 0, 0.01)
     params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0)  # as the trainer: LoRA, then fp8, streaming
+    if grouped:
+        group_upcasts(net.input_blocks)
     for p in params:
         p.data.normal_(0, 0.05)
     store_weights_fp8(net)
     if stream:
-        stream_weights_from_cpu(net)
+        stream_weights_from_cpu(net, 1.0 if stream is True else stream)
     if streamed_norms_through_comfyui:
         for block in net.input_blocks:
             block.norm.weight = torch.nn.Parameter(block.norm.weight.data.pin_memory(), requires_grad=False)
@@ -270,6 +274,14 @@ def fp8_weights():
     assert micro.graphs
 
 
+def partly_streamed_fp8_weights():
+    """Half the fp8 weights streamed (the largest layers), the rest resident and upcast a block at a time: graphed
+    under both allocators, the same training as eager steps."""
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, offload=True,
+                           build=lambda: _comfy_ops_net(stream=0.5))
+    assert micro.graphs, micro.notes
+
+
 def streamed_fp8_weights():
     """fp8 weights streamed from pinned CPU memory through ComfyUI's layers, as the trainer streams them (copies on
     the current stream, norms resident), with activation offload: graphed under both allocators, the same training
@@ -306,7 +318,7 @@ def probe(name: str) -> None:
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
                                      fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back,
-                                     earlier_graph_kept_alive, fp8_weights,
+                                     earlier_graph_kept_alive, fp8_weights, partly_streamed_fp8_weights,
                                      streamed_fp8_weights)}
 
 if __name__ == "__main__":

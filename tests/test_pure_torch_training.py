@@ -148,6 +148,9 @@ class TinyAdapter:
     def store_weights_fp8(self, unet) -> int:
         return 0
 
+    def group_upcasts(self, unet) -> None:
+        pass
+
     def stream_weights_from_cpu(self, unet, share=1.0) -> int:
         return 0
 

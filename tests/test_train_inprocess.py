@@ -195,6 +195,73 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter, monke
     assert sum(t.numel() * t.element_size() for t in frozen_bound if t.dim()) == streamed_projection
 
 
+def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in_forward_and_recompute(adapter,
+                                                                                                       monkeypatch):
+    import copy
+    import bridge.cast_weights as cast_weights
+    from trainer.checkpointing import checkpoint_blocks
+    from trainer.lora import inject_lora
+    unet = adapter.training_unet()
+    params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+    with torch.no_grad():
+        for p in params:  # LoRA up-weights start at zero: make the gradients of the down-weights non-zero too
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    store_weights_fp8(unet)
+    per_layer = copy.deepcopy(unet)
+    adapter.group_upcasts(unet)
+    for model in (unet, per_layer):
+        checkpoint_blocks(adapter.checkpoint_blocks(model), preserve_rng_state=False)
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    grouped_calls, per_layer_calls = [], []
+    real_foreach_copy, real_dequantize = torch._foreach_copy_, cast_weights.dequantize
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda out, src: grouped_calls.append(len(out)) or real_foreach_copy(out, src))
+    monkeypatch.setattr(cast_weights, "dequantize", lambda *a: per_layer_calls.append(1) or real_dequantize(*a))
+
+    def run(model):
+        grouped_calls.clear(), per_layer_calls.clear()
+        out = adapter.predict(model, x, torch.tensor([500.0]), cond)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
+        return out.detach(), grads, list(grouped_calls), len(per_layer_calls)
+
+    reference, reference_grads, none, reference_single = run(per_layer)
+    output, grads, grouped, single = run(unet)
+    assert not none and reference_single > 0
+    assert torch.equal(output, reference)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads)) and len(grads) == len(reference_grads)
+    # every block upcast once in forward and once in its recompute (the first ResBlock, with no LoRA and no gradient
+    # flowing into it, is never recomputed); only the layers outside blocks one by one
+    groups = {id(m.leanlora_upcast_group): m.leanlora_upcast_group for m in unet.modules()
+              if getattr(m, "leanlora_upcast_group", None) is not None}
+    assert 2 * len(groups) - 1 <= len(grouped) <= 2 * len(groups) and max(grouped) > 1
+    assert single < reference_single - sum(grouped) + len(grouped)
+    assert not cast_weights._ACTIVE_GROUPS
+    assert all(not group.ready for group in groups.values())
+
+
+def test_a_block_that_fails_part_way_keeps_none_of_its_grouped_upcasts(adapter):
+    import bridge.cast_weights as cast_weights
+    unet = adapter.training_unet()
+    store_weights_fp8(unet)
+    adapter.group_upcasts(unet)
+    block = next(m for m in unet.modules() if getattr(m.forward, "leanlora_upcast_group", None) is not None)
+    group = block.forward.leanlora_upcast_group
+    first = group.layers[0]
+    real = first.forward_comfy_cast_weights
+
+    def fails_after_upcasting(input):
+        real(input)
+        assert group.ready  # the other members' upcasts wait for them
+        raise RuntimeError("out of memory (test)")
+    first.forward_comfy_cast_weights = fails_after_upcasting
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
+    with pytest.raises(RuntimeError, match="test"), torch.no_grad():
+        adapter.predict(unet, x, torch.tensor([500.0]), cond)
+    assert not group.ready and not cast_weights._ACTIVE_GROUPS
+
+
 def test_a_stream_share_streams_the_largest_layers_up_to_that_share_and_its_projection_holds(adapter):
     from bridge.cast_weights import projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu, streamed_layers
     from trainer.frozen_weights import device_bound

@@ -75,6 +75,10 @@ class TrainingSession:
             # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
             # and every unit's compiled forward is the same code, shared by units of equal shapes.
             self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet), self.inductor_settings)
+        if old is None:
+            # Around each block's eager forward (inside checkpointing's wrapper, outside compiled code): fp8 weights,
+            # whenever a rung stores them, are upcast a block at a time
+            self.adapter.group_upcasts(self.unet)
         if memory.gradient_checkpointing and self.checkpointed < memory.checkpoint_share:
             # A larger share wraps the next units of the same best-first order (never unwraps, never twice).
             units = self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth,

@@ -49,7 +49,8 @@ class LeanLoRAMemorySettings:
                     "flash / memory-efficient kernels where the GPU has them. xformers: only if installed for "
                     "your torch on an NVIDIA GPU. chunked: sub-quadratic attention in slices, least memory, slowest."}),
             },
-            # Optional so workflows saved before these existed still load with the defaults.
+            # Optional so workflows saved before these existed still load with the defaults; a new one goes last (a
+            # UI workflow stores its widget values by position).
             "optional": {
                 "checkpoint_depth": (choices("checkpoint_depth"), {"default": "per layer", "tooltip":
                     "With gradient checkpointing: recompute each ResBlock and each single transformer layer (per "
@@ -62,11 +63,6 @@ class LeanLoRAMemorySettings:
                     "recomputed FLOP go first (SDXL 1024, estimated: 0.4 frees about half the activation memory for 42% of "
                     "the extra compute). With checkpointing off, auto_fit and out-of-memory recovery try 0.2, 0.4, 0.6 "
                     "and 0.8 before all blocks."}),
-                "stream_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, "tooltip":
-                    "With base weights 'fp8 streamed from CPU': the share of the fp8 weights kept in CPU RAM and "
-                    "copied in layer by layer, the largest layers first; the rest stays in VRAM. 1 = all (least "
-                    "VRAM). Each streamed weight crosses PCIe twice per step, so a lower share is faster. auto_fit "
-                    "and out-of-memory recovery stream 0.2, 0.4, 0.6 and 0.8 before all of them."}),
                 "fast_path": (choices("fast_path"), {"default": "CUDA graphs", "tooltip":
                     "CUDA graphs: record each step's GPU work once per image size and replay it, removing the "
                     "Python overhead that dominates small batches (often 3-6x faster steps). Falls back to normal "
@@ -94,6 +90,11 @@ class LeanLoRAMemorySettings:
                     "reserved VRAM stays close to what is used (less fragmentation), for this run only. Needs "
                     "PyTorch's native allocator (start ComfyUI with --disable-cuda-malloc); otherwise the report "
                     "says it was not applied. as started: leave the allocator as it is."}),
+                "stream_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, "tooltip":
+                    "With base weights 'fp8 streamed from CPU': the share of the fp8 weights kept in CPU RAM and "
+                    "copied in layer by layer, the largest layers first; the rest stays in VRAM. 1 = all (least "
+                    "VRAM). Each streamed weight crosses PCIe twice per step, so a lower share is faster. auto_fit "
+                    "and out-of-memory recovery stream 0.2, 0.4, 0.6 and 0.8 before all of them."}),
             },
         }
 

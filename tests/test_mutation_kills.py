@@ -67,9 +67,15 @@ def test_the_cuda_ladder_names_what_moves_to_cpu_memory():
     """The last two rungs are the slow ones; the report tells the user exactly what they cost."""
     from trainer.memory_plan import next_rung
     memory, offload = next_rung(MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8"), CUDA)
-    _, streamed = next_rung(memory, CUDA)
+    memory, streamed = next_rung(memory, CUDA)
     assert offload == "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)"
-    assert streamed == "frozen base weights streamed from CPU memory, layer by layer"
+    assert streamed == ("frozen base weights streamed from CPU memory, layer by layer: the largest layers, 20% of "
+                        "the weights")
+    memory, more = next_rung(memory, CUDA)
+    assert more == "frozen weights streamed from CPU memory 20% -> 40%"
+    for _ in range(2):
+        memory, _ = next_rung(memory, CUDA)
+    assert next_rung(memory, CUDA)[1] == "every frozen weight streamed from CPU memory"
 
 
 # --- files -----------------------------------------------------------------------------------------------------

@@ -98,6 +98,28 @@ def test_static_planning_leaves_checkpointing_to_the_probes(card):
     assert not any("checkpointing" in line for line in lines), lines
 
 
+def test_static_planning_streams_only_the_share_of_the_weights_the_card_needs(card):
+    """A card too small for resident fp8 weights streams the largest layers a fifth at a time, and stops at the
+    first share that fits, not at every weight (each streamed byte costs PCIe time every step)."""
+    from trainer.optimizers import optimizer_state_bytes
+    torch.manual_seed(0)
+    unet = TinyNet(dim=512, depth=4)
+    for layer in unet.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.comfy_cast_weights = False
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    memory = MemorySettings(mixed_precision="bf16", optimizer="AdamW8bit", base_weights="fp8",
+                            activation_offload=True, auto_fit=AutoFit(card_gib=2))
+    static = {share: projected_weight_bytes(unet, torch.bfloat16, BaseWeights.FP8_STREAMED, share)
+              + 2 * sum(p.numel() * 4 for p in params) + optimizer_state_bytes("AdamW8bit", params)
+              for share in (0.2, 0.4, 0.6)}
+    budget = int((static[0.2] + static[0.4]) / 2 / session_module.STATIC_SHARE)  # 40% fits, 20% does not
+    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
+    assert (planned.base_weights, planned.stream_share) == (BaseWeights.FP8_STREAMED, 0.4), lines
+    assert lines[-1].endswith("frozen weights streamed from CPU memory 20% -> 40%"), lines
+    assert "40% of them" in planned.describe()
+
+
 def test_probes_are_capped_and_uncapped_where_pytorch_cannot_tell_the_cap(monkeypatch):
     # ComfyUI 0.33 (comfy-aimdo) makes the getter read 122888273.8 on an H200 whatever was set; setting that back
     # raised "Invalid fraction value" and failed every auto-fit run there.

@@ -215,6 +215,29 @@ def test_streamed_weights_checkpoint_every_block(adapter, two_level_unet):
     assert "streaming needs every block checkpointed: turned full gradient checkpointing on" in session.notes
 
 
+def test_a_rung_that_streams_more_adds_the_next_largest_layers_and_keeps_the_rest_resident(adapter, two_level_unet):
+    from bridge.cast_weights import streamed_layers
+    session = _session(adapter, two_level_unet)
+    session.configure(_memory(1.0, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.2))
+    streamed = lambda: {id(m) for m in session.unet.modules() if getattr(m, "leanlora_streamed", False)}  # noqa: E731
+    first = streamed()
+    assert first == {id(m) for m in streamed_layers(session.unet, 0.2)} and first
+    note = next(n for n in session.notes if n.startswith("frozen weights streamed from CPU: "))
+    assert "the largest layers, 20% of the weights; the rest stays on the GPU" in note
+    session.configure(replace(session.memory, stream_share=0.4))  # what OOM recovery's next rung does
+    assert first < streamed() == {id(m) for m in streamed_layers(session.unet, 0.4)}
+    assert sum(n.startswith("frozen weights streamed from CPU: ") for n in session.notes) == 1
+    assert "40% of the weights" in next(n for n in session.notes if n.startswith("frozen weights streamed"))
+    fp8_layers = [m for m in session.unet.modules() if getattr(m, "leanlora_fp8_scale_value", None) is not None]
+    assert len(streamed()) < len(fp8_layers)  # the rest stays resident
+
+
+@pytest.mark.parametrize("share", [0, -0.5, 1.5, math.nan, "half", True, None])
+def test_settings_reject_bad_stream_shares_with_a_clear_message(share):
+    with pytest.raises(LeanLoRAError, match=r"stream_share: got .*; use a fraction above 0 up to 1"):
+        MemorySettings(stream_share=share)
+
+
 @pytest.mark.parametrize("share", [0, -0.5, 1.5, math.nan, "half", True, None])
 def test_settings_reject_bad_shares_with_a_clear_message(share):
     with pytest.raises(LeanLoRAError, match=r"checkpoint_share: got .*; use a fraction above 0 up to 1"):

@@ -258,8 +258,14 @@ def plan_smoke() -> list[Server]:
         base_identity=True, est_start_s=15)]
 
 
-PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "v033": plan_v033, "smoke": plan_smoke,
-         "resume": plan_resume}
+def plan_all() -> list[Server]:
+    """Every 0.3.75 server of core, more and extra, for an --only that picks across them (one device command for
+    what earlier calls left out)."""
+    return plan_core() + plan_more() + plan_extra()
+
+
+PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "all": plan_all, "v033": plan_v033,
+         "smoke": plan_smoke, "resume": plan_resume}
 
 
 # --- prompts -------------------------------------------------------------------------------------------------

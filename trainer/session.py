@@ -99,7 +99,8 @@ class TrainingSession:
                 if note:
                     self.notes.append(note)
         to_fp8 = memory.base_weights.fp8 and (old is None or not old.base_weights.fp8)
-        to_stream = streamed and (old is None or not old.base_weights.streamed or old.stream_share < memory.stream_share)
+        to_stream = streamed and (old is None or not old.base_weights.streamed
+                                  or old.stream_share < memory.stream_share)  # a rung that streams more
         if (to_fp8 or to_stream) and device.type == "cuda":
             park_frozen_on_cpu(self.unet)
         if to_fp8:

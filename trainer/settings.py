@@ -188,7 +188,8 @@ class MemorySettings:
                 f"{f'on ({depth}{self._share_text})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
                 + _BASE_WEIGHTS_TEXT[self.base_weights]
-                + (f" ({self.stream_share:.0%} of them)" if self.base_weights.streamed and self.stream_share < 1 else "")
+                + (f" ({self.stream_share:.0%} of them)"
+                   if self.base_weights.streamed and self.stream_share < 1 else "")
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")
                 + f", {_ATTENTION_TEXT[self.attention]}, {_FAST_PATH_TEXT[self.fast_path]}"
                 + (", torch.compile" if self.compile else "")

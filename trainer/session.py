@@ -425,8 +425,10 @@ class TrainingSession:
         if graphs:
             extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
                          "(one per batch shape)")
-            compiled = [what for what, used in (("the compiled blocks", self.is_compiled),
-                                                 ("the fp8 upcasts", self.memory.base_weights.fp8)) if used]
+            compiled = [what for what, used in (
+                ("the compiled blocks", self.is_compiled),
+                # (those of ResBlocks and transformer layers are multi-tensor kernels, the same either way)
+                ("the fp8 upcasts outside ResBlocks and transformer layers", self.memory.base_weights.fp8)) if used]
             if compiled and allocator_backend() == "cudaMallocAsync":
                 extra.append(f"fast path: inside the CUDA graphs {' and '.join(compiled)} run uncompiled: under "
                              "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "

@@ -177,7 +177,7 @@ def streamed_layers(module: torch.nn.Module, share: float = 1.0) -> list[torch.n
     elements. A larger share streams a superset (the order depends on shapes alone, the same before and after fp8),
     so a rung that streams more only adds layers. Largest first keeps the copies few and long: each streamed
     byte crosses PCIe twice per step whatever layer it belongs to, but each copy has its own launch."""
-    layers = [layer for layer in module.modules() if _fp8_computed(layer) or isinstance(layer, _Fp8Compute)]
+    layers = [layer for layer in module.modules() if _fp8_computed(layer)]  # before and after store_weights_fp8
     by_size = sorted(layers, key=lambda layer: -layer.weight.numel())  # stable: module order among equal sizes
     total, taken, chosen = sum(layer.weight.numel() for layer in layers), 0, []
     wanted = share * total

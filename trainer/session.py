@@ -86,10 +86,9 @@ class TrainingSession:
             count = units_for_share(len(units), memory.checkpoint_share)
             checkpoint_blocks(units[:count], preserve_rng_state=random_forward)
             self.checkpointed = memory.checkpoint_share
-            self.notes = [n for n in self.notes if not n.startswith("gradient checkpointing: ")]
-            if count < len(units):
-                self.notes.append(f"gradient checkpointing: {count} of {len(units)} blocks recomputed, those that "
-                                  "free the most activation memory per recomputed FLOP")
+            self._set_note("gradient checkpointing: ",
+                           f"{count} of {len(units)} blocks recomputed, those that free the most activation memory "
+                           "per recomputed FLOP" if count < len(units) else None)
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)
             self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
@@ -108,10 +107,10 @@ class TrainingSession:
             self.notes.append(f"frozen weights stored as fp8: {saved / 2 ** 30:.2f} GiB saved")
         if to_stream:
             moved = self.adapter.stream_weights_from_cpu(self.unet, memory.stream_share)
-            self.notes = [n for n in self.notes if not n.startswith("frozen weights streamed from CPU: ")]
-            self.notes.append(f"frozen weights streamed from CPU: {moved / 2 ** 30:.2f} GiB stay off the GPU"
-                              + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays "
-                                 "on the GPU)" if memory.stream_share < 1 else ""))
+            self._set_note("frozen weights streamed from CPU: ",
+                           f"{moved / 2 ** 30:.2f} GiB stay off the GPU"
+                           + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays on the "
+                              "GPU)" if memory.stream_share < 1 else ""))
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
@@ -147,6 +146,12 @@ class TrainingSession:
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())
         self.step = BatchStep(self.inputs, self.micro_step)
         self.memory = memory
+
+    def _set_note(self, topic: str, text: str | None) -> None:
+        """The report's one note on `topic` (a rung that goes further replaces it), or none."""
+        self.notes = [n for n in self.notes if not n.startswith(topic)]
+        if text is not None:
+            self.notes.append(topic + text)
 
     def start(self, memory: MemorySettings) -> tuple[MemoryEstimate, list[str]]:
         """First configuration and the estimate before step 1. With an auto-fit budget, weights and optimizer

@@ -22,6 +22,13 @@ def _require_choice(settings, field: str, choices) -> None:
     _require(value in choices, field, f"got {value!r}; choose one of {', '.join(choices)}")
 
 
+def _require_share(settings, field: str, meaning: str) -> None:
+    """`settings.<field>` must be a fraction in (0, 1]; `meaning` says what its ends do."""
+    share = getattr(settings, field)
+    _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1, field,
+             f"got {share!r}; use a fraction above 0 up to 1 ({meaning})")
+
+
 def _require_member(settings, field: str, kind: type[Enum]) -> None:
     """`settings.<field>` becomes a member of `kind`; a string is taken as a member's value."""
     value = getattr(settings, field)
@@ -161,14 +168,10 @@ class MemorySettings:
         _require(self.lora_weights is LoraWeights.FP32 or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
         _require_member(self, "checkpoint_depth", CheckpointDepth)
-        share = self.checkpoint_share
-        _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1,
-                 "checkpoint_share", f"got {share!r}; use a fraction above 0 up to 1 (1 = every block recomputed, "
-                 "0.5 = the half that frees the most memory per recompute)")
-        share = self.stream_share
-        _require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= 1,
-                 "stream_share", f"got {share!r}; use a fraction above 0 up to 1 (1 = every fp8 weight streamed from "
-                 "CPU RAM, 0.3 = the largest layers holding 30% of them, the rest stays in VRAM)")
+        _require_share(self, "checkpoint_share",
+                       "1 = every block recomputed, 0.5 = the half that frees the most memory per recompute")
+        _require_share(self, "stream_share", "1 = every fp8 weight streamed from CPU RAM, 0.3 = the largest layers "
+                       "holding 30% of them, the rest stays in VRAM")
         _require(self.batch_size >= 1, "batch_size", f"got {self.batch_size}; use 1 or more")
         _require(self.gradient_accumulation >= 1, "gradient_accumulation",
                  f"got {self.gradient_accumulation}; use 1 or more")

@@ -2,11 +2,11 @@
 # kohya sd-scripts as a third peer (bench/kohya_peer.py says what runs and how it is measured).
 #   here:        bash bench/kohya_peer.sh prepare <sd-scripts source: a checkout, or the bare git directory the
 #                fetch tool gives for github:kohya-ss/sd-scripts>
-#                -> .gpu_kohya/ (git-ignored, ~61 MB): its source without docs/tests/configs + the wheels it needs that the
-#                GPU image lacks (opencv-python-headless 50 MB, imagesize, voluptuous, toml) + diffusers, bitsandbytes
-#                (CUDA 13.0 part), nvidia-ml-py; needs .gpu/comfyui.tgz from bench/prepare_gpu_carry.sh.
-#   GPU machine: bash bench/kohya_peer.sh run OUT_DIR        carry [".gpu_kohya", ".gpu/comfyui.tgz"] (~64 MiB with
-#                the tree: not together with .gpu/whl, whose av wheel kohya does not need)
+#                -> .gpu_kohya/ (git-ignored, ~1 MB): its source without docs/tests/configs + the small wheels it needs
+#                that neither the GPU image (opencv-python-headless is there) nor .gpu/whl has (imagesize, voluptuous,
+#                toml); diffusers, bitsandbytes and nvidia-ml-py come from .gpu/whl (bench/prepare_gpu_carry.sh).
+#   GPU machine: bash bench/kohya_peer.sh run OUT_DIR        carry [".gpu", ".gpu_kohya"] (the matrix's carry + 1 MB:
+#                one device call can run both)
 #                CARDS="24,8,6,4" STEPS=110 by default; writes OUT_DIR/kohya_peer.json and OUT_DIR/logs.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,12 +16,11 @@ case "${1:?prepare SRC | run OUT_DIR}" in
     SRC="${2:?sd-scripts source}"
     EXCLUDE="$(git rev-parse --git-path info/exclude)"
     grep -qx '/.gpu_kohya/' "$EXCLUDE" 2>/dev/null || echo '/.gpu_kohya/' >> "$EXCLUDE"
-    [ -f .gpu/comfyui.tgz ] || { echo "run bench/prepare_gpu_carry.sh first (.gpu/comfyui.tgz)"; exit 2; }
+    [ -f .gpu/comfyui.tgz ] || { echo "run bench/prepare_gpu_carry.sh first (.gpu/comfyui.tgz, .gpu/whl)"; exit 2; }
     rm -rf .gpu_kohya && mkdir -p .gpu_kohya/whl && TMP="$(mktemp -d)"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu_kohya/whl \
-      opencv-python-headless==4.10.0.84 imagesize==1.4.1 voluptuous==0.15.2 toml==0.10.2 2>&1 | grep -v "is ignored" || true
-    cp .gpu/whl/diffusers-*.whl .gpu/whl/bitsandbytes-*.whl .gpu/whl/nvidia_ml_py-*.whl .gpu_kohya/whl/
+      imagesize==1.4.1 voluptuous==0.15.2 toml==0.10.2 2>&1 | grep -v "is ignored" || true
     mkdir "$TMP/sd-scripts"
     if [ -f "$SRC/sdxl_train_network.py" ]; then
       cp -r "$SRC"/. "$TMP/sd-scripts/"
@@ -37,7 +36,8 @@ case "${1:?prepare SRC | run OUT_DIR}" in
   run)
     mkdir -p "${2:?output folder}"; OUT="$(cd "$2" && pwd)"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_kohya \
-      .gpu_kohya/whl/*.whl >/dev/null 2>&1 || echo "[kohya] pip install failed"
+      .gpu_kohya/whl/*.whl .gpu/whl/diffusers-*.whl .gpu/whl/bitsandbytes-*.whl .gpu/whl/nvidia_ml_py-*.whl >/dev/null 2>&1 \
+      || echo "[kohya] pip install failed"
     export PYTHONPATH=/tmp/site_kohya PYTHONUNBUFFERED=1
     mkdir -p .cache /tmp/kohya && tar xzf .gpu/comfyui.tgz -C .cache && tar xzf .gpu_kohya/sd-scripts.tgz -C /tmp/kohya
     timeout -k 10 "${LIMIT_S:-530}" python3 -m bench.kohya_peer --kohya /tmp/kohya/sd-scripts --work /tmp/leanlora_kohya \

@@ -32,6 +32,7 @@ import os
 import queue
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -79,7 +80,8 @@ def settings(preset: str, **changes) -> dict:
 @dataclass
 class Job:
     """One queued prompt. kind "train": Train + KSampler with the trained MODEL (+ the base MODEL when
-    sample_base); kind "sample": the base MODEL only (the before-image of a byte-identity check)."""
+    sample_base); kind "sample": the base MODEL only (the before-image of a byte-identity check); kind "peer":
+    ComfyUI's own TrainLoraNode (comfy_extras/nodes_train.py) in the same server, a peer run as users run it."""
     name: str
     memory: dict = field(default_factory=dict)
     steps: int = 110
@@ -93,6 +95,7 @@ class Job:
     timeout_s: float = 240.0
     train_extra: dict = field(default_factory=dict)  # more Train inputs (save_every_n_steps, resume, ...)
     output_name: str | None = None     # the LoRA's name; None: one per job (matrix_<run tag>)
+    peer_inputs: dict = field(default_factory=dict)  # kind "peer": TrainLoraNode inputs beside its defaults
 
 
 @dataclass
@@ -215,7 +218,25 @@ def plan_v033() -> list[Server]:
                form="checkpoint", card_gib=24, base_identity=True, est_start_s=18),
         Server("v033_sdxl_4", "sdxl", [Job("autofit_4", settings("fast", auto_fit=_fit(4)), est_step_s=0.2,
                                            est_setup_s=30)], card_gib=4, est_start_s=18),
+        # the peer: 0.33's own trainer with its lowest-memory setting (offloading), on the 24 GiB card of our fast
+        # row; its gradient checkpointing once failed on torch 2.11 in bench/peers.py, hence a row without it too
+        Server("v033_builtin_sdxl_24", "sdxl", [
+            Job("builtin_offloading", kind="peer", peer_inputs={"offloading": True, "gradient_checkpointing": True},
+                est_step_s=1.0, est_setup_s=30, timeout_s=300),
+            Job("builtin_offloading_no_gc", kind="peer", peer_inputs={"offloading": True,
+                                                                     "gradient_checkpointing": False},
+                est_step_s=1.0, est_setup_s=20, timeout_s=300)],
+            card_gib=24, est_start_s=18),
     ]
+
+
+# ComfyUI's TrainLoraNode as the peer: our Train node's choices where it has the same input (batch 1, rank 16,
+# the learning rate, AdamW, bf16, seed); what it lacks (LoRA on attention only, alpha) stays its own.
+PEER_TRAIN_INPUTS = {"batch_size": 1, "grad_accumulation_steps": 1, "learning_rate": 1e-4, "rank": 16,
+                     "optimizer": "AdamW", "loss_function": "MSE", "seed": 0, "training_dtype": "bf16",
+                     "lora_dtype": "bf16", "existing_lora": "[None]"}
+PEER_FOLDER = "matrix_peer"  # the dataset's square images, in the server's input folder before it starts
+PEER_WARMUP_STEPS = 10  # left out of the peer's s/step (its first step holds its setup)
 
 
 def plan_resume() -> list[Server]:
@@ -248,13 +269,15 @@ def torch_equal(a, b) -> bool:
 
 
 def plan_smoke() -> list[Server]:
-    """CPU, tiny SD1.5: train + KSampler (split files), cancel, a new queue (checkpoint form), base identity."""
+    """CPU, tiny SD1.5: train + KSampler (split files), cancel, a new queue (checkpoint form), base identity, and
+    ComfyUI's own trainer as the peer rows run it."""
     tiny = dict(est_step_s=0.5, est_setup_s=15, timeout_s=150)
     return [Server("smoke_sd15_cpu", "sd15", [
         Job("sample_base_before", kind="sample", **tiny),
         Job("train_balanced", settings("balanced"), steps=3, sample_base=True, **tiny),
         Job("cancel_fast", settings("fast"), steps=2000, cancel_after=2, **tiny),
-        Job("after_cancel_checkpoint", settings("fast"), steps=2, form="checkpoint", **tiny)],
+        Job("after_cancel_checkpoint", settings("fast"), steps=2, form="checkpoint", **tiny),
+        Job("peer_builtin", kind="peer", steps=PEER_WARMUP_STEPS + 2, **tiny)],
         base_identity=True, est_start_s=15)]
 
 
@@ -271,7 +294,7 @@ PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "all": plan_
 # --- prompts -------------------------------------------------------------------------------------------------
 
 def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: dict, run_tag: str,
-                 sampler_steps: int, cfg: float = 5.0) -> dict:
+                 sampler_steps: int, cfg: float = 5.0, peer_lora_output: int = 0) -> dict:
     """API-format prompt: loaders -> LeanLoRA nodes -> KSampler(s) -> images; the report into PreviewAny."""
     files = assets[model]
     if form == "checkpoint":
@@ -307,6 +330,17 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
 
     if job.kind == "sample" or job.sample_base:
         sample("base", model_link, clip_link, save=True)
+    if job.kind == "peer":  # as ComfyUI's own training workflow: a folder of images -> VAEEncode (one LATENT per
+        # image: 0.3.75's node fails on a single LATENT) -> TrainLoraNode (positive: CLIPTextEncode) -> SaveLoRA
+        prompt["peer_image"] = {"class_type": "LoadImageDataSetFromFolder", "inputs": {"folder": PEER_FOLDER}}
+        prompt["peer_latent"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["peer_image", 0], "vae": vae_link}}
+        prompt["peer_positive"] = {"class_type": "CLIPTextEncode", "inputs": {
+            "text": "a red circle on a blue background", "clip": clip_link}}
+        prompt["peer_train"] = {"class_type": "TrainLoraNode", "inputs": {
+            **memory_inputs, "model": model_link, "latents": ["peer_latent", 0], "positive": ["peer_positive", 0],
+            "steps": job.steps}}
+        prompt["peer_save"] = {"class_type": "SaveLoRA", "inputs": {"lora": ["peer_train", peer_lora_output],
+                                                                    "prefix": f"loras/matrix_{run_tag}"}}
     if job.kind == "train":
         prompt["dataset"] = {"class_type": "LeanLoRADataset", "inputs": {
             "folder": files["dataset"], "resolution": side, "repeats": 1, "trigger_word": "", "framing": job.framing}}
@@ -321,6 +355,34 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
         prompt["report"] = {"class_type": "PreviewAny", "inputs": {"source": ["train", 5]}}
         sample("trained", ["train", 0], ["train", 1], save=False)
     return prompt
+
+
+def peer_inputs_for(requested: dict, object_info: dict) -> tuple[dict, list[str]]:
+    """TrainLoraNode's widget inputs: its schema defaults, the bench's common choices and the row's own; the
+    names this ComfyUI's node lacks (0.3.75 has no offloading) are an error, as a missing node is."""
+    spec = object_info.get("TrainLoraNode", {}).get("input")
+    if spec is None:
+        return {}, ["schema: this ComfyUI has no built-in trainer"]
+    known = {**spec.get("required", {}), **spec.get("optional", {})}
+    if "LORA_MODEL" not in object_info["TrainLoraNode"].get("output", []):
+        return {}, ["a LORA_MODEL output"]
+    defaults = {name: entry[1]["default"] for name, entry in known.items()
+                if len(entry) > 1 and isinstance(entry[1], dict) and "default" in entry[1]}
+    defaults.pop("steps", None)  # the row's own (build_prompt)
+    chosen = {**PEER_TRAIN_INPUTS, **requested}
+    return {**defaults, **{k: v for k, v in chosen.items() if k in known}}, sorted(k for k in chosen if k not in known)
+
+
+def stage_peer_images(dataset: Path, folder: Path) -> None:
+    """The dataset's square images (one shape: a single batch, as our square framing trains) for the peer's
+    LoadImageDataSetFromFolder, whose folder choices ComfyUI lists from the input folder."""
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    for image in sorted(dataset.glob("*.png")):
+        with Image.open(image) as im:
+            square = im.width == im.height
+        if square and not (folder / image.name).exists():
+            shutil.copyfile(image, folder / image.name)
 
 
 def memory_inputs_for(requested: dict, object_info: dict) -> tuple[dict, list[str]]:
@@ -664,13 +726,23 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
             cfg: float) -> dict:
     spec = server.spec
     form = job.form or spec.form
-    row: dict = {"job": job.name, "kind": job.kind, "form": form, "steps": job.steps if job.kind == "train" else 0,
+    row: dict = {"job": job.name, "kind": job.kind, "form": form, "steps": job.steps if job.kind != "sample" else 0,
                  "settings": job.memory, "framing": job.framing, "expected": "cancel" if job.cancel_after else "complete"}
-    memory, missing = memory_inputs_for(job.memory, server.object_info) if job.kind == "train" else ({}, [])
+    memory, missing = ({}, [])
+    if job.kind == "train":
+        memory, missing = memory_inputs_for(job.memory, server.object_info)
+    elif job.kind == "peer":
+        memory, missing = peer_inputs_for(job.peer_inputs, server.object_info)
+        row["settings"] = memory
     if missing:
-        return {**row, "status": "error", "passed": False,
-                "error": f"LeanLoRA Memory Settings has no input(s) {missing}: this row cannot run as planned"}
-    prompt = build_prompt(job, spec.model, form, assets, memory, run_tag, sampler_steps, cfg)
+        node = "TrainLoraNode" if job.kind == "peer" else "LeanLoRA Memory Settings"
+        return {**row, "status": "error", "passed": False, "server_alive_after": server.alive(),
+                "error": f"{node} has no {', '.join(missing)}: this row cannot run as planned"}
+    train_node = "peer_train" if job.kind == "peer" else "train"
+    peer_steps: list[tuple[int, float]] = []  # (step, this process's clock) from ComfyUI's progress events
+    peer_lora_output = (server.object_info["TrainLoraNode"]["output"].index("LORA_MODEL") if job.kind == "peer"
+                        else 0)  # 0.3.75's node puts its MODEL first, 0.33's its LoRA
+    prompt = build_prompt(job, spec.model, form, assets, memory, run_tag, sampler_steps, cfg, peer_lora_output)
     server.events.drain()
     server.nvml.start_window(server.proc.pid if server.proc else None)
     started = time.monotonic()
@@ -678,9 +750,11 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         answer = http(f"{server.url}/prompt", {"prompt": prompt, "client_id": server.client_id}, timeout=60)
     except urllib.error.HTTPError as error:
         body = error.read().decode(errors="replace")
-        return {**row, "status": "rejected", "passed": False, "error": f"POST /prompt {error.code}: {body[:1500]}"}
+        return {**row, "status": "rejected", "passed": False, "server_alive_after": server.alive(),
+                "error": f"POST /prompt {error.code}: {body[:1500]}"}
     if answer.get("node_errors"):
-        return {**row, "status": "rejected", "passed": False, "error": json.dumps(answer["node_errors"])[:1500]}
+        return {**row, "status": "rejected", "passed": False, "server_alive_after": server.alive(),
+                "error": json.dumps(answer["node_errors"])[:1500]}
     prompt_id = answer["prompt_id"]
     steps: list[tuple[int, float]] = []
     phases: list[tuple[float, str]] = []
@@ -702,12 +776,15 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                     # encoders load through DynamicVRAM, outside the emulated card's cap
                     if data.get("text") == "preparing the training copy" and train_started is not None:
                         caching_peak = server.nvml.split_phase()
+            elif kind == "progress" and data.get("node") == "peer_train":
+                peer_steps.append((int(data["value"]), stamp))
+                first_step_at = first_step_at or stamp
             elif kind == "executing":  # ComfyUI names each node as it starts: the Train node's own NVML peak
                 node = data.get("node")
-                if node == "train" and train_started is None:
+                if node == train_node and train_started is None:
                     train_started = stamp
                     server.nvml.start_phase()
-                elif train_started is not None and train_peak is None and node != "train":
+                elif train_started is not None and train_peak is None and node != train_node:
                     train_peak = server.nvml.phase_peak()
         if job.cancel_after and interrupt_at is None and steps and steps[-1][0] >= job.cancel_after:
             try:
@@ -733,6 +810,8 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         data = message.get("data") or {}
         if message.get("type") == "leanlora.progress" and data.get("kind") == "step":
             steps.append((int(data["step"]), float(data["seconds"])))
+        elif message.get("type") == "progress" and data.get("node") == "peer_train":
+            peer_steps.append((int(data["value"]), stamp))
     row["wall_s"] = round(finished - started, 2)
     if status in ("timeout", "out of budget"):  # interrupt, then give up on the server: nothing may stall the matrix
         try:
@@ -778,6 +857,14 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
     else:
         row["nvml"] = server.nvml.reason
     per_step, measured = steady_step_time(steps)
+    if job.kind == "peer":  # its progress bar moves once per step, after the step's loss.item() (a device sync)
+        steady = [(step, stamp) for step, stamp in peer_steps if step >= PEER_WARMUP_STEPS]
+        if len(steady) > 1 and steady[-1][0] > steady[0][0]:
+            per_step = (steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
+            measured = steady[-1][0] - steady[0][0]
+        steps = [(step, stamp - started) for step, stamp in peer_steps]
+        row["s_per_step_source"] = (f"ComfyUI progress events' arrival (this process's clock), the first "
+                                    f"{PEER_WARMUP_STEPS} steps left out")
     row.update(steps_done=steps[-1][0] if steps else 0, s_per_step=round(per_step, 4) if per_step else None,
                steady_steps=measured, first_step_after_s=round(first_step_at - started, 2) if first_step_at else None,
                phases=phases[:20])
@@ -804,7 +891,7 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
 # --- the matrix ----------------------------------------------------------------------------------------------
 
 def job_estimate(job: Job) -> float:
-    steps = min(job.steps, job.cancel_after or job.steps) if job.kind == "train" else 0
+    steps = min(job.steps, job.cancel_after or job.steps) if job.kind != "sample" else 0
     return job.est_setup_s + steps * job.est_step_s + 8  # + sampling
 
 
@@ -947,6 +1034,8 @@ def run_matrix(args) -> dict:
                 continue
             if server is None:
                 server = MatrixServer(spec, comfyui, out / "servers", assets_dir, web_root, args.tiny, nvml, restarts)
+                if any(j.kind == "peer" for j in spec.jobs):
+                    stage_peer_images(Path(assets[spec.model]["dataset"]), server.base / "input" / PEER_FOLDER)
                 if nvml.available:
                     time.sleep(0.5)  # a server stopped just before may still be handing its memory back
                     server.nvml_baseline = nvml.used()
@@ -1037,7 +1126,7 @@ def main(argv=None) -> None:
             total += est
             print(f"{spec.name:30} {spec.model} {spec.form:10} card {spec.card_gib or '-'} "
                   f"{'native' if spec.native_allocator else 'default'}  ~{est:.0f} s: " +
-                  ", ".join(f"{j.name}({j.steps if j.kind == 'train' else 'sample'})" for j in spec.jobs))
+                  ", ".join(f"{j.name}({j.steps if j.kind != 'sample' else 'sample'})" for j in spec.jobs))
         print(f"total ~{total:.0f} s + assets")
         return
     result = run_matrix(args)

@@ -1,6 +1,6 @@
 """The GPU server matrix (bench/server_matrix.py) end to end on the CPU, before any device time is spent: a real
 ComfyUI with this pack, tiny SD1.5 files in both forms, train + KSampler, Cancel then a new queue, the base image
-pixel-identical after training; plus the card-emulation launcher's ordering and the SDXL file layouts (shapes
+pixel-identical after training, ComfyUI's own trainer as the peer rows queue it; plus the card-emulation launcher's ordering and the SDXL file layouts (shapes
 only, on the meta device)."""
 import json
 import os
@@ -79,7 +79,8 @@ def smoke(tmp_path_factory):
 def test_smoke_trains_samples_cancels_and_requeues_in_one_live_server(smoke):
     result, stdout, out = smoke
     rows = {row["job"]: row for row in result["rows"]}
-    assert list(rows) == ["sample_base_before", "train_balanced", "cancel_fast", "after_cancel_checkpoint"]
+    assert list(rows) == ["sample_base_before", "train_balanced", "cancel_fast", "after_cancel_checkpoint",
+                          "peer_builtin"]
     assert all(row["passed"] and row["server_alive_after"] for row in rows.values()), \
         [(r["job"], r["status"], r.get("error")) for r in rows.values()]
 
@@ -96,6 +97,15 @@ def test_smoke_trains_samples_cancels_and_requeues_in_one_live_server(smoke):
     assert cancelled["cancel"]["partial_loras"] and cancelled["cancel"]["latency_s"] is not None
     after = rows["after_cancel_checkpoint"]
     assert after["status"] == "ok" and after["form"] == "checkpoint" and "trained 2/2 steps" in after["report"]
+
+    # ComfyUI's own TrainLoraNode, queued in the same server as the GPU rows queue it: timed from its progress
+    # events (steps 10 -> 12), our Train node's common choices in its inputs, its LoRA saved
+    peer = rows["peer_builtin"]
+    assert peer["status"] == "ok" and peer["steps_done"] == 12 and peer["steady_steps"] == 2 and peer["s_per_step"] > 0
+    assert {k: peer["settings"][k] for k in ("rank", "batch_size", "learning_rate", "optimizer")} == \
+        {"rank": 16, "batch_size": 1, "learning_rate": 1e-4, "optimizer": "AdamW"}
+    assert "steps" not in peer["settings"] and "progress events" in peer["s_per_step_source"]
+    assert list((out / "servers" / "smoke_sd15_cpu" / "output" / "loras").glob("matrix_smoke_sd15_cpu_4_peer_builtin_*.safetensors"))
 
     assert result["summary"]["failed"] == 0 and result["summary"]["servers_lost"] == 0
     table = (out / "table.md").read_text()

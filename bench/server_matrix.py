@@ -168,7 +168,9 @@ def plan_more() -> list[Server]:
 
 def plan_extra() -> list[Server]:
     """What "more" leaves out: the native allocator uncapped with re-queues, a cancel in an auto-fitted low-VRAM
-    server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 and 2 GiB."""
+    server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 and 2 GiB,
+    and the presets, compile (its Triton kernels captured: only the native allocator allows it) and a cancel under
+    the native allocator."""
     return [
         Server("sdxl_24_native", "sdxl", [
             Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
@@ -192,6 +194,13 @@ def plan_extra() -> list[Server]:
         Server("sd15_2_native", "sd15", [
             Job("autofit_2", settings("fast", auto_fit=_fit(2)), est_step_s=0.05, est_setup_s=25)],
             card_gib=2, native_allocator=True, est_start_s=12),
+        Server("sdxl_24_native_presets", "sdxl", [
+            Job("fast_compile", settings("fast", compile=True), est_step_s=0.08, est_setup_s=80, timeout_s=300),
+            Job("requeue_balanced", settings("balanced"), est_step_s=0.12, est_setup_s=10),
+            Job("requeue_leanest", settings("leanest"), est_step_s=0.3, est_setup_s=12),
+            Job("cancel_lean", settings("lean"), steps=400, cancel_after=16, est_step_s=0.15, est_setup_s=8),
+            Job("after_cancel_fast", settings("fast"), steps=30, est_step_s=0.09, est_setup_s=8)],
+            card_gib=24, native_allocator=True),
     ]
 
 
@@ -219,13 +228,14 @@ def plan_v033() -> list[Server]:
         Server("v033_sdxl_4", "sdxl", [Job("autofit_4", settings("fast", auto_fit=_fit(4)), est_step_s=0.2,
                                            est_setup_s=30)], card_gib=4, est_start_s=18),
         # the peer: 0.33's own trainer with its lowest-memory setting (offloading), on the 24 GiB card of our fast
-        # row; its gradient checkpointing once failed on torch 2.11 in bench/peers.py, hence a row without it too
+        # row (2.02 s/step on the H200, 3 Dec); its gradient checkpointing once failed on torch 2.11 in
+        # bench/peers.py (in this server it ran), hence a row without it too
         Server("v033_builtin_sdxl_24", "sdxl", [
             Job("builtin_offloading", kind="peer", peer_inputs={"offloading": True, "gradient_checkpointing": True},
-                est_step_s=1.0, est_setup_s=30, timeout_s=300),
+                est_step_s=2.0, est_setup_s=12, timeout_s=300),
             Job("builtin_offloading_no_gc", kind="peer", peer_inputs={"offloading": True,
                                                                      "gradient_checkpointing": False},
-                est_step_s=1.0, est_setup_s=20, timeout_s=300)],
+                est_step_s=2.0, est_setup_s=12, timeout_s=300)],
             card_gib=24, est_start_s=18),
     ]
 

@@ -181,8 +181,9 @@ def main(argv=None) -> None:
               f"{row.get('error', '')}", flush=True)
         if row.get("status") != "ok":
             print(row["log_tail"][-2500:], flush=True)
-    (args.work / "kohya_peer.json").write_text(json.dumps({"recipe": recipe({}), "steps": args.steps, "rows": rows},
-                                                          indent=1))
+        # after every card: a command's time limit ending a later card keeps the earlier ones
+        (args.work / "kohya_peer.json").write_text(json.dumps({"recipe": recipe({}), "steps": args.steps,
+                                                              "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,9 @@ class Server:
     extra_args: tuple[str, ...] = ()
     base_identity: bool = False         # the first job's base image must equal every later base image
     lora_identity: tuple[str, str] | None = None  # two jobs (with output_name) whose LoRA tensors must be equal
+    # ComfyUI 0.33: also --vram-headroom <total - N>, DynamicVRAM's own "keep this much of the device free, other
+    # processes counted" (NVML): comfy-aimdo allocates outside PyTorch, where the per-process cap cannot reach
+    aimdo_headroom: bool = False
     est_start_s: float = 15.0
 
 
@@ -227,6 +230,10 @@ def plan_v033() -> list[Server]:
                form="checkpoint", card_gib=24, base_identity=True, est_start_s=18),
         Server("v033_sdxl_4", "sdxl", [Job("autofit_4", settings("fast", auto_fit=_fit(4)), est_step_s=0.2,
                                            est_setup_s=30)], card_gib=4, est_start_s=18),
+        # whether DynamicVRAM's own headroom keeps ComfyUI's encoders and sampling inside the emulated card (its
+        # base sample alone took 2.16 GiB of a "2 GiB" card with --reserve-vram only)
+        Server("v033_sd15_2_headroom", "sd15", identity_jobs(settings("fast", auto_fit=_fit(2)), 0.06, 15),
+               card_gib=2, base_identity=True, est_start_s=15, aimdo_headroom=True),
         # the peer: 0.33's own trainer with its lowest-memory setting (offloading), on the 24 GiB card of our fast
         # row (2.02 s/step on the H200, 3 Dec); its gradient checkpointing once failed on torch 2.11 in
         # bench/peers.py (in this server it ran), hence a row without it too
@@ -636,6 +643,8 @@ class MatrixServer:
                 raise RuntimeError("a card size needs the device's total memory from NVML: " + self.nvml.reason)
             launcher += ["--card-gib", f"{self.spec.card_gib:g}"]
             args += ["--reserve-vram", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
+            if self.spec.aimdo_headroom:
+                args += ["--vram-headroom", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
         if self.spec.native_allocator:
             args.append("--disable-cuda-malloc")
         self.command = launcher + args + list(self.spec.extra_args)

@@ -96,6 +96,7 @@ class Job:
     train_extra: dict = field(default_factory=dict)  # more Train inputs (save_every_n_steps, resume, ...)
     output_name: str | None = None     # the LoRA's name; None: one per job (matrix_<run tag>)
     peer_inputs: dict = field(default_factory=dict)  # kind "peer": TrainLoraNode inputs beside its defaults
+    lora_dropout: float = 0.0          # LeanLoRA LoRA Config's dropout (> 0: no CUDA graphs, the step runs eagerly)
 
 
 @dataclass
@@ -172,8 +173,8 @@ def plan_more() -> list[Server]:
 def plan_extra() -> list[Server]:
     """What "more" leaves out: the native allocator uncapped with re-queues, a cancel in an auto-fitted low-VRAM
     server, SD1.5 compiled lean and aspect-ratio buckets (a second graph for the 5:4 image), SD1.5 native at 3 and 2 GiB,
-    and the presets, compile (its Triton kernels captured: only the native allocator allows it) and a cancel under
-    the native allocator."""
+    eager steps (LoRA dropout; fast path off with compiled blocks), and the presets, compile (its Triton kernels
+    captured: only the native allocator allows it) and a cancel under the native allocator."""
     return [
         Server("sdxl_24_native", "sdxl", [
             Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
@@ -197,6 +198,13 @@ def plan_extra() -> list[Server]:
         Server("sd15_2_native", "sd15", [
             Job("autofit_2", settings("fast", auto_fit=_fit(2)), est_step_s=0.05, est_setup_s=25)],
             card_gib=2, native_allocator=True, est_start_s=12),
+        # the eager step where graphs are impossible (LoRA dropout), and whether compiled blocks (Triton runs
+        # outside a capture under either allocator) bring an eager lean step near the issue's 3x graphed lean
+        Server("sdxl_24_default_eager", "sdxl", [
+            Job("lean_dropout", settings("lean"), steps=24, lora_dropout=0.1, est_step_s=1.1, est_setup_s=25),
+            Job("lean_compile_fast_path_off", settings("lean", compile=True, fast_path="off"), steps=40,
+                est_step_s=0.6, est_setup_s=80, timeout_s=300)],
+            card_gib=24),
         Server("sdxl_24_native_presets", "sdxl", [
             Job("fast_compile", settings("fast", compile=True), est_step_s=0.08, est_setup_s=80, timeout_s=300),
             Job("requeue_balanced", settings("balanced"), est_step_s=0.12, est_setup_s=10),
@@ -369,7 +377,7 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
             "folder": files["dataset"], "resolution": side, "repeats": 1, "trigger_word": "", "framing": job.framing}}
         prompt["memory"] = {"class_type": "LeanLoRAMemorySettings", "inputs": memory_inputs}
         prompt["lora_config"] = {"class_type": "LeanLoRALoraConfig", "inputs": {
-            "rank": 16, "alpha": 16.0, "dropout": 0.0, "targets": "attention"}}
+            "rank": 16, "alpha": 16.0, "dropout": job.lora_dropout, "targets": "attention"}}
         prompt["train"] = {"class_type": "LeanLoRATrain", "inputs": {
             "model": model_link, "clip": clip_link, "vae": vae_link, "dataset": ["dataset", 0],
             "memory": ["memory", 0], "lora_config": ["lora_config", 0], "steps": job.steps, "learning_rate": 1e-4,

@@ -9,9 +9,12 @@ GPU machine, after bench/server_gpu.sh's install step:
     ... streamed@native fp8@cudaMallocAsync                                    # a variant under one allocator
     PROFILE_STEPS=0 ...    # no profiler: s/step only
     PYSPY_DIR=DIR ...      # each child also sampled by py-spy (host stacks of all threads, raw format, in DIR)
+    MODEL=sdxl ...         # full-size SDXL at 1024² instead of SD1.5 at 512²
 
-Variants (bf16, per-layer checkpointing, AdamW8bit, 512², batch 1):
+Variants (bf16, per-layer checkpointing, AdamW8bit, 512² (SDXL: 1024²), batch 1):
   streamed       fp8 weights streamed from the CPU + activation offload, eager (auto-fit 2 GiB's choice)
+  lean           fp8 weights resident + activation offload, eager (the lean preset with fast path off;
+                 lean_graphs: its graphed reference)
   streamed_cap2  the same inside a 2 GiB per-process cap set once the cache is filled (the emulated card's)
   fp8            fp8 weights resident, eager
   bf16           bf16 weights, eager (AdamW8bit, checkpointing: the eager step without fp8)
@@ -31,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 COMFY = os.environ.get("COMFYUI_PATH", str(REPO / ".cache" / "comfyui"))
 ALLOCATORS = {"native": "backend:native", "cudaMallocAsync": "backend:cudaMallocAsync"}
-VARIANTS = ["streamed", "streamed_cap2", "fp8", "bf16", "fp8_graphs"]
+VARIANTS = ["streamed", "streamed_cap2", "lean", "fp8", "bf16", "fp8_graphs"]
+MODEL = os.environ.get("MODEL", "sd15")
 STEPS = 40
 PROFILE_FROM, PROFILED = 12, int(os.environ.get("PROFILE_STEPS", "3"))  # 0: s/step only
 GIB = 2 ** 30
@@ -42,11 +46,11 @@ def _memory(variant: str):
     weights = {"streamed": BaseWeights.FP8_STREAMED, "bf16": BaseWeights.AS_LOADED}.get(
         variant.split("_")[0], BaseWeights.FP8)
     return MemorySettings("bf16", True, 1, 1, "AdamW8bit", weights,
-                          activation_offload=variant.startswith("streamed"),
+                          activation_offload=variant.startswith(("streamed", "lean")),
                           fast_path=FastPath.CUDA_GRAPHS if variant.endswith("graphs") else FastPath.OFF)
 
 
-def child(variant: str, checkpoint: str, data: str) -> None:
+def child(variant: str, checkpoint: str, data: str, resolution: str) -> None:
     sys.path[:0] = [COMFY, str(REPO), str(REPO / "scripts")]
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -62,7 +66,7 @@ def child(variant: str, checkpoint: str, data: str) -> None:
         model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=True, output_clip=True,
                                                                       embedding_directory=None)
     adapter = ComfyAdapter(model, clip, vae)
-    dataset = scan_folder(Path(data), 512)
+    dataset = scan_folder(Path(data), int(resolution))
     stamps: list[tuple[int, float]] = []
     profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     window: dict[str, float] = {}
@@ -122,13 +126,13 @@ def child(variant: str, checkpoint: str, data: str) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["child"]:
-        child(*sys.argv[2:5])
+        child(*sys.argv[2:6])
         return
     # weights built in a process of their own, so that no child shares the device with a parent holding memory
     work = Path(tempfile.mkdtemp(prefix="eager-profile-"))
-    subprocess.run([sys.executable, "-m", "bench.full_size_assets", "--out", str(work), "--models", "sd15",
+    subprocess.run([sys.executable, "-m", "bench.full_size_assets", "--out", str(work), "--models", MODEL,
                     "--forms", "checkpoint", "--images", "4"], check=True, cwd=str(REPO), stdout=subprocess.DEVNULL)
-    assets = json.loads((work / "assets.json").read_text())["sd15"]
+    assets = json.loads((work / "assets.json").read_text())[MODEL]
     checkpoint, data = str(work / "models" / "checkpoints" / assets["checkpoint"]), assets["dataset"]
     chosen = os.environ.get("ALLOCATORS", ",".join(ALLOCATORS)).split(",")
     for argument in sys.argv[1:] or VARIANTS:
@@ -136,7 +140,8 @@ def main() -> None:
         for allocator in [only] if only else chosen:
             env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ALLOCATORS[allocator], "PYTHONUNBUFFERED": "1"}
             started = time.perf_counter()
-            command = [sys.executable, "-m", "bench.eager_step_profile", "child", variant, checkpoint, data]
+            command = [sys.executable, "-m", "bench.eager_step_profile", "child", variant, checkpoint, data,
+                       str(assets["resolution"])]
             if os.environ.get("PYSPY_DIR"):  # host stacks of every thread (py-spy on PATH): where eager time goes
                 command = ["py-spy", "record", "--nonblocking", "-d", "45", "--format", "raw", "-r", "50", "-o",
                            str(Path(os.environ["PYSPY_DIR"]) / f"{variant}_{allocator}.txt"), "--", *command]

@@ -391,12 +391,12 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
 def peer_inputs_for(requested: dict, object_info: dict) -> tuple[dict, list[str]]:
     """TrainLoraNode's widget inputs: its schema defaults, the bench's common choices and the row's own; the
     names this ComfyUI's node lacks (0.3.75 has no offloading) are an error, as a missing node is."""
-    spec = object_info.get("TrainLoraNode", {}).get("input")
-    if spec is None:
-        return {}, ["schema: this ComfyUI has no built-in trainer"]
+    if "TrainLoraNode" not in object_info:
+        return {}, ["TrainLoraNode"]
+    spec = object_info["TrainLoraNode"].get("input", {})
     known = {**spec.get("required", {}), **spec.get("optional", {})}
     if "LORA_MODEL" not in object_info["TrainLoraNode"].get("output", []):
-        return {}, ["a LORA_MODEL output"]
+        return {}, ["LORA_MODEL output"]
     defaults = {name: entry[1]["default"] for name, entry in known.items()
                 if len(entry) > 1 and isinstance(entry[1], dict) and "default" in entry[1]}
     defaults.pop("steps", None)  # the row's own (build_prompt)
@@ -768,7 +768,8 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         memory, missing = peer_inputs_for(job.peer_inputs, server.object_info)
         row["settings"] = memory
     if missing:
-        node = "TrainLoraNode" if job.kind == "peer" else "LeanLoRA Memory Settings"
+        node = ("LeanLoRA Memory Settings" if job.kind == "train" else
+                "this ComfyUI" if "TrainLoraNode" not in server.object_info else "TrainLoraNode")
         return {**row, "status": "error", "passed": False, "server_alive_after": server.alive(),
                 "error": f"{node} has no {', '.join(missing)}: this row cannot run as planned"}
     train_node = "peer_train" if job.kind == "peer" else "train"

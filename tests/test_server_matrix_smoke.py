@@ -67,6 +67,20 @@ def test_sdxl_files_have_the_layouts_comfyuis_loaders_read():
     assert {k.removeprefix(prefix) for k in checkpoint if k.startswith(prefix)} == set(parts["unet"])
 
 
+def test_peer_rows_take_the_nodes_defaults_and_name_what_this_comfyui_lacks():
+    """ComfyUI's TrainLoraNode differs by version (0.3.75 has no offloading): a row asking for an input the node
+    lacks, or a ComfyUI without the node, is that row's error instead of a silently different peer."""
+    from bench.server_matrix import PEER_TRAIN_INPUTS, peer_inputs_for
+    node = {"input": {"required": {name: ["INT", {"default": 0}] for name in PEER_TRAIN_INPUTS} |
+                      {"steps": ["INT", {"default": 16}], "model": ["MODEL"], "checkpoint_depth": ["INT", {"default": 1}]}},
+            "output": ["MODEL", "LORA_MODEL", "LOSS_MAP"]}
+    inputs, missing = peer_inputs_for({"gradient_checkpointing": True}, {"TrainLoraNode": node})
+    assert missing == ["gradient_checkpointing"]
+    assert inputs["rank"] == 16 and inputs["checkpoint_depth"] == 1 and "steps" not in inputs and "model" not in inputs
+    assert peer_inputs_for({}, {}) == ({}, ["TrainLoraNode"])
+    assert peer_inputs_for({}, {"TrainLoraNode": {**node, "output": ["MODEL"]}})[1] == ["LORA_MODEL output"]
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix")

@@ -222,6 +222,10 @@ def plan_v033() -> list[Server]:
     def identity_jobs(train: dict, step_s: float, setup_s: float) -> list[Job]:
         return [Job("sample_base_before", kind="sample", est_setup_s=15),
                 Job("train_then_sample", train, sample_base=True, est_step_s=step_s, est_setup_s=setup_s)]
+
+    def builtin(name: str, checkpointing: bool) -> Job:  # 0.33's own trainer with its offloading (2.02 s/step, 3 Dec)
+        return Job(name, kind="peer", peer_inputs={"offloading": True, "gradient_checkpointing": checkpointing},
+                   est_step_s=2.0, est_setup_s=12, timeout_s=300)
     return [
         Server("v033_sdxl_24", "sdxl", [
             *identity_jobs(settings("fast"), 0.09, 20),
@@ -243,21 +247,14 @@ def plan_v033() -> list[Server]:
         Server("v033_sd15_2_headroom", "sd15", identity_jobs(settings("fast", auto_fit=_fit(2)), 0.06, 15),
                card_gib=2, base_identity=True, est_start_s=15, aimdo_headroom=True),
         # the peer: 0.33's own trainer with its lowest-memory setting (offloading), on the 24 GiB card of our fast
-        # row (2.02 s/step on the H200, 3 Dec); its gradient checkpointing once failed on torch 2.11 in
-        # bench/peers.py (in this server it ran), hence a row without it too
-        Server("v033_builtin_sdxl_24", "sdxl", [
-            Job("builtin_offloading", kind="peer", peer_inputs={"offloading": True, "gradient_checkpointing": True},
-                est_step_s=2.0, est_setup_s=12, timeout_s=300),
-            Job("builtin_offloading_no_gc", kind="peer", peer_inputs={"offloading": True,
-                                                                     "gradient_checkpointing": False},
-                est_step_s=2.0, est_setup_s=12, timeout_s=300)],
-            card_gib=24, est_start_s=18),
+        # row; its gradient checkpointing once failed on torch 2.11 in bench/peers.py (in this server it ran),
+        # hence a row without it too
+        Server("v033_builtin_sdxl_24", "sdxl", [builtin("builtin_offloading", True),
+                                                builtin("builtin_offloading_no_gc", False)],
+               card_gib=24, est_start_s=18),
         # with room it keeps the model resident (22.68 GiB on the 24 GiB card): whether its offloading fits a
         # small card, as the ~4 GB it is known for says
-        Server("v033_builtin_sdxl_6", "sdxl", [
-            Job("builtin_offloading", kind="peer", peer_inputs={"offloading": True, "gradient_checkpointing": True},
-                est_step_s=2.0, est_setup_s=12, timeout_s=300)],
-            card_gib=6, est_start_s=18),
+        Server("v033_builtin_sdxl_6", "sdxl", [builtin("builtin_offloading", True)], card_gib=6, est_start_s=18),
     ]
 
 
@@ -797,22 +794,29 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
     entry = None
     status = None
     deadline = started + timeout_s
+
+    def took_step(stamp: float, message: dict) -> bool:
+        """Records a step event (ours: the trainer's clock; the peer's: this process's), if the message is one."""
+        kind, data = message.get("type"), message.get("data") or {}
+        if kind == "leanlora.progress" and data.get("kind") == "step":
+            steps.append((int(data["step"]), float(data["seconds"])))
+        elif kind == "progress" and data.get("node") == "peer_train":
+            peer_steps.append((int(data["value"]), stamp))
+        else:
+            return False
+        return True
+
     while entry is None:
         for stamp, message in server.events.drain():
             kind, data = message.get("type"), message.get("data") or {}
-            if kind == "leanlora.progress":
-                if data.get("kind") == "step":
-                    steps.append((int(data["step"]), float(data["seconds"])))
-                    first_step_at = first_step_at or stamp
-                elif data.get("kind") == "phase":
-                    phases.append((round(stamp - started, 2), str(data.get("text", ""))[:200]))
-                    # ComfyUI's encoders run before this phase (caching), the training copy after it: on 0.33 the
-                    # encoders load through DynamicVRAM, outside the emulated card's cap
-                    if data.get("text") == "preparing the training copy" and train_started is not None:
-                        caching_peak = server.nvml.split_phase()
-            elif kind == "progress" and data.get("node") == "peer_train":
-                peer_steps.append((int(data["value"]), stamp))
+            if took_step(stamp, message):
                 first_step_at = first_step_at or stamp
+            elif kind == "leanlora.progress" and data.get("kind") == "phase":
+                phases.append((round(stamp - started, 2), str(data.get("text", ""))[:200]))
+                # ComfyUI's encoders run before this phase (caching), the training copy after it: on 0.33 the
+                # encoders load through DynamicVRAM, outside the emulated card's cap
+                if data.get("text") == "preparing the training copy" and train_started is not None:
+                    caching_peak = server.nvml.split_phase()
             elif kind == "executing":  # ComfyUI names each node as it starts: the Train node's own NVML peak
                 node = data.get("node")
                 if node == train_node and train_started is None:
@@ -841,11 +845,7 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         time.sleep(0.1)
     finished = time.monotonic()
     for stamp, message in server.events.drain():  # the last burst may come with the history entry
-        data = message.get("data") or {}
-        if message.get("type") == "leanlora.progress" and data.get("kind") == "step":
-            steps.append((int(data["step"]), float(data["seconds"])))
-        elif message.get("type") == "progress" and data.get("node") == "peer_train":
-            peer_steps.append((int(data["value"]), stamp))
+        took_step(stamp, message)
     row["wall_s"] = round(finished - started, 2)
     if status in ("timeout", "out of budget"):  # interrupt, then give up on the server: nothing may stall the matrix
         try:

@@ -131,6 +131,27 @@ def test_fused_fp8_dequantize_keeps_a_channels_last_conv_weight_channels_last(mo
                                rtol=2 ** -7, atol=0)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_scaled_linear_is_linear_with_the_scaled_weight_in_value_and_input_gradient(with_bias):
+    """Grouped fp8 Linear layers take their scale as the GEMM's alpha (cast_weights.scaled_linear); the bias, if
+    any, trains only where it requires grad. float64 keeps the comparison exact up to rounding."""
+    from bridge.cast_weights import scaled_linear
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(6, 8, dtype=torch.float64, generator=generator)
+    bias = torch.randn(6, dtype=torch.float64, generator=generator, requires_grad=True) if with_bias else None
+    scale = 0.37
+    out = scaled_linear(x, weight, bias, scale)
+    reference = torch.nn.functional.linear(x, weight * scale, bias)
+    torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    inputs = (x, bias) if with_bias else (x,)
+    assert torch.autograd.gradcheck(lambda x, *b: scaled_linear(x, weight, b[0] if b else None, scale), inputs)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=generator)
+    frozen_bias = bias.detach() if with_bias else None
+    (x_grad,) = torch.autograd.grad(scaled_linear(x, weight, frozen_bias, scale), x, grad)
+    torch.testing.assert_close(x_grad, grad @ (weight * scale), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
     from trainer import frozen_weights

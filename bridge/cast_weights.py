@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
+    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize, upcast_runs_eagerly
     from ..trainer.layer_patch import mix_into
     from ..trainer.settings import BaseWeights
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
+    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize, upcast_runs_eagerly
     from trainer.layer_patch import mix_into
     from trainer.settings import BaseWeights
 
@@ -76,8 +76,8 @@ class UpcastGroup:
 
 
 def _scale_in_gemm(layer: torch.nn.Module) -> bool:
-    """Whether a grouped layer's forward applies its fp8 scale in the GEMM (Linear) instead of to the weight."""
-    return isinstance(layer, torch.nn.Linear)
+    """Whether an fp8 layer can apply its scale in the GEMM (scaled_linear) instead of to a copy of the weight."""
+    return isinstance(layer, torch.nn.Linear) and hasattr(layer, FP8_SCALE_VALUE)
 
 
 class _ScaledLinear(torch.autograd.Function):
@@ -163,23 +163,28 @@ def _grouped_weight(layer: torch.nn.Module, input: torch.Tensor, dtype: torch.dt
 
 class _Fp8Compute:
     """Mixin for fp8 Linear/Conv2d layers: replaces ComfyUI's `forward_comfy_cast_weights` with weight (and bias)
-    to the input's device if streamed, one dequantizing upcast to the compute dtype (its block's grouped upcast
-    where there is one), and the layer's op."""
+    to the input's device if streamed, one upcast to the compute dtype (its block's grouped upcast where there is
+    one), and the layer's op. A Linear layer whose upcast runs eagerly takes the fp8 values exactly and its scale
+    as the GEMM's alpha (scaled_linear): one kernel per weight instead of two. Where the compiled upcast runs (or
+    inside compiled blocks) the scale is fused into the upcast anyway, and the layer computes with the scaled copy."""
 
     def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(input)
         bias = self.bias
         if bias is not None:
             bias = bias.to(input.device, dtype, non_blocking=True)
-        weight = _grouped_weight(self, input, dtype)
-        if weight is not None and _scale_in_gemm(self):  # the group left it unscaled
-            return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE))
+        weight = _grouped_weight(self, input, dtype)  # a Linear member's copy is unscaled
         if weight is None:
-            weight = dequantize(self.weight.to(input.device, non_blocking=True), getattr(self, FP8_SCALE), dtype,
-                                getattr(self, FP8_SCALE_VALUE, None))
+            stored = self.weight.to(input.device, non_blocking=True)
+            if _scale_in_gemm(self) and upcast_runs_eagerly(stored):
+                weight = stored.to(dtype)  # exact for e4m3
+            else:
+                weight = dequantize(stored, getattr(self, FP8_SCALE), dtype, getattr(self, FP8_SCALE_VALUE, None))
+                if isinstance(self, torch.nn.Linear):
+                    return torch.nn.functional.linear(input, weight, bias)
         if isinstance(self, torch.nn.Conv2d):
             return self._conv_forward(input, weight, bias)
-        return torch.nn.functional.linear(input, weight, bias)
+        return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE))
 
 
 def _castable_layers(module: torch.nn.Module, min_dim: int = 2):

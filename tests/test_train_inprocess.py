@@ -220,6 +220,13 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     monkeypatch.setattr(torch, "_foreach_mul_", lambda out, scales: scaled_shapes.extend(w.dim() for w in out)
                         or real_foreach_mul(out, scales))
     monkeypatch.setattr(cast_weights, "dequantize", lambda *a: per_layer_calls.append(1) or real_dequantize(*a))
+    real_runs_eagerly = cast_weights.upcast_runs_eagerly
+
+    def exact_upcast_of_a_linear(weight):  # its one-kernel upcast (the scale is the GEMM's alpha) counts too
+        eager = real_runs_eagerly(weight)
+        per_layer_calls.extend([1] if eager else [])
+        return eager
+    monkeypatch.setattr(cast_weights, "upcast_runs_eagerly", exact_upcast_of_a_linear)
 
     def run(model):
         grouped_calls.clear(), scaled_shapes.clear(), per_layer_calls.clear()
@@ -231,13 +238,9 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     reference, reference_grads, none, reference_single = run(per_layer)
     output, grads, grouped, single = run(unet)
     assert not none and reference_single > 0
-    # grouped Linear layers take their scale in the GEMM (alpha) instead of a scaled copy: the same product up to
-    # the compute dtype's last bit; only conv weights were scaled copies
-    torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-5)
-    assert len(grads) == len(reference_grads)
-    for grad, reference_grad in zip(grads, reference_grads):
-        torch.testing.assert_close(grad, reference_grad, rtol=1e-3, atol=1e-6)
-    assert scaled_shapes and set(scaled_shapes) == {4}
+    assert torch.equal(output, reference)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads)) and len(grads) == len(reference_grads)
+    assert scaled_shapes and set(scaled_shapes) == {4}  # Linear layers' copies stay unscaled (their GEMM's alpha)
     # every block upcast once in forward and once in its recompute (the first ResBlock, with no LoRA and no gradient
     # flowing into it, is never recomputed); only the layers outside blocks one by one
     groups = {id(m.leanlora_upcast_group): m.leanlora_upcast_group for m in unet.modules()
@@ -246,6 +249,31 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     assert single < reference_single - sum(grouped) + len(grouped)
     assert not cast_weights._ACTIVE_GROUPS
     assert all(not group.ready for group in groups.values())
+
+
+def test_an_fp8_linear_takes_its_scale_in_the_gemm_only_where_its_upcast_runs_eagerly(adapter, monkeypatch):
+    """Eager upcasts are two kernels (cast, multiply); a Linear layer skips the second by scaling in the GEMM.
+    Where the compiled upcast runs, the multiply is fused into it and the layer keeps F.linear."""
+    import comfy.ops
+    import bridge.cast_weights as cast_weights
+    from trainer import frozen_weights
+    generator = torch.Generator().manual_seed(0)
+    layer = comfy.ops.disable_weight_init.Linear(16, 8)
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16, generator=generator) * 0.02, requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(8, generator=generator), requires_grad=False)
+    store_weights_fp8(layer)
+    x = torch.randn(2, 3, 16, generator=generator)
+    reference = torch.nn.functional.linear(x, layer.weight.float() * layer.leanlora_fp8_scale_value, layer.bias)
+    gemm_scaled, compiled_upcasts = [], []
+    real_scaled_linear = cast_weights.scaled_linear
+    monkeypatch.setattr(cast_weights, "scaled_linear", lambda *a: gemm_scaled.append(1) or real_scaled_linear(*a))
+    torch.testing.assert_close(layer(x), reference)  # on CPU the upcast is eager
+    assert gemm_scaled == [1]
+    fused = frozen_weights.FusedUpcast(devices=("cpu",))  # as if the compiled upcast ran here
+    fused.kernel = lambda *a: compiled_upcasts.append(1) or frozen_weights._dequantize_fused(*a)
+    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", fused)
+    torch.testing.assert_close(layer(x), reference)
+    assert gemm_scaled == [1] and compiled_upcasts == [1]
 
 
 def test_a_block_that_fails_part_way_keeps_none_of_its_grouped_upcasts(adapter):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize, upcast_runs_eagerly
+    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from ..trainer.layer_patch import mix_into
     from ..trainer.settings import BaseWeights
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize, upcast_runs_eagerly
+    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from trainer.layer_patch import mix_into
     from trainer.settings import BaseWeights
 
@@ -164,9 +164,9 @@ def _grouped_weight(layer: torch.nn.Module, input: torch.Tensor, dtype: torch.dt
 class _Fp8Compute:
     """Mixin for fp8 Linear/Conv2d layers: replaces ComfyUI's `forward_comfy_cast_weights` with weight (and bias)
     to the input's device if streamed, one upcast to the compute dtype (its block's grouped upcast where there is
-    one), and the layer's op. A Linear layer whose upcast runs eagerly takes the fp8 values exactly and its scale
-    as the GEMM's alpha (scaled_linear): one kernel per weight instead of two. Where the compiled upcast runs (or
-    inside compiled blocks) the scale is fused into the upcast anyway, and the layer computes with the scaled copy."""
+    one), and the layer's op. A Linear layer upcasts the fp8 values exactly (one cast kernel) and takes its scale
+    as the GEMM's alpha (scaled_linear), so eager steps, graphs and every allocator compute the same numbers.
+    Inside compiled blocks inductor fuses the scale into the upcast, and the layer computes with the scaled copy."""
 
     def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(input)
@@ -176,7 +176,7 @@ class _Fp8Compute:
         weight = _grouped_weight(self, input, dtype)  # a Linear member's copy is unscaled
         if weight is None:
             stored = self.weight.to(input.device, non_blocking=True)
-            if _scale_in_gemm(self) and upcast_runs_eagerly(stored):
+            if _scale_in_gemm(self) and not torch.compiler.is_compiling():
                 weight = stored.to(dtype)  # exact for e4m3
             else:
                 weight = dequantize(stored, getattr(self, FP8_SCALE), dtype, getattr(self, FP8_SCALE_VALUE, None))

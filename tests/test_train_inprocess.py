@@ -220,13 +220,13 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     monkeypatch.setattr(torch, "_foreach_mul_", lambda out, scales: scaled_shapes.extend(w.dim() for w in out)
                         or real_foreach_mul(out, scales))
     monkeypatch.setattr(cast_weights, "dequantize", lambda *a: per_layer_calls.append(1) or real_dequantize(*a))
-    real_runs_eagerly = cast_weights.upcast_runs_eagerly
+    real_scale_in_gemm = cast_weights._scale_in_gemm
 
-    def exact_upcast_of_a_linear(weight):  # its one-kernel upcast (the scale is the GEMM's alpha) counts too
-        eager = real_runs_eagerly(weight)
-        per_layer_calls.extend([1] if eager else [])
-        return eager
-    monkeypatch.setattr(cast_weights, "upcast_runs_eagerly", exact_upcast_of_a_linear)
+    def linear_scaled_in_its_gemm(layer):  # a per-layer Linear's exact upcast (scale in the GEMM) counts too
+        scaled = real_scale_in_gemm(layer)
+        per_layer_calls.extend([1] if scaled and not cast_weights._ACTIVE_GROUPS else [])
+        return scaled
+    monkeypatch.setattr(cast_weights, "_scale_in_gemm", linear_scaled_in_its_gemm)
 
     def run(model):
         grouped_calls.clear(), scaled_shapes.clear(), per_layer_calls.clear()
@@ -251,12 +251,11 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     assert all(not group.ready for group in groups.values())
 
 
-def test_an_fp8_linear_takes_its_scale_in_the_gemm_only_where_its_upcast_runs_eagerly(adapter, monkeypatch):
-    """Eager upcasts are two kernels (cast, multiply); a Linear layer skips the second by scaling in the GEMM.
-    Where the compiled upcast runs, the multiply is fused into it and the layer keeps F.linear."""
+def test_an_fp8_linear_takes_its_scale_in_the_gemm_and_inside_compiled_code_the_fused_upcast(adapter, monkeypatch):
+    """One kernel per Linear weight (the exact cast; the scale is the GEMM's alpha) in eager steps and graphs alike,
+    so both train the same numbers. Inside compiled code inductor fuses the scale into the upcast instead."""
     import comfy.ops
     import bridge.cast_weights as cast_weights
-    from trainer import frozen_weights
     generator = torch.Generator().manual_seed(0)
     layer = comfy.ops.disable_weight_init.Linear(16, 8)
     layer.weight = torch.nn.Parameter(torch.randn(8, 16, generator=generator) * 0.02, requires_grad=False)
@@ -264,16 +263,15 @@ def test_an_fp8_linear_takes_its_scale_in_the_gemm_only_where_its_upcast_runs_ea
     store_weights_fp8(layer)
     x = torch.randn(2, 3, 16, generator=generator)
     reference = torch.nn.functional.linear(x, layer.weight.float() * layer.leanlora_fp8_scale_value, layer.bias)
-    gemm_scaled, compiled_upcasts = [], []
-    real_scaled_linear = cast_weights.scaled_linear
+    gemm_scaled, dequantized = [], []
+    real_scaled_linear, real_dequantize = cast_weights.scaled_linear, cast_weights.dequantize
     monkeypatch.setattr(cast_weights, "scaled_linear", lambda *a: gemm_scaled.append(1) or real_scaled_linear(*a))
-    torch.testing.assert_close(layer(x), reference)  # on CPU the upcast is eager
-    assert gemm_scaled == [1]
-    fused = frozen_weights.FusedUpcast(devices=("cpu",))  # as if the compiled upcast ran here
-    fused.kernel = lambda *a: compiled_upcasts.append(1) or frozen_weights._dequantize_fused(*a)
-    monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", fused)
+    monkeypatch.setattr(cast_weights, "dequantize", lambda *a: dequantized.append(1) or real_dequantize(*a))
     torch.testing.assert_close(layer(x), reference)
-    assert gemm_scaled == [1] and compiled_upcasts == [1]
+    assert gemm_scaled == [1] and not dequantized
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as dynamo traces the layer
+    torch.testing.assert_close(layer(x), reference)
+    assert gemm_scaled == [1] and dequantized == [1]
 
 
 def test_a_block_that_fails_part_way_keeps_none_of_its_grouped_upcasts(adapter):

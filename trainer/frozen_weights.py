@@ -48,15 +48,10 @@ class FusedUpcast:
         self.verified = False  # the compiled kernel ran once: later errors other than compiling are the step's own
         self.failure: str | None = None  # why the compiled kernel is unavailable here
 
-    def runs_eagerly(self, weight: torch.Tensor) -> bool:
-        """Whether upcasting `weight` here takes the eager form (no compiled kernel for its device, compiling failed,
-        a capture under cudaMallocAsync, an eager step launched from the host)."""
-        return weight.device.type not in self.devices or self.kernel is False or compiled_kernels_blocked() \
-            or _launched_from_host(weight)
-
     def __call__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                  scale_value: float | None = None) -> torch.Tensor:
-        if self.runs_eagerly(weight):
+        if weight.device.type not in self.devices or self.kernel is False or compiled_kernels_blocked() \
+                or _launched_from_host(weight):
             return _dequantize_eager(weight, scale, dtype, scale_value)
         if self.kernel is None:
             self.kernel = torch.compile(_dequantize_fused, dynamic=True, fullgraph=True)
@@ -110,12 +105,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if torch.compiler.is_compiling():
         return _dequantize_fused(weight, scale, dtype)  # inductor fuses it into the compiled block
     return _FUSED_UPCAST(weight, scale, dtype, scale_value)
-
-
-def upcast_runs_eagerly(weight: torch.Tensor) -> bool:
-    """Whether `dequantize(weight, ...)` would take the eager form here: two kernels, the fp8 cast and the scale's
-    multiply, where a layer that can apply the scale elsewhere (a GEMM's alpha) needs only the first."""
-    return not torch.compiler.is_compiling() and _FUSED_UPCAST.runs_eagerly(weight)
 
 
 def fused_upcast_failure() -> str | None:

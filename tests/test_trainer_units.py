@@ -206,6 +206,52 @@ def test_host_launched_fp8_upcasts_skip_the_compiled_kernel_with_the_same_number
     assert len(calls) == 1 and torch.equal(compiled, eager)
 
 
+def test_lora_dropout_masks_follow_the_steps_seed_so_recompute_needs_no_generator_state():
+    """LoRA dropout is StepSeededDropout: the same seed gives the same mask (checkpointing's recompute), another
+    seed another one, eval mode none; nothing in the model draws from a generator, so steps stay capturable."""
+    from trainer.checkpointing import uses_randomness
+    from trainer.lora import StepSeededDropout, seed_lora_dropout
+    torch.manual_seed(0)
+    net = TinyNet(dim=64)
+    inject_lora(net, LoraSettings(rank=4, alpha=4.0, dropout=0.3), seed=0)
+    dropouts = [m for m in net.modules() if isinstance(m, StepSeededDropout)]
+    assert dropouts and len({d.salt for d in dropouts}) == len(dropouts)  # each layer its own masks
+    assert not uses_randomness(net) and seed_lora_dropout(net) is not None
+    assert seed_lora_dropout(TinyNet()) is None
+    x = torch.ones(8, 32, 64)
+    seed = seed_lora_dropout(net)
+    seed.feed(torch.tensor(11))
+    first, again = dropouts[0](x), dropouts[0](x)
+    assert torch.equal(first, again) and not torch.equal(first, dropouts[1](x))
+    dropped = (first == 0).float().mean().item()
+    assert 0.28 < dropped < 0.32 and torch.allclose(first[first != 0], torch.tensor(1 / 0.7))
+    seed.feed(torch.tensor(12))
+    assert not torch.equal(dropouts[0](x), first)
+    net.eval()
+    assert torch.equal(dropouts[0](x), x)
+
+
+def test_checkpointed_blocks_with_lora_dropout_recompute_the_forwards_masks():
+    """preserve_rng_state=False (what CUDA graphs need) with LoRA dropout: the recompute draws nothing, so the
+    gradients are those of the same step without checkpointing."""
+    from trainer.lora import seed_lora_dropout
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        net = TinyNet(dim=32)
+        params = inject_lora(net, LoraSettings(rank=4, alpha=4.0, dropout=0.5), seed=0)
+        with torch.no_grad():
+            for p in params:  # lora_up starts at zero, where dropout changes no gradient of lora_down
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        if checkpointed:
+            checkpoint_blocks(net.input_blocks, preserve_rng_state=False)
+        seed_lora_dropout(net).feed(torch.tensor(5))
+        torch.manual_seed(1 + checkpointed)  # the process's generator differs: nothing may depend on it
+        net(torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(2))).square().mean().backward()
+        grads.append([p.grad.clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_same_seed_same_lora_init():
     a, b = TinyNet(), TinyNet()
     b.load_state_dict(a.state_dict())

@@ -22,8 +22,80 @@ UNET_PREFIX = "lora_unet_"  # kohya's prefix; its text encoder ones (lora_te_, l
 #                             LeanLoRA trains the diffusion model only
 
 
+class DropoutSeed:
+    """The seed of the current micro-step's LoRA dropout masks, as a device tensor the step writes in place
+    (`feed`): inside a CUDA graph the copy is recorded, so every replay reads its own step's seed. None until a
+    step feeds one."""
+
+    def __init__(self):
+        self.value: torch.Tensor | None = None
+
+    def feed(self, seed: torch.Tensor) -> None:
+        if self.value is None or self.value.device != seed.device:
+            self.value = seed.detach().clone()  # the first step is an eager one (probe or warm-up), never a capture
+        else:
+            self.value.copy_(seed)
+
+
+def _hashed_bits(count: int, seed: torch.Tensor, salt: int, device: torch.device) -> torch.Tensor:
+    """32 pseudo-random bits per element (0 .. 2^32 - 1, int64) from (seed, salt, element index): an integer mix
+    in plain tensor ops. Every multiplier is < 2^31 and every operand < 2^32, so no product leaves int64."""
+    mask = 0xFFFFFFFF
+    bits = (torch.arange(count, device=device, dtype=torch.int64) * 0x2545F491 + seed * 0x1B873593
+            + (salt * 0x27D4EB2F) % 2 ** 32) & mask
+    for multiplier, shift in ((0x7FEB352D, 15), (0x5BD1E995, 13), (0x68E31DA5, 16)):
+        bits = ((bits ^ (bits >> 16)) * multiplier) & mask
+        bits = bits ^ (bits >> shift)
+    return bits
+
+
+class StepSeededDropout(torch.nn.Module):
+    """LoRA dropout whose mask is a hash of (the micro-step's seed, this layer, the element) instead of draws from
+    a random generator. A checkpointed block's recompute then makes the forward's mask again without saving and
+    restoring the generator's state, which a CUDA graph cannot capture: runs with LoRA dropout keep their graphs.
+    The seed comes from the run's own generator (TrainingSession.inputs), so a seed gives the same run and a resume
+    continues it exactly. Before any step has fed a seed (a layer called on its own) it draws like nn.Dropout."""
+
+    def __init__(self, p: float, salt: int, seed: DropoutSeed):
+        super().__init__()
+        self.p, self.salt, self.seed = p, salt, seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if self.seed.value is None:
+            return torch.nn.functional.dropout(x, self.p, training=True)
+        bits = _hashed_bits(x.numel(), self.seed.value.to(x.device), self.salt, x.device).view(x.shape)
+        return torch.where(bits >= round(self.p * 2 ** 32), x * (1.0 / (1.0 - self.p)), 0.0)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, salt={self.salt}"
+
+
+def seed_lora_dropout(module: torch.nn.Module) -> DropoutSeed | None:
+    """Where a step feeds its LoRA dropout seed; None if `module`'s LoRA has no dropout."""
+    return getattr(module, "leanlora_dropout_seed", None)
+
+
+def _step_seeded_dropout(module: torch.nn.Module) -> None:
+    """Replaces peft's nn.Dropout in every LoRA layer with a StepSeededDropout sharing one DropoutSeed."""
+    seed = DropoutSeed()
+    replaced = 0
+    for layer in module.modules():
+        dropouts = getattr(layer, "lora_dropout", None)
+        if not isinstance(dropouts, torch.nn.ModuleDict) or ADAPTER not in dropouts:
+            continue
+        dropout = dropouts[ADAPTER]
+        if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+            dropouts[ADAPTER] = StepSeededDropout(dropout.p, replaced, seed)
+            replaced += 1
+    if replaced:
+        module.leanlora_dropout_seed = seed
+
+
 def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int) -> list[torch.nn.Parameter]:
-    """Adds LoRA layers in place and freezes everything else. Returns the trainable parameters (fp32)."""
+    """Adds LoRA layers in place and freezes everything else. Returns the trainable parameters (fp32). LoRA
+    dropout, if any, is StepSeededDropout."""
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules), init_lora_weights=True)
     module.requires_grad_(False)
@@ -41,6 +113,7 @@ def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int) -> l
             # 16% of an SDXL batch-8 step on an H200, plus a second saved copy of the input. Autocast computes in
             # the compute dtype either way; without autocast ("no" precision) inputs are fp32 already.
             layer.cast_input_dtype_enabled = False
+    _step_seeded_dropout(module)
     params = [p for n, p in module.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()  # master weights stay fp32 whatever the base dtype

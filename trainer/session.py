@@ -24,6 +24,7 @@ from .micro_steps import BatchStep, build_micro_step
 from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
 from .memory_plan import next_rung
 from .loop import LoopResult, StepInfo, train_loop
+from .lora import seed_lora_dropout
 from .model_adapter import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
@@ -66,7 +67,9 @@ class TrainingSession:
         rung saves more), which is all that first configuration, OOM recovery and auto-fit need."""
         old, device = self.memory, self.adapter.device
         streamed = memory.base_weights.streamed
-        random_forward = uses_randomness(self.unet)  # LoRA dropout: recompute must replay it, graphs cannot
+        # dropout drawing from a generator inside the step (LoRA's does not: lora.StepSeededDropout): recompute must
+        # replay its draws, graphs cannot
+        random_forward = uses_randomness(self.unet)
         if streamed and not (memory.gradient_checkpointing and memory.checkpoint_share == 1):
             # otherwise every streamed copy stays for backward
             memory = replace(memory, gradient_checkpointing=True, checkpoint_share=1.0)
@@ -296,8 +299,10 @@ class TrainingSession:
         """One batch with its random draws, on the device. Copies go through pinned memory without blocking,
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
-        return self._on_device({"clean": clean, **draw_noise(self.sampling_on_cpu, clean.shape, self.generator),
-                                **{f"cond.{name}": value for name, value in cond.items()}})
+        draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator)
+        if seed_lora_dropout(self.unet) is not None:  # drawn only with dropout: other runs keep their noise
+            draws["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=self.generator)
+        return self._on_device({"clean": clean, **draws, **{f"cond.{name}": value for name, value in cond.items()}})
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.adapter.device
@@ -306,6 +311,8 @@ class TrainingSession:
         return {name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}
 
     def compute_loss(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "dropout_seed" in inputs:  # read by the forward and by checkpointing's recompute in backward
+            seed_lora_dropout(self.unet).feed(inputs["dropout_seed"])
         cond = {name[len("cond."):]: t for name, t in inputs.items() if name.startswith("cond.")}
         predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
         return denoising_loss(self.adapter.model_sampling, predict, inputs["clean"], cond, inputs["noise"],
@@ -543,7 +550,7 @@ def graphs_incompatible(random_forward: bool) -> str | None:
     was broken by a gradient accumulator an auto-fit probe left on the default stream (see
     micro_steps._pin_gradient_accumulators), not by streaming."""
     if random_forward:
-        return "LoRA dropout draws random numbers inside the step"
+        return "the model's dropout draws random numbers inside the step"
     return None
 
 

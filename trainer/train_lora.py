@@ -264,8 +264,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                           f"epoch holds {len(cache)} images x {dataset.repeats} repeats"
                           + (" and batches hold one image size" if len({s.latent.shape for s in cache}) > 1 else "")
                           + f" (effective batch {used * session.memory.gradient_accumulation})")
-        # LoRA dropout draws from torch's process-wide generators (peft): seeded here, after the probes, so the
-        # same seed gives the same run with dropout too (a resume puts the state's generators back instead)
+        # torch's process-wide generators, seeded here after the probes, so that anything in the model drawing
+        # from them gives the same run for a seed (a resume puts the state's generators back instead); LoRA
+        # dropout draws from the run's own generator (lora.StepSeededDropout)
         torch.manual_seed(train.seed)
         if resumed is not None:
             notes = session.resume_from(resumed)

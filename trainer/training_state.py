@@ -37,7 +37,7 @@ class TrainingState:
     optimizer_name: str  # the class that made `optimizer` (its state loads only into the same kind)
     optimizer: dict | None
     scaler: dict | None  # fp16 loss scaling
-    rng: dict  # "sampler": the run's generator; "torch", "cuda", "python": process-wide ones (LoRA dropout)
+    rng: dict  # "sampler": the run's generator (noise, timesteps, LoRA dropout seeds); "torch", "cuda", "python": process-wide ones
     data: dict  # cache.Batches.state_dict()
     losses: list[float]
     fingerprints: dict[str, str]  # "dataset", "model", "lora", "settings"; "validation" with images held out

@@ -19,7 +19,8 @@ from trainer.activation_offload import ActivationOffload  # noqa: E402
 from trainer.compiled_blocks import compile_blocks  # noqa: E402
 from trainer.micro_steps import BatchStep, EagerMicroStep, allocator_backend, build_micro_step  # noqa: E402
 from trainer.loop import train_loop  # noqa: E402
-from trainer.lora import inject_lora  # noqa: E402
+from trainer.checkpointing import checkpoint_blocks, uses_randomness  # noqa: E402
+from trainer.lora import inject_lora, seed_lora_dropout  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
 from trainer.precision import Precision  # noqa: E402
 from trainer.session import graphs_incompatible  # noqa: E402
@@ -99,17 +100,21 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool | 
     return net, params
 
 
-def _batches(shapes, count, seed=1):
+def _batches(shapes, count, seed=1, dropout_seeds=False):
     g = torch.Generator().manual_seed(seed)
     for i in range(count):
         b, n = shapes[i % len(shapes)]
         x = torch.randn(b, n, 64, generator=g)
-        yield {"x": x.to(DEVICE), "y": torch.tanh(x).to(DEVICE)}
+        batch = {"x": x.to(DEVICE), "y": torch.tanh(x).to(DEVICE)}
+        if dropout_seeds:  # as TrainingSession.inputs draws them: one per micro-step, an input like the data
+            batch["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=g).to(DEVICE)
+        yield batch
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
            optimizer_name="AdamW", fail_capture=False, build=None, graph_kept_alive=False):
     net, params = build() if build else _net(compiled_part)
+    dropout_seed = seed_lora_dropout(net)
     precision = Precision(precision_mode, DEVICE)
     captures = {"n": 0}
     kept = []  # graph_kept_alive: an output of the first eager step, with its autograd graph
@@ -119,6 +124,8 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
             captures["n"] += 1
             torch.empty(1 << 20, device=DEVICE)  # allocated during the failing capture, never launched
             raise RuntimeError("injected capture failure")
+        if "dropout_seed" in inputs:  # as TrainingSession.compute_loss feeds it
+            dropout_seed.feed(inputs["dropout_seed"])
         out = net(inputs["x"])
         if graph_kept_alive and not kept:
             kept.append(out)
@@ -135,7 +142,8 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
         for p in params:
             p.grad = None
     optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=DEVICE)
-    result = train_loop(params, BatchStep(lambda batch: batch, micro), _batches(shapes, steps * 4), optimizer,
+    batches = _batches(shapes, steps * 4, dropout_seeds=dropout_seed is not None)
+    result = train_loop(params, BatchStep(lambda batch: batch, micro), batches, optimizer,
                         precision, steps=steps, accumulation=1, should_stop=lambda: False)
     weights = [p.detach().float().cpu().clone() for p in params]
     return result.losses, weights, micro
@@ -315,11 +323,27 @@ def probe(name: str) -> None:
           f"max_dweight={dweight:.2e}", flush=True)
 
 
+def lora_dropout():
+    """LoRA dropout in checkpointed blocks (lora.StepSeededDropout: masks from the step's seed, recomputed without
+    the random generator's state): graphed under both allocators, the same training as eager steps."""
+    def build():
+        torch.manual_seed(0)
+        net = TinyNet(dim=64).to(DEVICE)
+        params = inject_lora(net, LoraSettings(rank=4, alpha=4, dropout=0.3), seed=0)
+        for p in params:
+            p.data.normal_(0, 0.05)
+        assert not uses_randomness(net)  # what lets the trainer capture (session.graphs_incompatible)
+        checkpoint_blocks(net.input_blocks, preserve_rng_state=False)
+        return net, params
+    micro = _same_as_eager(shapes=((2, 8), (1, 12)), steps=6, build=build)
+    assert micro.graphs, micro.notes
+
+
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
                                      fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back,
                                      earlier_graph_kept_alive, fp8_weights, partly_streamed_fp8_weights,
-                                     streamed_fp8_weights)}
+                                     streamed_fp8_weights, lora_dropout)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "probe":

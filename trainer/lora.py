@@ -39,13 +39,14 @@ class DropoutSeed:
 
 def _hashed_bits(count: int, seed: torch.Tensor, salt: int, device: torch.device) -> torch.Tensor:
     """32 pseudo-random bits per element (0 .. 2^32 - 1, int64) from (seed, salt, element index): an integer mix
-    in plain tensor ops. Every multiplier is < 2^31 and every operand < 2^32, so no product leaves int64."""
+    in plain tensor ops, in place (two int64 tensors of `count` at a time). Every multiplier is < 2^31 and every
+    operand < 2^32, so no product leaves int64."""
     mask = 0xFFFFFFFF
-    bits = (torch.arange(count, device=device, dtype=torch.int64) * 0x2545F491 + seed * 0x1B873593
-            + (salt * 0x27D4EB2F) % 2 ** 32) & mask
+    bits = torch.arange(count, device=device, dtype=torch.int64)
+    bits.mul_(0x2545F491).add_(seed * 0x1B873593 + (salt * 0x27D4EB2F) % 2 ** 32).bitwise_and_(mask)
     for multiplier, shift in ((0x7FEB352D, 15), (0x5BD1E995, 13), (0x68E31DA5, 16)):
-        bits = ((bits ^ (bits >> 16)) * multiplier) & mask
-        bits = bits ^ (bits >> shift)
+        bits.bitwise_xor_(bits >> 16).mul_(multiplier).bitwise_and_(mask)
+        bits.bitwise_xor_(bits >> shift)
     return bits
 
 

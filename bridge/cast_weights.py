@@ -173,18 +173,17 @@ class _Fp8Compute:
         bias = self.bias
         if bias is not None:
             bias = bias.to(input.device, dtype, non_blocking=True)
-        weight = _grouped_weight(self, input, dtype)  # a Linear member's copy is unscaled
+        scale_in_gemm = _scale_in_gemm(self) and not torch.compiler.is_compiling()
+        weight = _grouped_weight(self, input, dtype)  # the group follows the same rule (never while compiling)
         if weight is None:
             stored = self.weight.to(input.device, non_blocking=True)
-            if _scale_in_gemm(self) and not torch.compiler.is_compiling():
-                weight = stored.to(dtype)  # exact for e4m3
-            else:
-                weight = dequantize(stored, getattr(self, FP8_SCALE), dtype, getattr(self, FP8_SCALE_VALUE, None))
-                if isinstance(self, torch.nn.Linear):
-                    return torch.nn.functional.linear(input, weight, bias)
+            weight = stored.to(dtype) if scale_in_gemm else \
+                dequantize(stored, getattr(self, FP8_SCALE), dtype, getattr(self, FP8_SCALE_VALUE, None))
         if isinstance(self, torch.nn.Conv2d):
             return self._conv_forward(input, weight, bias)
-        return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE))
+        if scale_in_gemm:  # the fp8 values exactly (e4m3 -> dtype is exact): the scale is the GEMM's alpha
+            return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE))
+        return torch.nn.functional.linear(input, weight, bias)
 
 
 def _castable_layers(module: torch.nn.Module, min_dim: int = 2):

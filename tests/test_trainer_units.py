@@ -231,6 +231,31 @@ def test_lora_dropout_masks_follow_the_steps_seed_so_recompute_needs_no_generato
     assert torch.equal(dropouts[0](x), x)
 
 
+def test_lora_dropout_layers_read_one_step_mask_that_equals_hashing_each_input(monkeypatch):
+    """Each layer reads a window of the micro-step's one mask; the windows equal the masks hashed on the spot (what
+    a capture does when an input outgrows the mask), a larger input grows the mask without changing the smaller
+    ones, the next seed refills it in place, and layers sharing an input get different masks."""
+    from trainer import lora
+    masks = lora.DropoutSeed(0.25)
+    masks.feed(torch.tensor(3))
+    small = masks.keep(5, 1000, torch.device("cpu")).clone()
+    large = masks.keep(6, 3 * lora.DropoutSeed.GROWTH, torch.device("cpu")).clone()  # grows the mask
+    assert torch.equal(masks.keep(5, 1000, torch.device("cpu")), small)
+    assert not torch.equal(masks.keep(6, 1000, torch.device("cpu")), small)
+    assert 0.24 < 1 - large.float().mean().item() < 0.26
+    monkeypatch.setattr(lora, "_capturing", lambda device: True)
+    hashed = lora.DropoutSeed(0.25)  # no mask yet and "capturing": every window hashed on the spot
+    hashed.feed(torch.tensor(3))
+    assert torch.equal(hashed.keep(5, 1000, torch.device("cpu")), small)
+    assert torch.equal(hashed.keep(6, 3 * lora.DropoutSeed.GROWTH, torch.device("cpu")), large)
+    assert hashed._mask is None
+    mask = masks._mask
+    masks.feed(torch.tensor(4))
+    assert masks._mask is mask and not torch.equal(masks.keep(5, 1000, torch.device("cpu")), small)
+    hashed.feed(torch.tensor(4))
+    assert torch.equal(masks.keep(5, 1000, torch.device("cpu")), hashed.keep(5, 1000, torch.device("cpu")))
+
+
 def test_checkpointed_blocks_with_lora_dropout_recompute_the_forwards_masks():
     """preserve_rng_state=False (what CUDA graphs need) with LoRA dropout: the recompute draws nothing, so the
     gradients are those of the same step without checkpointing."""

@@ -122,7 +122,7 @@ def _fit(card: float) -> str:
 
 def plan_core() -> list[Server]:
     """Default allocator, the pinned ComfyUI: SDXL uncapped (fast, re-queue balanced, cancel + new queue), SDXL
-    auto-fit at 6/4/3/8 GiB, SD1.5 auto-fit at 2/3 GiB and fast uncapped. Most important first: under a 9-minute
+    auto-fit at 6/4/3/8/12 GiB, SD1.5 auto-fit at 2/3 GiB and fast uncapped. Most important first: under a 9-minute
     command the budget may skip the last one (SD1.5 fast; "more" measures it too)."""
     sdxl = [Server("sdxl_24_default", "sdxl", [
         Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
@@ -130,7 +130,7 @@ def plan_core() -> list[Server]:
         Job("cancel_fast", settings("fast"), steps=400, cancel_after=16, est_step_s=0.09, est_setup_s=6),
         Job("after_cancel_balanced", settings("balanced"), steps=30, est_step_s=0.12, est_setup_s=8)],
         card_gib=24)]
-    for card, step_s in ((6, 0.16), (4, 0.2), (3, 0.35), (8, 0.13)):
+    for card, step_s in ((6, 0.16), (4, 0.2), (3, 0.35), (8, 0.13), (12, 0.1)):
         sdxl.append(Server(f"sdxl_{card}_default", "sdxl", [
             Job(f"autofit_{card}", settings("fast", auto_fit=_fit(card)), est_step_s=step_s, est_setup_s=30)],
             card_gib=card))

@@ -241,7 +241,7 @@ def test_an_out_of_memory_step_moves_down_the_ladder_and_training_goes_on(tmp_pa
     assert outcome.recoveries == [f"step 3: out of memory -> {outcome.run.recoveries[0].rung}"]
     assert not outcome.partial and len(outcome.losses) == 6 and outcome.lora_path.exists()
     assert calls["n"] == 2 + 1 + 4 * 2  # 2 steps, the failed forward, 4 steps of 2 micro-batches
-    assert any(e["kind"] == "phase" and "recovered from out of memory" in e["text"] for e in events)
+    assert any(e["kind"] == "phase" and "recovered (out of memory)" in e["text"] for e in events)
 
 
 def _assert_partial_after(outcome, steps: int):
@@ -282,3 +282,41 @@ def test_a_run_loads_no_comfyui(tmp_path):
             "assert not loaded, loaded\nprint('trained without ComfyUI')\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "trained without ComfyUI" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_cuda_graph_too_big_for_the_card_takes_a_rung_instead_of_eager_steps(tmp_path, monkeypatch):
+    """Under auto-fit a first graph whose pool does not fit the card (micro_steps.GraphDoesNotFit, raised after
+    the eager warm-up measured it) is recovered like an out-of-memory step: the next rung, the step repeated, the
+    report naming why. At the bottom of the ladder the run goes on with eager steps instead of failing."""
+    from trainer import session as session_module
+    from trainer.micro_steps import GraphDoesNotFit
+    too_big = "the graph's own memory pool (~5.10 GiB) does not fit the 11.02 GiB limit"
+
+    def first_forward_has_no_room_for_its_graph(adapter):
+        calls = {"n": 0}
+
+        def on_forward():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise GraphDoesNotFit(too_big)
+        adapter.on_forward = on_forward
+        return adapter
+
+    memory = MemorySettings("no", False, 2, 1, latent_cache=LatentCache.OFF, fast_path=FastPath.OFF)
+    outcome, events = train(tmp_path / "data", tmp_path / "loras", first_forward_has_no_room_for_its_graph(
+        TinyAdapter()), memory)
+    rung = "batch 2 -> 1 with gradient accumulation 2 (effective batch stays 2)"
+    assert outcome.run.recoveries == [Recovery(1, rung, "the CUDA graph would not fit the card")]
+    assert outcome.recoveries == [f"step 1: the CUDA graph would not fit the card -> {rung}"]
+    assert outcome.run.steps_done == 6 and not outcome.partial and outcome.lora_path.exists()
+    assert any(e["kind"] == "phase" and e["text"] == f"recovered (the CUDA graph would not fit the card): {rung}"
+               for e in events)
+
+    monkeypatch.setattr(session_module, "next_rung", lambda memory, device: None)  # nothing left to trade
+    outcome, _ = train(tmp_path / "data2", tmp_path / "loras2", first_forward_has_no_room_for_its_graph(
+        TinyAdapter()), memory)
+    assert outcome.run.steps_done == 6 and not outcome.partial and outcome.lora_path.exists()
+    assert outcome.recoveries == ["step 1: the CUDA graph would not fit the card -> steps run eagerly (nothing left "
+                                  "on the memory ladder to make room for the CUDA graph)"]
+    assert f"fast path: CUDA graphs off: {too_big}, and no memory setting is left to trade for it; steps run " \
+           "eagerly" in outcome.report

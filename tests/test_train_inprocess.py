@@ -49,7 +49,7 @@ def test_oom_on_step_k_recovers_and_finishes(adapter, dataset, tmp_path):
     assert outcome.lora_path.name == "run.safetensors"
     assert outcome.recoveries[0].startswith("step 4: out of memory -> batch 2 -> 1 with gradient accumulation 2")
     assert "mixed precision off" in outcome.recoveries[1]
-    assert "out-of-memory recoveries (2)" in outcome.report and "effective batch 2" in outcome.report
+    assert "memory recoveries (2)" in outcome.report and "effective batch 2" in outcome.report
 
 
 def test_cublas_failing_to_allocate_is_recovered_like_out_of_memory(adapter, dataset, tmp_path):

@@ -50,6 +50,15 @@ MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than t
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
 
 
+class GraphDoesNotFit(torch.OutOfMemoryError):
+    """Under auto-fit, the first graph's private pool (its size measured by the eager warm-up) would not fit the
+    card. Raised instead of going on eagerly: at batch 1 losing CUDA graphs costs more speed (4-6x) than any rung
+    of the memory ladder, so the session takes the next rung and repeats the step, like after an out-of-memory
+    error (session.recover); only at the bottom of the ladder do the steps run eagerly. Seen on the H200: SDXL
+    auto-fit 12 GiB planned 20% checkpointing with its graph, whose pool then did not fit, and ran eager steps of
+    0.52-0.60 s where the 8 GiB card's full checkpointing runs graphed at 0.117."""
+
+
 def _never_free(*objects) -> None:
     """What a failed capture allocated under cudaMallocAsync: its graph was never launched, so freeing it would
     abort the process (module docstring), at exit too. One extra reference that nothing drops keeps it; bounded,
@@ -212,6 +221,10 @@ class EagerMicroStep:
     def check_headroom(self, estimate) -> None:
         pass  # eager steps need nothing beyond the estimate
 
+    def run_eagerly(self, note: str) -> None:
+        """From now on every step is eager (here they are already); the note goes into the report."""
+        self.notes.append(note)
+
 
 class GraphedMicroStep(EagerMicroStep):
     """Replays a captured forward + backward per batch shape. Capture failures fall back to eager steps and say
@@ -280,6 +293,10 @@ class GraphedMicroStep(EagerMicroStep):
             self.notes.append(f"fast path: CUDA graphs off: with their extra memory (~{need / 2 ** 30:.2f} GiB "
                               f"expected) the run would not fit the {limit / 2 ** 30:.2f} GiB limit; steps run eagerly")
 
+    def run_eagerly(self, note: str) -> None:
+        self.disabled = "memory limit"
+        super().run_eagerly(note)
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.disabled or self.grads is None:
             return super().zero_grad(optimizer)
@@ -334,6 +351,8 @@ class GraphedMicroStep(EagerMicroStep):
             if self.graphs:  # the shapes already captured keep their graphs
                 self.eager_keys.add(key)
                 self.notes.append(note + "this batch shape runs eagerly")
+            elif self.budget is not None:  # auto-fit: a rung down with graphs beats eager steps
+                raise GraphDoesNotFit(note.removeprefix("fast path: CUDA graphs skipped: ").rstrip("; "))
             else:
                 self.disabled = "memory limit"
                 self.notes.append(note + "steps run eagerly")

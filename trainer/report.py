@@ -11,11 +11,12 @@ from .settings import MemorySettings
 
 @dataclass(frozen=True)
 class Recovery:
-    step: int  # the step that ran out of memory; it was repeated with the new settings
+    step: int  # the step that ran out of memory (or whose graph would not fit); repeated with the new settings
     rung: str  # what the memory ladder gave up for it (memory_plan.next_rung's description)
+    cause: str = "out of memory"  # or: the CUDA graph would not fit the card (micro_steps.GraphDoesNotFit)
 
     def describe(self) -> str:
-        return f"step {self.step}: out of memory -> {self.rung}"
+        return f"step {self.step}: {self.cause} -> {self.rung}"
 
 
 @dataclass

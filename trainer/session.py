@@ -20,7 +20,7 @@ from .errors import LeanLoRAError, is_compile_error, is_out_of_memory, one_line
 from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .files import sanitize_name
 from .compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
-from .micro_steps import BatchStep, build_micro_step
+from .micro_steps import BatchStep, GraphDoesNotFit, build_micro_step
 from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
 from .memory_plan import next_rung
 from .loop import LoopResult, StepInfo, train_loop
@@ -340,11 +340,12 @@ class TrainingSession:
     def run(self, should_stop: Callable[[], bool], on_step: Callable[[StepInfo], None] = lambda info: None,
             cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1, save_every: int = 0,
             on_save: Callable[[int], None] = lambda step: None,
-            on_recovery: Callable[[str], None] = lambda rung: None, after_step: Callable[[], None] = lambda: None,
+            on_recovery: Callable[[Recovery], None] = lambda recovery: None, after_step: Callable[[], None] = lambda: None,
             until: int | None = None, evaluate_every: int = 0,
             on_evaluate: Callable[[int], None] = lambda step: None) -> LoopResult:
-        """Steps from steps_done to `until` (the run's total by default). An out-of-memory inside a step frees
-        memory, moves one rung down the memory ladder and repeats that step (self.recoveries says where).
+        """Steps from steps_done to `until` (the run's total by default). An out-of-memory inside a step (or, under
+        auto-fit, a first CUDA graph too big for the card) frees memory, moves one rung down the memory ladder and
+        repeats that step (self.recoveries says where).
         `on_save(step)` runs every `save_every` steps, with the weights, optimizer and RNG at that step (see
         training_state); `on_evaluate(step)` every `evaluate_every` steps, before the save (validation);
         `after_step` right after each optimizer step (the bench's clock)."""
@@ -367,9 +368,11 @@ class TrainingSession:
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
+                graph_too_big = isinstance(error, GraphDoesNotFit)
+                cause = "the CUDA graph would not fit the card" if graph_too_big else "out of memory"
                 rung = recover(self, error, self.adapter.device)
-                self.recoveries.append(Recovery(self.steps_done + 1, rung))
-                on_recovery(rung)
+                self.recoveries.append(Recovery(self.steps_done + 1, rung, cause))
+                on_recovery(self.recoveries[-1])
 
     def _mark_step_start(self, done: int) -> None:
         # A step stopped part-way (Cancel, out of memory) has drawn batches and noise already: a state written
@@ -449,10 +452,15 @@ class TrainingSession:
 
 
 def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
-    """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom)."""
+    """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom; a graph
+    that does not fit then gives way to eager steps)."""
     session.free_failed_step(error)
     rung = next_rung(session.memory, device)
     if rung is None:
+        if isinstance(error, GraphDoesNotFit):
+            session.micro_step.run_eagerly(f"fast path: CUDA graphs off: {error}, and no memory setting is left to "
+                                           "trade for it; steps run eagerly")
+            return "steps run eagerly (nothing left on the memory ladder to make room for the CUDA graph)"
         raise error
     memory, description = rung
     session.configure(memory)

@@ -282,7 +282,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         result = session.run(should_stop, on_step, cancel_errors,
                              sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
                              save_every=math.gcd(train.save_every_steps, sample_every), on_save=between_steps,
-                             on_recovery=lambda rung: emit(kind="phase", text=f"recovered from out of memory: {rung}"),
+                             on_recovery=lambda recovery: emit(kind="phase", text=f"recovered ({recovery.cause}): {recovery.rung}"),
                              evaluate_every=validation.every if validation else 0, on_evaluate=on_evaluate)
         cancelled, diverged_at = result.cancelled, result.diverged_at
         if validation is not None and not cancelled and diverged_at is None and session.steps_done > first_step \
@@ -347,7 +347,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                   + (f" (steps {first_step + 1}-{steps_done} of {train.steps})" if first_step else "")
                   + f" in {seconds:.1f} s ({seconds / trained:.3f} s/step)")
     if recoveries:
-        report.append(f"out-of-memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
+        report.append(f"memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
         report += [f"  {recovery.describe()}" for recovery in recoveries]
     if session.precision.skipped_steps:
         report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")

@@ -340,7 +340,8 @@ class TrainingSession:
     def run(self, should_stop: Callable[[], bool], on_step: Callable[[StepInfo], None] = lambda info: None,
             cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1, save_every: int = 0,
             on_save: Callable[[int], None] = lambda step: None,
-            on_recovery: Callable[[Recovery], None] = lambda recovery: None, after_step: Callable[[], None] = lambda: None,
+            on_recovery: Callable[[Recovery], None] = lambda recovery: None,
+            after_step: Callable[[], None] = lambda: None,
             until: int | None = None, evaluate_every: int = 0,
             on_evaluate: Callable[[int], None] = lambda step: None) -> LoopResult:
         """Steps from steps_done to `until` (the run's total by default). An out-of-memory inside a step (or, under

@@ -282,7 +282,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         result = session.run(should_stop, on_step, cancel_errors,
                              sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
                              save_every=math.gcd(train.save_every_steps, sample_every), on_save=between_steps,
-                             on_recovery=lambda recovery: emit(kind="phase", text=f"recovered ({recovery.cause}): {recovery.rung}"),
+                             on_recovery=lambda recovery: emit(kind="phase",
+                                                               text=f"recovered ({recovery.cause}): {recovery.rung}"),
                              evaluate_every=validation.every if validation else 0, on_evaluate=on_evaluate)
         cancelled, diverged_at = result.cancelled, result.diverged_at
         if validation is not None and not cancelled and diverged_at is None and session.steps_done > first_step \

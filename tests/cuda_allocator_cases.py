@@ -112,7 +112,7 @@ def _batches(shapes, count, seed=1, dropout_seeds=False):
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
-           optimizer_name="AdamW", fail_capture=False, build=None, graph_kept_alive=False):
+           optimizer_name="AdamW", fail_capture=False, build=None, graph_kept_alive=False, budget=None):
     net, params = build() if build else _net(compiled_part)
     dropout_seed = seed_lora_dropout(net)
     precision = Precision(precision_mode, DEVICE)
@@ -135,6 +135,7 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
     if graphed:  # as the trainer decides it (session.graphs_incompatible)
         micro, _ = build_micro_step(FastPath.CUDA_GRAPHS, loss_of, precision, params, DEVICE, offload=saver,
                                     incompatible=graphs_incompatible(False))
+        micro.budget = budget  # auto-fit's (TrainingSession.configure sets it)
     else:
         micro = EagerMicroStep(loss_of, precision, saver)
     if graph_kept_alive:  # an eager step on the default stream (as a probe ran), its graph held past its backward
@@ -339,11 +340,26 @@ def lora_dropout():
     assert micro.graphs, micro.notes
 
 
+def graph_over_budget_raises_before_capture():
+    """Auto-fit's budget leaves no room for the first graph's pool (measured by the eager warm-up): the micro-step
+    raises GraphDoesNotFit, which the session recovers with the next rung, before anything is captured; graphs
+    then work as before in the same process (under cudaMallocAsync no captured memory was left to free)."""
+    from trainer.micro_steps import GraphDoesNotFit
+    try:
+        _train(True, budget=1)
+    except GraphDoesNotFit as error:
+        assert "does not fit" in str(error), error
+    else:
+        raise AssertionError("a graph was captured past auto-fit's budget")
+    gc.collect()
+    _same_as_eager(shapes=((2, 8),), steps=3)
+
+
 SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last_never_replayed, rebuilt_mid_run,
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
                                      fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back,
                                      earlier_graph_kept_alive, fp8_weights, partly_streamed_fp8_weights,
-                                     streamed_fp8_weights, lora_dropout)}
+                                     streamed_fp8_weights, lora_dropout, graph_over_budget_raises_before_capture)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "probe":

@@ -95,20 +95,21 @@ class StepSeededDropout(torch.nn.Module):
     The seed comes from the run's own generator (TrainingSession.inputs), so a seed gives the same run and a resume
     continues it exactly. Before any step has fed a seed (a layer called on its own) it draws like nn.Dropout."""
 
-    def __init__(self, p: float, salt: int, seed: DropoutSeed):
+    def __init__(self, salt: int, seed: DropoutSeed):
         super().__init__()
-        self.p, self.salt, self.seed = p, salt, seed
+        self.salt, self.seed = salt, seed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
+        p = self.seed.p  # the one p the masks are made with
+        if not self.training or p == 0:
             return x
         if self.seed.value is None:
-            return torch.nn.functional.dropout(x, self.p, training=True)
+            return torch.nn.functional.dropout(x, p, training=True)
         keep = self.seed.keep(self.salt, x.numel(), x.device).view(x.shape)
-        return torch.where(keep, x * (1.0 / (1.0 - self.p)), 0.0)
+        return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, salt={self.salt}"
+        return f"p={self.seed.p}, salt={self.salt}"
 
 
 def seed_lora_dropout(module: torch.nn.Module) -> DropoutSeed | None:
@@ -127,7 +128,7 @@ def _step_seeded_dropout(module: torch.nn.Module) -> None:
         dropout = dropouts[ADAPTER]
         if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
             seed = seed or DropoutSeed(dropout.p)  # one LoraConfig: every layer's p is the same
-            dropouts[ADAPTER] = StepSeededDropout(dropout.p, replaced, seed)
+            dropouts[ADAPTER] = StepSeededDropout(replaced, seed)
             replaced += 1
     if replaced:
         module.leanlora_dropout_seed = seed

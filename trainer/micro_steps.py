@@ -346,13 +346,14 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
         limit, now = _memory_limit(device, self.budget), device_memory_bytes(device)
         if now and not graph_pool_fits(now["reserved"], transient, limit):
-            note = (f"fast path: CUDA graphs skipped: the graph's own memory pool (~{transient / 2 ** 30:.2f} GiB) "
-                    f"does not fit the {limit / 2 ** 30:.2f} GiB limit; ")
+            why = (f"the graph's own memory pool (~{transient / 2 ** 30:.2f} GiB) does not fit the "
+                   f"{limit / 2 ** 30:.2f} GiB limit")
+            note = f"fast path: CUDA graphs skipped: {why}; "
             if self.graphs:  # the shapes already captured keep their graphs
                 self.eager_keys.add(key)
                 self.notes.append(note + "this batch shape runs eagerly")
             elif self.budget is not None:  # auto-fit: a rung down with graphs beats eager steps
-                raise GraphDoesNotFit(note.removeprefix("fast path: CUDA graphs skipped: ").rstrip("; "))
+                raise GraphDoesNotFit(why)
             else:
                 self.disabled = "memory limit"
                 self.notes.append(note + "steps run eagerly")

@@ -177,8 +177,11 @@ class _Fp8Compute:
         weight = _grouped_weight(self, input, dtype)  # the group follows the same rule (never while compiling)
         if weight is None:
             stored = self.weight.to(input.device, non_blocking=True)
+            # compiled code reads the scale from its buffer only: dynamo guards a Python float's value, and every
+            # layer's differs (one recompile per block, SDXL lean + compile still compiling after 171 s)
+            scale_value = None if torch.compiler.is_compiling() else getattr(self, FP8_SCALE_VALUE, None)
             weight = stored.to(dtype) if scale_in_gemm else \
-                dequantize(stored, getattr(self, FP8_SCALE), dtype, getattr(self, FP8_SCALE_VALUE, None))
+                dequantize(stored, getattr(self, FP8_SCALE), dtype, scale_value)
         if isinstance(self, torch.nn.Conv2d):
             return self._conv_forward(input, weight, bias)
         if scale_in_gemm:  # the fp8 values exactly (e4m3 -> dtype is exact): the scale is the GEMM's alpha

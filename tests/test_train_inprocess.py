@@ -568,3 +568,30 @@ def test_attention_kernels_that_read_free_memory_run_outside_compiled_graphs(ada
     assert "compiled after step 1" not in outcome.report, outcome.report  # each step compiled again before
     assert calls  # still the user's kernel
     torch._dynamo.reset()
+
+
+def test_fp8_blocks_with_different_scales_share_one_compiled_graph(adapter):
+    """Each fp8 layer's scale differs; compiled code reads it from the buffer, never as a Python float, which
+    dynamo would guard on: one recompile per block (SDXL lean with compile had not finished compiling after 171 s
+    on the H200, a new graph for every block until the recompile limit)."""
+    import comfy.ops
+    from trainer.compiled_blocks import CompiledBlocks, compiled_graph_count
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU machine runs it with Triton
+    generator = torch.Generator().manual_seed(0)
+    blocks = []
+    for magnitude in (0.02, 0.05, 0.11):
+        layer = comfy.ops.disable_weight_init.Linear(16, 16)
+        layer.weight = torch.nn.Parameter(torch.randn(16, 16, generator=generator) * magnitude, requires_grad=False)
+        layer.bias = torch.nn.Parameter(torch.zeros(16), requires_grad=False)
+        store_weights_fp8(layer)
+        blocks.append(torch.nn.Sequential(layer, torch.nn.GELU()).to(device))
+    assert len({block[0].leanlora_fp8_scale_value for block in blocks}) == 3
+    x = torch.randn(2, 16, generator=generator).to(device)
+    references = [block(x) for block in blocks]  # eager: the scale as the GEMM's alpha
+    torch._dynamo.reset()
+    compiled = CompiledBlocks(blocks)
+    before = compiled_graph_count()
+    for block, reference in zip(blocks, references):
+        torch.testing.assert_close(block(x), reference)
+    assert compiled.failed is None and compiled_graph_count() == before + 1
+    torch._dynamo.reset()

@@ -173,15 +173,16 @@ class _Fp8Compute:
         bias = self.bias
         if bias is not None:
             bias = bias.to(input.device, dtype, non_blocking=True)
-        scale_in_gemm = _scale_in_gemm(self) and not torch.compiler.is_compiling()
+        # Compiled code never touches the Python-float scale, not even hasattr: dynamo (torch 2.11) guards the
+        # float's value, and every layer's differs, so each block would compile anew (SDXL lean + compile was still
+        # compiling after 230 s). It reads the scale from the layer's buffer instead.
+        compiling = torch.compiler.is_compiling()
+        scale_in_gemm = not compiling and _scale_in_gemm(self)
         weight = _grouped_weight(self, input, dtype)  # the group follows the same rule (never while compiling)
         if weight is None:
             stored = self.weight.to(input.device, non_blocking=True)
-            # compiled code reads the scale from its buffer only: dynamo guards a Python float's value, and every
-            # layer's differs (one recompile per block, SDXL lean + compile still compiling after 171 s)
-            scale_value = None if torch.compiler.is_compiling() else getattr(self, FP8_SCALE_VALUE, None)
-            weight = stored.to(dtype) if scale_in_gemm else \
-                dequantize(stored, getattr(self, FP8_SCALE), dtype, scale_value)
+            weight = stored.to(dtype) if scale_in_gemm else dequantize(
+                stored, getattr(self, FP8_SCALE), dtype, None if compiling else getattr(self, FP8_SCALE_VALUE, None))
         if isinstance(self, torch.nn.Conv2d):
             return self._conv_forward(input, weight, bias)
         if scale_in_gemm:  # the fp8 values exactly (e4m3 -> dtype is exact): the scale is the GEMM's alpha

@@ -589,7 +589,7 @@ def test_compiled_code_never_reads_an_fp8_layers_python_float_scale(adapter, mon
                 reads.append(name)
             return super().__getattribute__(name)
     inputs = [torch.randn(2, 16), torch.randn(1, 4, 6, 6)]
-    for layer, x in zip(layers, inputs):
+    for layer in layers:
         layer.__class__ = type("Watched" + type(layer).__name__, (Watched, type(layer)), {})
     for layer, x in zip(layers, inputs):
         layer(x)

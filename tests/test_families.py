@@ -1,0 +1,312 @@
+"""One conformance test over the model families (bridge/families/FAMILIES): each family's tiny model, loaded by the
+functions ComfyUI's stock loaders call (in process) and by the stock loader nodes themselves (a real server), trains a
+LoRA whose units cover the model's blocks, whose targets exist, whose file ComfyUI applies key for key and
+`continue_from` reads back, whose exact resume equals the uninterrupted run, and which leaves the base model as it
+was. The tiny DiT files come from scripts/tiny_dit_assets.py (their widths need tests/tiny_dit_configs)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import tiny_assets
+import tiny_dit_assets
+from comfy_headless import execution_error
+from trainer.dataset import scan_folder
+from trainer.settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from trainer.train_lora import train_lora
+from trainer.training_state import STATE_SUFFIX
+
+DIT = {"z_image": "ZImage", "flux_dev": "Flux", "qwen_image": "QwenImage"}  # tiny set -> family class
+FAMILIES = {"sd15": "SdUnet", **DIT}
+FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible; checkpointing recomputes blocks
+LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
+PROMPT = "lnlr, a red circle on a blue background"
+
+
+@pytest.fixture(scope="session")
+def dit_files(comfy_base) -> dict[str, dict[str, Path]]:
+    """The tiny DiT sets in the session's ComfyUI folders (models/diffusion_models, text_encoders, vae)."""
+    return {family: tiny_dit_assets.build_family(comfy_base, family) for family in DIT}
+
+
+@pytest.fixture(scope="session")
+def family_objects(dit_files, comfy_objects):
+    """MODEL, CLIP and VAE per family, loaded the way the stock loader nodes load them."""
+    tiny_dit_assets.import_tiny_configs()
+    import comfy.sd
+    import comfy.utils
+    loaded = {"sd15": comfy_objects}
+    for family, files in dit_files.items():
+        loaders = tiny_dit_assets.WORKFLOW[family]
+        with torch.inference_mode():
+            model = comfy.sd.load_diffusion_model(str(files["unet_name"]))
+            if "DualCLIPLoader" in loaders:
+                clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],
+                                          clip_type=comfy.sd.CLIPType[loaders["DualCLIPLoader"]["type"].upper()])
+            else:
+                clip = comfy.sd.load_clip([str(files["clip_name"])],
+                                          clip_type=comfy.sd.CLIPType[loaders["CLIPLoader"]["type"].upper()])
+            vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae_name"])))
+        loaded[family] = (model, clip, vae)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def two_images(tmp_path_factory):
+    return scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("family_ds"), n=2), 64)
+
+
+def _adapter(objects):
+    from bridge.comfy_adapter import ComfyAdapter
+    return ComfyAdapter(*objects)
+
+
+def test_the_family_list_is_ordered_with_the_generic_path_last():
+    from bridge.families import FAMILIES as LIST
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "QwenImage", "Generic"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_model_is_trained_by_its_family(family_objects, family):
+    adapter = _adapter(family_objects[family])
+    assert type(adapter.family).__name__ == FAMILIES[family]
+    identity = adapter.identity()
+    assert identity.prediction == ("epsilon" if family == "sd15" else "flow")
+    assert identity.recognises(identity.base_model_version) and identity.recognises(identity.architecture)
+
+
+def test_a_model_no_family_knows_is_refused_naming_it_and_the_families():
+    from bridge.families import family_for
+    from trainer.errors import LeanLoRAError
+
+    class Pixels(torch.nn.Module):  # no repeated blocks of Linear layers
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3)
+
+    class AudioModel:
+        diffusion_model = Pixels()
+    with pytest.raises(LeanLoRAError, match=r"cannot train this MODEL \(AudioModel, diffusion model Pixels\).*"
+                                            r"SD1.x/SD2.x/SDXL UNet.*Z-Image.*FLUX.1.*Qwen-Image.*generic"):
+        family_for(AudioModel())
+
+
+def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_graph():
+    from bridge.families.generic import Generic
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.Module()
+            self.attn.qkv, self.attn.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 8)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+    class Base:
+        diffusion_model = Net()
+    generic, net = Generic(), Base.diffusion_model
+    assert generic.matches(Base()) and generic.graph_blocker
+    assert generic.checkpoint_units(net) == list(net.blocks)
+    assert generic.lora_targets(net, LoraTargets.ATTENTION) == tuple(
+        f"blocks.{i}.attn.{name}" for i in range(3) for name in ("qkv", "proj"))
+    assert len(generic.lora_targets(net, LoraTargets.ATTENTION_FEED_FORWARD)) == 12  # not the embedding
+    assert set(generic.checkpoint_units(net, latent_size=(8, 8))) == set(net.blocks)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
+    adapter = _adapter(family_objects[family])
+    unet = adapter.training_unet()
+    units = adapter.checkpoint_blocks(unet)
+    assert units and len({id(u) for u in units}) == len(units)
+    ordered = adapter.checkpoint_blocks(unet, latent_size=(8, 8))
+    assert {id(u) for u in ordered} == {id(u) for u in units}  # partial checkpointing orders, never drops
+    if family in DIT:
+        assert [id(b) for b in units] == [id(b) for b in adapter.family.blocks(unet)]
+        assert {id(b) for b in adapter.prepare_compile_units(unet)} == {id(b) for b in units}
+    linears = [path for path, m in unet.named_modules() if isinstance(m, torch.nn.Linear)]
+    inside = {path for path, m in unet.named_modules() for unit in units if m is unit}
+    for targets in LoraTargets:
+        suffixes = adapter.lora_targets(unet, targets)
+        for suffix in suffixes:
+            hits = [p for p in linears if p == suffix or p.endswith(f".{suffix}")]
+            assert hits, f"{family}: target {suffix!r} matches no Linear layer"
+            assert all(any(p.startswith(f"{unit}.") for unit in inside) for p in hits), suffix
+
+
+def _fingerprint(model) -> str:
+    """The base diffusion model's weights, every byte."""
+    digest = hashlib.sha256()
+    with torch.inference_mode():
+        for name, tensor in model.model.diffusion_model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _base_output(model, latent_shape) -> bytes:
+    """The base model's prediction on fixed inputs, as ComfyUI's sampler calls it (its MODEL, its conditioning)."""
+    with torch.inference_mode():
+        noise = torch.randn(latent_shape, generator=torch.Generator().manual_seed(3))
+        context = torch.randn(1, 8, model.model.diffusion_model.state_dict()[_context_key(model)].shape[-1],
+                              generator=torch.Generator().manual_seed(4))
+        return model.model.apply_model(noise, torch.tensor([0.6]), c_crossattn=context,
+                                       **_extra_inputs(model)).numpy().tobytes()
+
+
+def _context_key(model) -> str:
+    state = model.model.diffusion_model.state_dict()
+    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight") if k in state)
+
+
+def _extra_inputs(model) -> dict:
+    name = type(model.model).__name__
+    if name == "Flux":
+        return {"y": torch.zeros(1, model.model.diffusion_model.params.vec_in_dim), "guidance": torch.tensor([3.5])}
+    if name == "Lumina2":
+        return {"num_tokens": 8}
+    return {}
+
+
+def _train(objects, dataset, folder, steps, name, **train):
+    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, LORA if "continue_from" not in train else
+                      LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward",
+                                   continue_from=train.pop("continue_from")),
+                      TrainSettings(steps, 1e-3, 0, name, "cosine", 1, **train), folder,
+                      lambda **event: None, lambda: False)
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_a_family_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_the_model(
+        family_objects, two_images, family, tmp_path, caplog):
+    import comfy.lora
+    import comfy.sd
+    model, clip, _ = family_objects[family]
+    latent_shape = (1, 16, 1, 8, 8) if family == "qwen_image" else (1, 16, 8, 8)
+    weights_before, output_before = _fingerprint(model), _base_output(model, latent_shape)
+
+    straight = _train(family_objects[family], two_images, tmp_path / "straight", 4, family, save_every_steps=2)
+    assert straight.lora_path.is_file() and not straight.partial and len(straight.losses) == 4
+    assert all(np.isfinite(straight.losses))
+    state = tmp_path / "straight" / f"{family}_step2{STATE_SUFFIX}"
+    resumed = _train(family_objects[family], two_images, tmp_path / "resumed", 4, family, resume_from=state)
+    assert resumed.losses == straight.losses
+    assert resumed.lora_path.read_bytes() == straight.lora_path.read_bytes()
+
+    saved = load_file(str(straight.lora_path))
+    with safe_open(str(straight.lora_path), "pt") as file:
+        metadata = file.metadata()
+    identity = _adapter(family_objects[family]).identity()
+    assert metadata["ss_base_model_version"] == identity.base_model_version
+    assert metadata["modelspec.architecture"] == f"{identity.architecture}/lora"
+    modules = {k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")}
+    assert modules and all(k.startswith("lora_unet_") for k in saved)
+    # what the stock LoraLoader runs: every key applied, none "not loaded"
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
+        assert "lora key not loaded" not in caplog.text
+    assert len(comfy.lora.load_lora(saved, comfy.lora.model_lora_keys_unet(model.model, {}))) == len(modules)
+    assert len(patched.patches) == len(modules)
+
+    continued = _train(family_objects[family], two_images, tmp_path / "continued", 2, f"{family}_more",
+                       continue_from=str(straight.lora_path))
+    assert f"{len(modules)} modules loaded" in continued.report and "4 steps recorded" in continued.report
+
+    assert _fingerprint(model) == weights_before
+    assert _base_output(model, latent_shape) == output_before
+
+
+# --- the same through a real server, with the stock loader nodes -------------------------------------------------
+
+def _defaults(info: dict, class_type: str, **overrides) -> dict:
+    """A node's required widget inputs at their defaults (as a new node in the browser), then `overrides`."""
+    inputs = {}
+    for name, spec in info[class_type]["input"]["required"].items():
+        kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+        if isinstance(kind, list):
+            inputs[name] = options.get("default", kind[0])
+        elif kind in ("INT", "FLOAT", "STRING", "BOOLEAN") and "default" in options:
+            inputs[name] = options["default"]
+    inputs.update(overrides)
+    return inputs
+
+
+def _loaders(family: str) -> dict:
+    """Node 1: the diffusion model (UNETLoader), 2: the text encoder(s), 3: the VAE, as the family's users load them."""
+    table = tiny_dit_assets.WORKFLOW[family]
+    clip_loader = "DualCLIPLoader" if "DualCLIPLoader" in table else "CLIPLoader"
+    return {"1": {"class_type": "UNETLoader", "inputs": dict(table["UNETLoader"])},
+            "2": {"class_type": clip_loader, "inputs": dict(table[clip_loader])},
+            "3": {"class_type": "VAELoader", "inputs": dict(table["VAELoader"])}}
+
+
+def _sampling(family: str, model_link, prefix: str) -> dict:
+    return {
+        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["2", 0]}},
+        "11": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "12": {"class_type": "KSampler", "inputs": {"seed": 7, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
+                                                    "scheduler": "simple", "denoise": 1.0, "model": model_link,
+                                                    "positive": ["10", 0], "negative": ["10", 0],
+                                                    "latent_image": ["11", 0]}},
+        "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["3", 0]}},
+        "14": {"class_type": "SaveImage", "inputs": {"filename_prefix": prefix, "images": ["13", 0]}},
+    }
+
+
+def _training(info: dict, family: str) -> dict:
+    mixed = "no" if "no" in info["LeanLoRAMemorySettings"]["input"]["required"]["mixed_precision"][0] else None
+    return {
+        "4": {"class_type": "LeanLoRADataset",
+              "inputs": _defaults(info, "LeanLoRADataset", folder="tiny_dataset", resolution=64, repeats=1)},
+        "5": {"class_type": "LeanLoRAMemorySettings",
+              "inputs": _defaults(info, "LeanLoRAMemorySettings", gradient_checkpointing=True,
+                                  **({"mixed_precision": mixed} if mixed else {}))},
+        "6": {"class_type": "LeanLoRALoraConfig", "inputs": _defaults(info, "LeanLoRALoraConfig", rank=4, alpha=4.0)},
+        "7": {"class_type": "LeanLoRATrain",
+              "inputs": _defaults(info, "LeanLoRATrain", steps=4, learning_rate=1e-3, output_name=f"server_{family}",
+                                  model=["1", 0], clip=["2", 0], vae=["3", 0], dataset=["4", 0], memory=["5", 0],
+                                  lora_config=["6", 0])},
+        "8": {"class_type": "PreviewAny", "inputs": {"source": ["7", 5]}},
+    }
+
+
+def _saved(server, entry, node_id) -> np.ndarray:
+    image = entry["outputs"][node_id]["images"][0]
+    return np.asarray(Image.open(server.base_dir / image["type"] / image["subfolder"] / image["filename"]))
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("family", DIT)
+def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server, dit_files, family):
+    info = comfy_server.object_info()
+    before = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_before")})
+    assert before["status"]["status_str"] == "success", execution_error(before)
+    log_start = len(comfy_server.log_text())
+    trained = comfy_server.run({**_loaders(family), **_training(info, family),
+                                **_sampling(family, ["7", 0], f"{family}_with_lora")}, timeout=900)
+    assert trained["status"]["status_str"] == "success", execution_error(trained)
+    log = comfy_server.log_text()[log_start:]
+    assert "lora key not loaded" not in log and "NOT LOADED" not in log
+    report = trained["outputs"]["8"]["text"][0]
+    assert f"trained 4/4 steps" in report and f"server_{family}.safetensors" in report
+    lora = comfy_server.base_dir / "models" / "loras" / f"server_{family}.safetensors"
+    assert lora.is_file()
+    after = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_after")})
+    assert after["status"]["status_str"] == "success", execution_error(after)
+    cached = {n for event, data in after["status"]["messages"] if event == "execution_cached" for n in data["nodes"]}
+    assert "1" in cached and "12" not in cached  # the trained-on MODEL, sampled again
+    assert np.array_equal(_saved(comfy_server, before, "14"), _saved(comfy_server, after, "14"))

@@ -230,6 +230,57 @@ def test_a_family_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_t
     assert _base_output(model, latent_shape) == output_before
 
 
+@pytest.mark.parametrize("family", DIT)
+def test_fp8_weights_as_loaded_train_without_a_16_bit_copy(dit_files, family_objects, two_images, family, tmp_path):
+    """UNETLoader's weight_dtype fp8_e4m3fn: the training copy keeps the fp8 weights (ComfyUI's per-call cast
+    upcasts one layer at a time) instead of storing the model again in the compute dtype."""
+    import comfy.sd
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(dit_files[family]["unet_name"]),
+                                              model_options={"dtype": torch.float8_e4m3fn})
+    _, clip, vae = family_objects[family]
+    adapter = _adapter((model, clip, vae))
+    unet = adapter.training_unet()
+    adapter.set_compute_dtype(unet, torch.bfloat16)
+    weights = [p for name, p in unet.named_parameters() if name.endswith(".weight") and p.dim() == 2]
+    assert weights and all(p.dtype == torch.float8_e4m3fn for p in weights)
+    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA,
+                         TrainSettings(2, 1e-3, 0, f"fp8_{family}"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_a_scaled_fp8_file_trains_with_its_scales_as_stored(dit_files, family_objects, two_images, family, tmp_path):
+    """The fp8 files users download (e.g. flux1-dev-fp8): each matrix in fp8 with its `scale_weight`, and a
+    `scaled_fp8` marker; ComfyUI's loader builds scaled-fp8 ops for them. The scales stay fp32 in the copy."""
+    import comfy.sd
+    from safetensors.torch import save_file
+    plain = load_file(str(dit_files[family]["unet_name"]))
+    scaled = {}
+    for key, tensor in plain.items():
+        if key.endswith(".weight") and tensor.dim() == 2:
+            scale = tensor.float().abs().max() / 448
+            scaled[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            scaled[key[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            scaled[key] = tensor
+    scaled["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    file = tmp_path / f"{family}_fp8_scaled.safetensors"
+    save_file(scaled, str(file))
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(file))
+    _, clip, vae = family_objects[family]
+    adapter = _adapter((model, clip, vae))
+    unet = adapter.training_unet()
+    adapter.set_compute_dtype(unet, torch.bfloat16)
+    scales = [p for name, p in unet.named_parameters() if name.endswith("scale_weight")]
+    assert scales and all(p.dtype == torch.float32 for p in scales) and any(float(p) != 1.0 for p in scales)
+    assert any(p.dtype == torch.float8_e4m3fn for p in unet.parameters())
+    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA,
+                         TrainSettings(2, 1e-3, 0, f"fp8s_{family}"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+
+
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------
 
 def _defaults(info: dict, class_type: str, **overrides) -> dict:

@@ -281,6 +281,25 @@ def test_a_scaled_fp8_file_trains_with_its_scales_as_stored(dit_files, family_ob
     assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
 
 
+@pytest.mark.parametrize("family", DIT)
+def test_samples_during_training_render_with_the_familys_sampler(family_objects, family, tmp_path):
+    from bridge.samples import SampleRenderer
+    from trainer.settings import SampleSettings
+    model, clip, vae = family_objects[family]
+    adapter = _adapter(family_objects[family])
+    renderer = SampleRenderer(model, clip, vae, SampleSettings((PROMPT,), every_steps=0, size=64, steps=2, cfg=1.0,
+                                                               seed=1), tmp_path)
+    assert (renderer.sampler, renderer.scheduler) == (adapter.family.sample_defaults.sampler, "simple")
+    unet = adapter.training_unet()
+    inject = LoraSettings(rank=4, alpha=4.0)
+    from trainer.lora import inject_lora, kohya_state_dict
+    inject_lora(unet, inject, 0, adapter.lora_targets(unet, inject.targets))
+    [path] = renderer(3, kohya_state_dict(unet, inject))
+    image = Image.open(path)
+    assert path.name == "step3_0.png" and image.size == (64, 64)
+    assert "euler simple" in image.text["parameters"]
+
+
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------
 
 def _defaults(info: dict, class_type: str, **overrides) -> dict:

@@ -126,6 +126,28 @@ def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_g
     assert set(generic.checkpoint_units(net, latent_size=(8, 8))) == set(net.blocks)
 
 
+def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, two_images, tmp_path, monkeypatch,
+                                                                 caplog):
+    """Qwen-Image as if no family knew it: ComfyUI core's approach (LoRA on the Linear layers of the repeated
+    blocks, the loss through model_sampling) trains it, and ComfyUI applies every key of the file."""
+    import comfy.sd
+    import bridge.families as families
+    monkeypatch.setattr(families, "FAMILIES", [families.Generic()])
+    model = family_objects["qwen_image"][0]
+    adapter = _adapter(family_objects["qwen_image"])
+    assert type(adapter.family).__name__ == "Generic" and "via the generic path" in adapter.describe()
+    assert adapter.graph_blocker and adapter.identity().name == "QwenImage (generic)"
+    outcome = train_lora(adapter, two_images, FP32_CHECKPOINTED, LORA, TrainSettings(2, 1e-3, 0, "generic"), tmp_path,
+                         lambda **event: None, lambda: False)
+    assert "via the generic path" in outcome.report and all(np.isfinite(outcome.losses))
+    saved = load_file(str(outcome.lora_path))
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
+        assert "lora key not loaded" not in caplog.text
+    assert len(patched.patches) == len({k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
     adapter = _adapter(family_objects[family])
@@ -372,7 +394,7 @@ def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server
     log = comfy_server.log_text()[log_start:]
     assert "lora key not loaded" not in log and "NOT LOADED" not in log
     report = trained["outputs"]["8"]["text"][0]
-    assert f"trained 4/4 steps" in report and f"server_{family}.safetensors" in report
+    assert "trained 4/4 steps" in report and f"server_{family}.safetensors" in report
     lora = comfy_server.base_dir / "models" / "loras" / f"server_{family}.safetensors"
     assert lora.is_file()
     after = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_after")})
@@ -380,3 +402,38 @@ def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server
     cached = {n for event, data in after["status"]["messages"] if event == "execution_cached" for n in data["nodes"]}
     assert "1" in cached and "12" not in cached  # the trained-on MODEL, sampled again
     assert np.array_equal(_saved(comfy_server, before, "14"), _saved(comfy_server, after, "14"))
+
+
+# --- the shipped per-family templates -------------------------------------------------------------------------
+
+def _tiny_overrides(family: str, prompt: dict) -> dict:
+    """The template with the tiny fixtures' files and sizes: what the test runs instead of a user's files."""
+    import family_templates
+    files = {"UNETLoader": "1", "CLIPLoader": "2", "DualCLIPLoader": "2", "VAELoader": "3"}
+    overrides = {files[loader]: dict(inputs) for loader, inputs in tiny_dit_assets.WORKFLOW[family].items()}
+    overrides["1"]["weight_dtype"] = family_templates.FAMILIES[family]["loaders"]["UNETLoader"]["weight_dtype"]
+    overrides.update({"4": {"folder": "tiny_dataset", "resolution": 64}, "7": {"steps": 3},
+                      "10": {"width": 64, "height": 64}, "11": {"steps": 2}})
+    return overrides
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("family", DIT)
+def test_each_familys_template_is_current_and_trains_then_samples_on_its_models(comfy_server, dit_files, family):
+    import json
+
+    import family_templates
+    from workflow_convert import apply_overrides, ui_to_api
+    info = comfy_server.object_info()
+    shipped = json.loads(family_templates.template_path(family).read_text())
+    assert shipped == json.loads(json.dumps(family_templates.family_template(family, info))), (
+        "regenerate: python scripts/family_templates.py --object-info URL")
+    prompt = ui_to_api(shipped, info)
+    for node_id, node in family_templates.family_prompt(family).items():  # every value and link as written
+        assert prompt[node_id]["class_type"] == node["class_type"]
+        assert prompt[node_id]["inputs"] | node["inputs"] == prompt[node_id]["inputs"], node_id
+    run = apply_overrides(prompt, _tiny_overrides(family, prompt))
+    entry = comfy_server.run(run, timeout=900)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    assert entry["outputs"]["13"]["images"] and "trained 3/3 steps" in entry["outputs"]["14"]["text"][0]
+    assert (comfy_server.base_dir / "models" / "loras" / f"my_{family}_lora.safetensors").is_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,19 @@ def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_g
     assert set(generic.checkpoint_units(net, latent_size=(8, 8))) == set(net.blocks)
 
 
+def test_a_machine_without_the_ram_for_the_private_copy_gets_the_numbers_before_training(family_objects, monkeypatch):
+    import bridge.comfy_adapter as comfy_adapter
+    from trainer.errors import LeanLoRAError
+    adapter = _adapter(family_objects["flux_dev"])
+    monkeypatch.setattr(comfy_adapter, "available_ram_bytes", lambda: 1024 ** 2)  # 1 MiB free
+    with pytest.raises(LeanLoRAError, match=r"private copy of the diffusion model \(Flux\) needs 0\.0\d GiB of free "
+                                            r"RAM, and this machine has 0\.00 GiB available\. Load the model with "
+                                            r"weight_dtype fp8_e4m3fn"):
+        adapter.training_unet()
+    monkeypatch.setattr(comfy_adapter, "available_ram_bytes", lambda: None)  # unknown: no check
+    assert adapter.training_unet() is not None
+
+
 def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, two_images, tmp_path, monkeypatch,
                                                                  caplog):
     """Qwen-Image as if no family knew it: ComfyUI core's approach (LoRA on the Linear layers of the repeated
@@ -140,6 +154,7 @@ def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, 
     outcome = train_lora(adapter, two_images, FP32_CHECKPOINTED, LORA, TrainSettings(2, 1e-3, 0, "generic"), tmp_path,
                          lambda **event: None, lambda: False)
     assert "via the generic path" in outcome.report and all(np.isfinite(outcome.losses))
+    assert re.search(r"host RAM: this process's peak since it started \d+\.\d\d GiB", outcome.report)
     saved = load_file(str(outcome.lora_path))
     with caplog.at_level(logging.WARNING):
         caplog.clear()

@@ -21,7 +21,7 @@ import tiny_assets
 import tiny_dit_assets
 from comfy_headless import execution_error
 from trainer.dataset import scan_folder
-from trainer.settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX
 
@@ -335,6 +335,23 @@ def test_samples_during_training_render_with_the_familys_sampler(family_objects,
     image = Image.open(path)
     assert path.name == "step3_0.png" and image.size == (64, 64)
     assert "euler simple" in image.text["parameters"]
+
+
+_OFFLOADED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8, checkpoint_share=0.5, activation_offload=True)
+_STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.5, batch_size=2,
+                           optimizer="AdamW8bit")
+
+
+@pytest.mark.parametrize("family, memory", [("flux_dev", _OFFLOADED), ("z_image", _STREAMED), ("qwen_image", _OFFLOADED),
+                                            ("flux_dev", _STREAMED)],
+                         ids=["flux-fp8-half-checkpointed-offloaded", "z_image-streamed-batch2-8bit",
+                              "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit"])
+def test_every_memory_technique_runs_on_each_family(family_objects, two_images, family, memory, tmp_path):
+    lora = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # step-seeded LoRA dropout through the recompute
+    outcome = train_lora(_adapter(family_objects[family]), two_images, memory, lora,
+                         TrainSettings(2, 1e-3, 0, f"memory_{family}"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and not outcome.run.recoveries
+    assert "frozen weights stored as fp8" in outcome.report and outcome.lora_path.is_file()
 
 
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------

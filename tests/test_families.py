@@ -354,6 +354,35 @@ def test_every_memory_technique_runs_on_each_family(family_objects, two_images, 
     assert "frozen weights stored as fp8" in outcome.report and outcome.lora_path.is_file()
 
 
+def test_qwen_image_loras_load_in_diffusers_and_diffusers_files_continue(family_objects, two_images, tmp_path):
+    """diffusers' QwenImagePipeline reads the file (its lora_unet_ names are diffusers' own paths) onto every
+    module, and the diffusers-format file it makes (transformer.<path>.lora_A/B) continues in LeanLoRA."""
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import save_file
+    first = _train(family_objects["qwen_image"], two_images, tmp_path / "first", 2, "qwen_first")
+    saved = load_file(str(first.lora_path))
+    modules = {k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")}
+    config = tiny_dit_assets.QWEN_IMAGE
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=config["in_channels"], out_channels=config["out_channels"],
+        num_layers=config["num_layers"], attention_head_dim=config["attention_head_dim"],
+        num_attention_heads=config["num_attention_heads"], joint_attention_dim=config["joint_attention_dim"],
+        axes_dims_rope=(16, 56, 56))
+    converted = QwenImagePipeline.lora_state_dict(saved)
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    transformer.load_lora_adapter(converted, prefix="transformer", adapter_name="leanlora")
+    assert sum(isinstance(m, LoraLayer) for m in transformer.modules()) == len(modules)
+
+    file = tmp_path / "diffusers_format.safetensors"  # alpha folded into the weights by the conversion: scale 1
+    save_file({k: v.contiguous() for k, v in converted.items()}, str(file))
+    continued = train_lora(_adapter(family_objects["qwen_image"]), two_images, FP32_CHECKPOINTED,
+                           LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward", continue_from=str(file)),
+                           TrainSettings(2, 1e-3, 0, "qwen_more"), tmp_path / "more", lambda **event: None,
+                           lambda: False)
+    assert f"{len(modules)} modules loaded" in continued.report and "diffusers/peft" in continued.report
+
+
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------
 
 def _defaults(info: dict, class_type: str, **overrides) -> dict:

@@ -37,15 +37,6 @@ def _send(event: str, data: dict) -> None:
         pass
 
 
-def _show_on_node(node_id: str | None, text: str) -> None:
-    """Text drawn on the node in the browser (ComfyUI's progress text)."""
-    try:
-        from server import PromptServer
-        PromptServer.instance.send_progress_text(text, node_id, PromptServer.instance.client_id)
-    except Exception:  # no server, or a ComfyUI without progress text
-        pass
-
-
 def progress_line(event: dict) -> str:
     """step 120/500, loss 0.1043, 0.162 s/step, 1:01 left"""
     from ..trainer.train_lora import format_duration
@@ -345,11 +336,9 @@ class LeanLoRATrain:
             logging.warning("LeanLoRA: %s", message)
             _send("leanlora.partial_saved", {"node": unique_id, "lora_name": lora_name, "path": str(saved),
                                              "shown": shown, "steps": len(outcome.losses), "text": message})
-            _show_on_node(unique_id, message)
             comfy.model_management.interrupt_current_processing(True)
         else:
             message = f"Saved to {shown}"
             _send("leanlora.saved", {"node": unique_id, "lora_name": lora_name, "path": str(saved), "shown": shown,
                                      "steps": len(outcome.losses), "text": message})
-            _show_on_node(unique_id, message)
         return {"ui": {"text": [outcome.report]}, "result": result}

@@ -208,7 +208,8 @@ def start_session(work: Workload, memory, steps: int, cap_gib: float | None = No
         for module in unet.modules():
             if isinstance(module, torch.nn.Conv2d):
                 module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
-    params = inject_lora(unet, LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention"), seed=0)
+    lora = LoraSettings(rank=LORA_RANK, alpha=LORA_ALPHA, targets="attention")
+    params = inject_lora(unet, lora, seed=0, target_modules=adapter.lora_targets(unet, lora.targets))
     unet.train()
     cond = cached_conditioning(base, work)
     cache = [CachedSample(work.latents[i:i + 1], {k: v[i:i + 1] for k, v in cond.items()}) for i in range(work.batch)]

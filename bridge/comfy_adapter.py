@@ -1,5 +1,7 @@
 """The one bridge between the trainer and ComfyUI objects (MODEL = ModelPatcher, CLIP, VAE): ComfyAdapter
-implements the trainer's ModelAdapter (trainer/model_adapter.py) for ComfyUI's SD1.5/SDXL UNets.
+implements the trainer's ModelAdapter (trainer/model.py) for any model a family in bridge/families/ knows: what all
+ComfyUI models share lives here (encoders, the training copy, attention, fp8 and streaming through ComfyUI's cast
+ops), what differs per family is asked of the family.
 
 The user's MODEL is never modified: training runs on a private copy of the diffusion model with normal
 (non-inference) tensors, and the trained LoRA comes back as ordinary ComfyUI patches on fresh clones."""
@@ -7,35 +9,27 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import types
 
 import torch
 
 import comfy.ldm.modules.attention as comfy_attention
 import comfy.lora
-import comfy.model_base
 import comfy.model_management
-import comfy.model_sampling
 import comfy.sd
-import comfy.utils
-from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
 from . import cast_weights
+from .families import family_for
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.checkpointing import most_memory_per_flop_first
     from ..trainer.errors import LeanLoRAError
     from ..trainer.frozen_weights import cast_frozen_weights
-    from ..trainer.layout import store_frozen_convs_channels_last
-    from ..trainer.lora import BaseModelKind
-    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth
+    from ..trainer.model import FamilyIdentity
+    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.checkpointing import most_memory_per_flop_first
     from trainer.errors import LeanLoRAError
     from trainer.frozen_weights import cast_frozen_weights
-    from trainer.layout import store_frozen_convs_channels_last
-    from trainer.lora import BaseModelKind
-    from trainer.settings import Attention, BaseWeights, CheckpointDepth
+    from trainer.model import FamilyIdentity
+    from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -94,8 +88,6 @@ class ComfyAdapter:
     # ComfyUI's ops check (and clear) the Cancel flag on every layer call, in whatever thread runs them: in the
     # forward pass, in checkpointed recomputation during backward, in VAE/CLIP encoding. Any of these means Cancel.
     cancel_errors = (comfy.model_management.InterruptProcessingException,)
-    # ComfyUI's cross-attention context: captions over 75 tokens encode to longer ones (CONDCrossAttn)
-    sequence_conditioning = ("c_crossattn",)
 
     @classmethod
     def for_cached_inputs(cls, model) -> "ComfyAdapter":
@@ -109,11 +101,10 @@ class ComfyAdapter:
                 raise LeanLoRAError(f"LeanLoRA Train: the {name} input is empty; connect Load Checkpoint's {name.upper()}")
         self.patcher, self.clip, self.vae = model, clip, vae
         self.base = model.model
-        if not hasattr(self.base, "diffusion_model") or not hasattr(self.base.diffusion_model, "input_blocks"):
-            raise LeanLoRAError(f"LeanLoRA Train supports SD1.5/SDXL UNet checkpoints; this MODEL is "
-                                f"{type(self.base).__name__}")
-        if getattr(self.base, "concat_keys", ()):
-            raise LeanLoRAError("inpainting/instruct checkpoints (extra input channels) are not supported yet")
+        self.family = family_for(self.base)  # an error naming the model and the families, before any GPU work
+        self.sequence_conditioning = self.family.sequence_conditioning
+        self.timestep_sampling = self.family.timestep_sampling
+        self.graph_blocker = self.family.graph_blocker
         self.device = comfy.model_management.get_torch_device()
         # Object patches first: ComfyUI's ModelSamplingDiscrete node (e.g. v_prediction) patches the schedule
         # onto the MODEL without touching the base model until sampling.
@@ -122,9 +113,7 @@ class ComfyAdapter:
         self._encoder_ids: dict[str, str] = {}
 
     def describe(self) -> str:
-        unet = self.base.diffusion_model
-        return (f"{type(self.base).__name__} ({self.base.model_type.name} prediction), "
-                f"{sum(p.numel() for p in unet.parameters()) / 1e6:.1f}M UNet parameters, dtype {unet.dtype}")
+        return self.family.describe(self.base)
 
     # --- encoders (used once, to fill the cache) ---
     # Training runs in a thread of its own, outside the inference mode ComfyUI executes nodes in. ComfyUI's model
@@ -139,11 +128,25 @@ class ComfyAdapter:
         return latent.clone()
 
     def encode_text(self, caption: str, width: int, height: int) -> dict[str, torch.Tensor]:
+        """The conditioning the model's blocks take for `caption`, as ComfyUI's sampler builds it: the text
+        encoder's output dict (cond, pooled output, attention mask...) through the model's own extra_conds (SDXL's
+        size embedding, Flux's guidance, Lumina's token count). A constant (a number) becomes a one-element tensor
+        so a batch stacks it."""
         with torch.inference_mode():
-            cond, pooled = self.clip.encode_from_tokens(self.clip.tokenize(caption), return_pooled=True)
-            conds = self.base.extra_conds(cross_attn=cond, pooled_output=pooled, width=width, height=height,
-                                          device=torch.device("cpu"))
-        return {name: c.cond.clone() for name, c in conds.items()}
+            encoded = dict(self.clip.encode_from_tokens(self.clip.tokenize(caption), return_dict=True))
+            cond = encoded.pop("cond")
+            latent_channels = self.family.sample_defaults.latent_channels
+            noise = torch.zeros(1, latent_channels, max(1, height // 8), max(1, width // 8))
+            conds = self.base.extra_conds(cross_attn=cond, **{**encoded, **self.family.text_conditioning},
+                                          width=width, height=height, noise=noise, device=torch.device("cpu"))
+        out = {}
+        for name, value in conds.items():
+            value = value.cond
+            if isinstance(value, torch.Tensor):
+                out[name] = value.clone()
+            elif isinstance(value, (bool, int, float)):
+                out[name] = torch.tensor([value])
+        return out
 
     # --- encoder identities (cache keys): computed once per adapter ---
     def image_encoder_id(self) -> str:
@@ -192,57 +195,20 @@ class ComfyAdapter:
                 if weight is not None:
                     weight.data = comfy.lora.calculate_weight(patches, weight.data.float(), key).to(weight.dtype)
         unet.requires_grad_(False)
+        self.family.prepare(unet)
         return unet
+
+    def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:
+        return self.family.lora_targets(unet, targets)
 
     def checkpoint_blocks(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
                           latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        """The units to recompute: every ResBlock, plus every transformer layer (CheckpointDepth.LAYER) or every whole
-        SpatialTransformer (BLOCK). ComfyUI's UNet runs the layers of its TimestepEmbedSequential blocks
-        one by one (forward_timestep_embed), never the block's own forward, so checkpointing must wrap the
-        layers. SDXL's deep levels stack 10 transformer layers in one SpatialTransformer: per-layer units keep
-        one layer's activations alive during recompute, not ten; per-block units keep fewer inputs (and
-        recompute the norm and projections around the layers too). With `latent_size` (height, width), the
-        units come best first for partial checkpointing (checkpointing.most_memory_per_flop_first), each
-        counted at its level's resolution."""
-        units, tokens = [], []
-        size, skip_sizes = latent_size or (1, 1), []  # Downsample rounds odd sizes up; Upsample returns to the skip's
-        for block in [*unet.input_blocks, unet.middle_block, *unet.output_blocks]:
-            for layer in block:
-                if hasattr(layer, "transformer_blocks"):
-                    found = list(layer.transformer_blocks) if depth is CheckpointDepth.LAYER else [layer]
-                elif isinstance(layer, TimestepBlock):
-                    found = [layer]
-                else:
-                    found = []
-                units += found
-                tokens += [size[0] * size[1]] * len(found)
-                resampler = getattr(layer, "h_upd", layer)  # a ResBlock may resample too (resblock_updown)
-                if isinstance(resampler, Downsample):
-                    skip_sizes.append(size)
-                    size = ((size[0] + 1) // 2, (size[1] + 1) // 2)
-                elif isinstance(resampler, Upsample) and skip_sizes:
-                    size = skip_sizes.pop()
-        return units if latent_size is None else most_memory_per_flop_first(units, tokens)
+        """The family's units to recompute; with `latent_size` best first for partial checkpointing."""
+        return self.family.checkpoint_units(unet, depth, latent_size)
 
     def prepare_compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
-        """Makes the training copy ready for torch.compile and returns what compiles, each module on its own:
-        ResBlocks, plus whole transformer layers ("layers": their norms and residual adds fuse with attention and
-        feed-forward; SDXL batch 8 steps were 0.5-1.3% faster than with "modules" in two H200 runs, from fewer
-        graphs) or only the layers' attention and feed-forward modules ("modules"). For "layers" it installs two
-        forwards: a position-free one on each layer (ComfyUI's layer forward reads its position in the UNet from
-        transformer_options, which would make every layer a compile of its own, SDXL: 70; see
-        _position_free_forward) and a GEGLU in two matmuls on each feed-forward (_split_geglu_forward).
-
-        ResBlocks at the UNet's widest channel count stay uncompiled (_resblocks_worth_compiling)."""
-        if scope == "modules":
-            kinds = (ResBlock, comfy_attention.CrossAttention, comfy_attention.FeedForward)
-            return [module for module in unet.modules() if isinstance(module, kinds)]
-        layers = [m for m in unet.modules() if isinstance(m, comfy_attention.BasicTransformerBlock)]
-        for layer in layers:
-            layer.forward = types.MethodType(_position_free_forward, layer)
-        for geglu in (m for m in unet.modules() if isinstance(m, comfy_attention.GEGLU)):
-            geglu.forward = types.MethodType(_split_geglu_forward, geglu)
-        return _resblocks_worth_compiling(unet) + layers
+        """Makes the training copy ready for torch.compile and returns what compiles, each on its own."""
+        return self.family.compile_units(unet, scope)
 
     def set_attention(self, backend: Attention, compiled: bool = False) -> str | None:
         """Picks the attention kernel for training through ComfyUI's per-call override hook (the sampler's own
@@ -276,9 +242,8 @@ class ComfyAdapter:
         return cast_weights.store_weights_fp8(unet)
 
     def group_upcasts(self, unet: torch.nn.Module) -> None:
-        """Each ResBlock's and each transformer layer's fp8 weights are upcast together (cast_weights.UpcastGroup)."""
-        cast_weights.group_upcasts(m for m in unet.modules()
-                                   if isinstance(m, (ResBlock, comfy_attention.BasicTransformerBlock)))
+        """Each of the family's blocks has its fp8 weights upcast together (cast_weights.UpcastGroup)."""
+        cast_weights.group_upcasts(self.family.upcast_groups(unet))
 
     def stream_weights_from_cpu(self, unet: torch.nn.Module, share: float = 1.0) -> int:
         return cast_weights.stream_weights_from_cpu(unet, share)
@@ -292,35 +257,21 @@ class ComfyAdapter:
         unet.dtype = dtype  # ComfyUI's UNet casts its input to this; predict feeds it the same
 
     def set_conv_layout(self, unet: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> str | None:
-        """Stores the training copy's frozen conv weights channels-last where that measured faster (trainer/layout:
-        with NCHW weights, an SD1.5 step at 512² spent 8 ms transposing for 4 ms of convolution). H200, bf16, CUDA
-        graphs, batch 1: SD1.5 512² 0.0248 -> 0.0204 s/step (fast), 0.0333 -> 0.0270 (checkpointing); SDXL 1024²
-        1% slower. So only where it was measured, or where the same cuDNN NHWC kernels run: SD1.5/SD2's BaseModel,
-        half-precision compute, NVIDIA GPUs from Ampere on. Returns a note for the report, or None."""
-        nvidia_ampere_or_newer = device.type == "cuda" and torch.version.hip is None \
-            and torch.cuda.get_device_capability(device)[0] >= 8
-        if not nvidia_ampere_or_newer or compute_dtype not in (torch.bfloat16, torch.float16) \
-                or type(self.base) is not comfy.model_base.BaseModel:
-            return None
-        count = store_frozen_convs_channels_last(unet)
-        return f"convolutions: {count} frozen conv weights stored channels-last (NHWC), as cuDNN computes them"
+        return self.family.set_conv_layout(self.base, unet, device, compute_dtype)
 
     def predict(self, unet: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        dtype = unet.dtype
-        extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
-        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
-                    transformer_options=dict(self.transformer_options), **extra)
+        return self.family.predict(unet, x, timestep, cond, dict(self.transformer_options))
 
-    # --- the LoRA file: kohya's naming per model family ---
-    def base_model_kind(self) -> BaseModelKind:
-        return base_model_kind(self.base, self.model_sampling)
+    # --- the LoRA file: the family's identity and naming ---
+    def identity(self) -> FamilyIdentity:
+        return self.family.identity(self.base, self.model_sampling)
 
     def kohya_module_names(self) -> dict[str, str] | None:
-        return kohya_module_names(self.base)
+        return self.family.kohya_module_names(self.base)
 
-    def diffusers_module_names(self) -> dict[str, str]:
-        return diffusers_module_names(self.base)
+    def diffusers_module_names(self) -> dict[str, str] | None:
+        return self.family.diffusers_module_names(self.base)
 
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")
@@ -337,32 +288,6 @@ class _NoEncoder:
     def __getattr__(self, attribute: str):
         raise LeanLoRAError(f"this training has no {self.name} (it trains from cached inputs only): "
                             f"{self.name}.{attribute} is unavailable")
-
-
-def base_model_kind(base, model_sampling) -> BaseModelKind:
-    """SD1.x / SD2.x / SDXL and the prediction type of a ComfyUI model (model_sampling: the MODEL's own, which
-    ComfyUI's ModelSamplingDiscrete node may have patched), as kohya's metadata names them."""
-    sdxl = isinstance(base, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner))
-    return BaseModelKind(sdxl=sdxl, v2=type(base.model_config).__name__.startswith("SD2"),
-                         v_prediction=isinstance(model_sampling, comfy.model_sampling.V_PREDICTION))
-
-
-def kohya_module_names(base) -> dict[str, str] | None:
-    """kohya names SD1.x/SD2.x modules as in a diffusers UNet (its networks/lora.py walks one:
-    down_blocks.0.attentions.0...), SDXL ones as in the ldm UNet the training copy is (its sdxl_original_unet:
-    input_blocks.4.1...). For SD1/SD2 this is ComfyUI's own ldm -> diffusers map (the one its LoRA loader reads
-    diffusers-named keys with), per module: {ldm path: diffusers path}. None: keep the ldm paths."""
-    if isinstance(base, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
-        return None
-    return diffusers_module_names(base)
-
-
-def diffusers_module_names(base) -> dict[str, str]:
-    """{ldm path: diffusers path} of every weight module, for any UNet family: how diffusers/peft LoRA files name
-    them (ComfyUI's LoRA loader reads diffusers-named keys through the same map)."""
-    diffusers_to_ldm = comfy.utils.unet_to_diffusers(base.model_config.unet_config)
-    return {ldm[: -len(".weight")]: diffusers[: -len(".weight")]
-            for diffusers, ldm in diffusers_to_ldm.items() if diffusers.endswith(".weight")}
 
 
 # What a ComfyUI loader leaves on a layer (comfy/model_patcher.py, comfy/ops.py, comfy/pinned_memory.py):
@@ -395,50 +320,6 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
         for name in _LOADER_STATE.intersection(vars(layer)):
             delattr(layer, name)
     return copied
-
-
-def _resblocks_worth_compiling(unet: torch.nn.Module) -> list[torch.nn.Module]:
-    """The ResBlocks whose compiled graphs pay for their compile time. Every ResBlock shape is a graph of its own
-    (SDXL: 13), and each cost 5-6 s of a cold compile on an H200 machine whatever its size, while what compiling
-    gains (fused norms and activations) grows with the activations: at the widest channel count the image is
-    smallest (SDXL 1024²: 1280 x 32², a quarter of the top level's elements). Campaign 9, SDXL batch 8, each cold
-    on H200 machines: all ResBlocks compiled in 90 s (0.3246 s/step) and 112 s (0.3194, one kernel config fewer);
-    without the widest level's 5 shapes, 61 s (0.3229; 44 s in the issue-4 run); without any ResBlock, 19 s
-    (0.3311). A one-width UNet keeps all of its ResBlocks."""
-    resblocks = [m for m in unet.modules() if isinstance(m, ResBlock)]
-    widths = {m.out_channels for m in resblocks}
-    if len(widths) < 2:
-        return resblocks
-    return [m for m in resblocks if m.out_channels < max(widths)]
-
-
-_LAYER_POSITION = ("block", "block_index", "transformer_index")
-
-
-def _position_free_forward(self, x, context=None, transformer_options={}):
-    """A transformer layer's forward without its position in the UNet. Only patches (attention replacements,
-    ControlNet-style hooks) look the position up, and the training copy runs none (its transformer_options hold
-    at most the attention override), so the layer computes the same; every layer of one shape then shares one
-    compiled graph."""
-    options = {k: v for k, v in transformer_options.items() if k not in _LAYER_POSITION}
-    return type(self).forward(self, x, context=context, transformer_options=options)
-
-
-def _split_geglu_forward(self, x):
-    """ComfyUI's GEGLU (one projection to value and gate, split with chunk) as two matmuls on row slices of the
-    same frozen weight: the same products, but backward needs no concatenation of the two halves' gradients.
-    Compiled, an SDXL batch-8 step's 70 GEGLUs took 54.5 instead of 66.7 ms, forward and backward (H200,
-    bench/kernels.py). A projection that computes its weight per call (fp8, LoRA patches, a LoRA on it) keeps
-    ComfyUI's forward. Where the compiled layers run eagerly (compiling failed, auto-fit's probes) this runs
-    eagerly too: the same math, its eager speed not measured."""
-    proj = self.proj
-    if not isinstance(proj, torch.nn.Linear) or proj.weight.requires_grad or getattr(proj, "comfy_cast_weights", False) \
-            or getattr(proj, "weight_function", None) or getattr(proj, "bias_function", None):
-        return type(self).forward(self, x)
-    half, bias = proj.weight.shape[0] // 2, proj.bias
-    value = torch.nn.functional.linear(x, proj.weight[:half], None if bias is None else bias[:half])
-    gate = torch.nn.functional.linear(x, proj.weight[half:], None if bias is None else bias[half:])
-    return value * torch.nn.functional.gelu(gate)
 
 
 def apply_lora(model, clip, lora_state_dict: dict[str, torch.Tensor], strength_model: float, strength_clip: float):

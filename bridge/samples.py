@@ -1,6 +1,7 @@
 """Sample images while training: the user's MODEL patched with the LoRA at its current weights (a clone, as
-ComfyUI's LoraLoader patches), the prompts encoded by the CLIP input, ComfyUI's own sampling (KSampler's path:
-euler, normal schedule, a fixed seed) and the VAE's decode.
+ComfyUI's LoraLoader patches), the prompts encoded by the CLIP input, ComfyUI's own sampling (KSampler's path with
+the family's sampler and schedule, e.g. euler/normal for SD, euler/simple for the flow DiTs; a fixed seed) and the
+VAE's decode.
 
 It runs in the training thread between optimizer steps. ComfyUI's model management runs in inference mode (see
 ComfyAdapter.encode_image), the training's random streams are left as they were (ComfyUI seeds torch's global
@@ -20,6 +21,7 @@ import comfy.model_management
 import comfy.sample
 
 from .comfy_adapter import apply_lora
+from .families import family_for
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.files import write_atomic
@@ -28,8 +30,6 @@ else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.files import write_atomic
     from trainer.settings import SampleSettings
 
-SAMPLER, SCHEDULER = "euler", "normal"
-
 
 class SampleRenderer:
     """`renderer(step, lora_state_dict)` renders one image per prompt and writes `step<N>_<i>.png` (i from 0, in
@@ -37,6 +37,8 @@ class SampleRenderer:
 
     def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path):
         self.model, self.clip, self.vae, self.settings, self.folder = model, clip, vae, settings, Path(folder)
+        defaults = family_for(model.model).sample_defaults
+        self.sampler, self.scheduler = defaults.sampler, defaults.scheduler
         self._conds = None  # (positive per prompt, the empty negative), ComfyUI's conditioning lists
 
     def __call__(self, step: int, lora_state_dict: dict[str, torch.Tensor]) -> list[Path]:
@@ -62,9 +64,11 @@ class SampleRenderer:
         for positive in positives:
             latent = comfy.sample.fix_empty_latent_channels(patched, torch.zeros(1, 4, latent_size, latent_size))
             noise = comfy.sample.prepare_noise(latent, settings.seed)
-            samples = comfy.sample.sample(patched, noise, settings.steps, settings.cfg, SAMPLER, SCHEDULER,
+            samples = comfy.sample.sample(patched, noise, settings.steps, settings.cfg, self.sampler, self.scheduler,
                                           positive, negative, latent, disable_pbar=True, seed=settings.seed)
             decoded = self.vae.decode(samples)
+            if decoded.dim() == 5:  # a video VAE's frames (Qwen-Image's Wan VAE): one frame here, as VAEDecode does
+                decoded = decoded.reshape(-1, *decoded.shape[-3:])
             images.append((decoded[0].clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy())
         return images
 
@@ -72,7 +76,7 @@ class SampleRenderer:
         settings = self.settings
         info = PngInfo()  # what made the image, as text any viewer shows
         info.add_text("parameters", f"{settings.prompts[index]}\nLeanLoRA sample at training step {step}; sampler "
-                                    f"{SAMPLER} {SCHEDULER}, steps {settings.steps}, cfg {settings.cfg:g}, seed "
+                                    f"{self.sampler} {self.scheduler}, steps {settings.steps}, cfg {settings.cfg:g}, seed "
                                     f"{settings.seed}, size {settings.size}x{settings.size}")
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)

@@ -70,10 +70,13 @@ class PromptRejected(RuntimeError):
 
 class ComfyServer:
     def __init__(self, base_dir: Path, port: int | None = None, extra_args=(), require_pack: bool = True,
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, extra_packs: tuple[Path, ...] = ()):
         """require_pack: fail start() when ComfyUI could not import this pack (it only logs that and goes on).
         memory_limit: address-space limit in bytes for the server process (fault tests feed absurd sizes: on a
-        shared machine an unguarded allocation must fail with MemoryError, not take the machine's RAM)."""
+        shared machine an unguarded allocation must fail with MemoryError, not take the machine's RAM).
+        extra_packs: more custom-node folders to load beside the pack (tests/tiny_dit_configs: the tiny DiT
+        models' widths, see there)."""
+        self.extra_packs = tuple(Path(p).resolve() for p in extra_packs)
         self.base_dir = Path(base_dir).resolve()
         self.require_pack = require_pack
         self.port = port
@@ -102,13 +105,20 @@ class ComfyServer:
             link.unlink()
         if not link.exists():
             link.symlink_to(REPO, target_is_directory=True)
+        for pack in self.extra_packs:  # ComfyUI loads packages from the top of custom_nodes/ only
+            extra = self.base_dir / "custom_nodes" / pack.name
+            if extra.is_symlink() and extra.resolve() != pack:
+                extra.unlink()
+            if not extra.exists():
+                extra.symlink_to(pack, target_is_directory=True)
 
     def start(self, timeout: float = 600) -> None:  # ~15 s idle; minutes on a loaded 2-core machine
         self.prepare_base_dir()
         self.port = self.port or free_port()
         cmd = [venv_python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(self.base_dir),
-               "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_NAME,
+               # one flag for every name: a second --whitelist-custom-nodes would replace the first list
+               "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_NAME, *(p.name for p in self.extra_packs),
                # the asset database is not needed and a file DB would be shared by runs
                "--database-url", "sqlite:///:memory:", *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -134,6 +134,67 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
     return prompt
 
 
+def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]],
+              titles: dict[str, str] | None = None, notes: list[dict] | None = None) -> dict:
+    """The UI-format workflow of an API prompt, the inverse of ui_to_api: every node at layout[id] (x, y), its
+    widget values in the frontend's order (widget_slots; "fixed" after seeds), its links, and `notes`
+    ({"text", "pos", "size"}) as Note nodes. Node sizes are the frontend's for their widget count, so laid-out
+    nodes do not overlap."""
+    titles = titles or {}
+    nodes, links = [], []
+    link_id = 0
+    incoming: dict[tuple[str, str], int] = {}
+    outgoing: dict[tuple[str, int], list[int]] = {}
+    for node_id, node in prompt.items():
+        for name, value in node["inputs"].items():
+            if isinstance(value, list):
+                link_id += 1
+                origin, slot = value
+                output_type = object_info[prompt[origin]["class_type"]]["output"][slot]
+                links.append([link_id, int(origin), slot, int(node_id), None, output_type])
+                incoming[node_id, name] = link_id
+                outgoing.setdefault((origin, slot), []).append(link_id)
+    for order, (node_id, node) in enumerate(prompt.items()):
+        info = object_info[node["class_type"]]
+        values = []
+        for name, width in widget_slots(info):
+            if name is None:
+                values.append("image")
+                continue
+            spec = info["input"].get("required", {}).get(name) or info["input"]["optional"][name]
+            default = spec[1].get("default") if len(spec) > 1 and isinstance(spec[1], dict) else None
+            if default is None and isinstance(spec[0], list):
+                default = spec[0][0] if spec[0] else ""
+            values.append(node["inputs"].get(name, default))
+            values += ["fixed"] * (width - 1)
+        inputs = []
+        for section in ("required", "optional"):
+            for name, spec in info["input"].get(section, {}).items():
+                if (node_id, name) in incoming:
+                    link = incoming[node_id, name]
+                    links[link - 1][4] = len(inputs)
+                    kind = spec[0] if isinstance(spec[0], str) else "COMBO"
+                    inputs.append({"name": name, "type": kind, "link": link})
+        outputs = [{"name": out_name, "type": out_type, "links": outgoing.get((node_id, slot), []), "slot_index": slot}
+                   for slot, (out_name, out_type) in enumerate(zip(info["output_name"], info["output"]))]
+        height = 46 + 24 * max(len(inputs), len(outputs)) + 26 * len(values)
+        if node["class_type"] in ("SaveImage", "PreviewImage"):
+            height = max(height, 300)
+        entry = {"id": int(node_id), "type": node["class_type"], "pos": list(layout[node_id]),
+                 "size": [340, height], "flags": {}, "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
+                 "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": values}
+        if node_id in titles:
+            entry["title"] = titles[node_id]
+        nodes.append(entry)
+    next_id = max(int(i) for i in prompt) + 1
+    for offset, note in enumerate(notes or []):
+        nodes.append({"id": next_id + offset, "type": "Note", "pos": list(note["pos"]), "size": list(note["size"]),
+                      "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [],
+                      "properties": {}, "widgets_values": [note["text"]], "color": "#432", "bgcolor": "#653"})
+    return {"last_node_id": max(n["id"] for n in nodes), "last_link_id": link_id, "nodes": nodes, "links": links,
+            "groups": [], "config": {}, "extra": {"ds": {"scale": 0.7, "offset": [40, 40]}}, "version": 0.4}
+
+
 def apply_overrides(prompt: dict, overrides: dict) -> dict:
     """A copy of an API prompt with {node id: {input: value}} replaced. Only existing literal inputs can be
     replaced, so an overrides file that no longer matches its workflow fails instead of adding dead inputs."""

@@ -81,7 +81,9 @@ def tiny_assets(comfy_base) -> dict:
 
 @pytest.fixture(scope="session")
 def comfy_server(comfy_base, tiny_assets):
-    with ComfyServer(comfy_base) as server:
+    """The session's server: this pack, plus the test-only package that lets ComfyUI's stock loaders build the tiny
+    DiT models at their size (tests/tiny_dit_configs; it changes nothing for real-size files)."""
+    with ComfyServer(comfy_base, extra_packs=(REPO / "tests" / "tiny_dit_configs",)) as server:
         yield server
 
 

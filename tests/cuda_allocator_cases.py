@@ -14,7 +14,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 
 from comfy_headless import comfyui_path  # noqa: E402  (a path; ComfyUI itself is imported only where needed)
-from helpers import TinyNet  # noqa: E402
+from helpers import TinyNet, sd_targets  # noqa: E402
 from trainer.activation_offload import ActivationOffload  # noqa: E402
 from trainer.compiled_blocks import compile_blocks  # noqa: E402
 from trainer.micro_steps import BatchStep, EagerMicroStep, allocator_backend, build_micro_step  # noqa: E402
@@ -32,7 +32,7 @@ DEVICE = torch.device("cuda")
 def _net(compiled_part: str | None = None):
     torch.manual_seed(0)
     net = TinyNet(dim=64).to(DEVICE)
-    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     for p in params:
         p.data.normal_(0, 0.05)
     block = net.input_blocks[1]["attn1"]
@@ -83,7 +83,7 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool | 
         if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)):
             torch.nn.init.normal_(module.weight, 1.0 if isinstance(module, torch.nn.LayerNorm) else 0.0, 0.1)
             torch.nn.init.normal_(module.bias, 0, 0.01)
-    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0)  # as the trainer: LoRA, then fp8, streaming
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))  # as the trainer: LoRA, then fp8, streaming
     if grouped:
         group_upcasts(net.input_blocks)
     for p in params:
@@ -330,7 +330,7 @@ def lora_dropout():
     def build():
         torch.manual_seed(0)
         net = TinyNet(dim=64).to(DEVICE)
-        params = inject_lora(net, LoraSettings(rank=4, alpha=4, dropout=0.3), seed=0)
+        params = inject_lora(net, LoraSettings(rank=4, alpha=4, dropout=0.3), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4, dropout=0.3)))
         for p in params:
             p.data.normal_(0, 0.05)
         assert not uses_randomness(net)  # what lets the trainer capture (session.graphs_incompatible)

@@ -23,6 +23,19 @@ def node_module(name: str):
     return importlib.import_module(f"{PACK}.nodes.{name}")
 
 
+# The modules the SD-UNet family puts LoRA on per target preset (bridge/families/sd_unet.LORA_TARGETS), which the
+# tiny nets here are named like. A copy, so trainer-only tests import no ComfyUI; test_families.py checks they agree.
+SD_TARGETS = {
+    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+    "attention+feed-forward": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+}
+
+
+def sd_targets(settings) -> tuple[str, ...]:
+    """What inject_lora gets for `settings` on a model named like ComfyUI's UNet."""
+    return SD_TARGETS[settings.targets.value]
+
+
 class Attention(torch.nn.Module):
     def __init__(self, dim):
         super().__init__()
@@ -51,7 +64,7 @@ def regression_problem(seed: int = 0):
     from trainer.settings import LoraSettings
     torch.manual_seed(seed)
     net = TinyNet()
-    params = inject_lora(net, LoraSettings(rank=4, alpha=4.0), seed=0)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4.0), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4.0)))
     target = TinyNet()
     x = torch.randn(64, 5, 16)
     with torch.no_grad():

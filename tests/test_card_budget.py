@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import TinyNet
+from helpers import TinyNet, sd_targets
 from bridge.cast_weights import projected_weight_bytes
 from trainer import session as session_module
 from trainer.errors import LeanLoRAError
@@ -59,7 +59,7 @@ def _weight_bytes(unet):
 def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training_naming_the_smallest_card(card):
     torch.manual_seed(0)
     unet = TinyNet(dim=512, depth=4)  # 12.6 MB of fp32 frozen weights stand in for a UNet
-    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     memory = MemorySettings(auto_fit=AutoFit(card_gib=2))
     card["outside"] = 2 * GIB - 4 * 2 ** 20  # a 2 GiB card whose context leaves 4 MiB: nothing fits
     budget = session_module.card_budget(memory.auto_fit, CUDA)
@@ -73,7 +73,7 @@ def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training
 def test_a_model_that_fits_is_planned_without_an_error(card):
     torch.manual_seed(0)
     unet = TinyNet(dim=64, depth=2)
-    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     memory = MemorySettings(auto_fit=AutoFit(card_gib=4))
     budget = session_module.card_budget(memory.auto_fit, CUDA)
     planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
@@ -88,7 +88,7 @@ def test_static_planning_leaves_checkpointing_to_the_probes(card):
     for layer in unet.modules():
         if isinstance(layer, torch.nn.Linear):
             layer.comfy_cast_weights = False  # as ComfyUI's ops have it: such layers can hold fp8 weights
-    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2))
     # bf16 weights 8 MiB + LoRA, gradients, AdamW 1 MiB > 75% of 10 MiB; fp8 weights (4 MiB) fit
     budget = 10 * 2 ** 20
@@ -107,7 +107,7 @@ def test_static_planning_streams_only_the_share_of_the_weights_the_card_needs(ca
     for layer in unet.modules():
         if isinstance(layer, torch.nn.Linear):
             layer.comfy_cast_weights = False
-    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     memory = MemorySettings(mixed_precision="bf16", optimizer="AdamW8bit", base_weights="fp8",
                             activation_offload=True, auto_fit=AutoFit(card_gib=2))
     static = {share: projected_weight_bytes(unet, torch.bfloat16, BaseWeights.FP8_STREAMED, share)

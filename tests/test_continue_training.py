@@ -21,6 +21,7 @@ from trainer.lora_import import check_file, continue_from_file
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from workflow_convert import apply_overrides, ui_to_api
+from helpers import sd_targets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "example_workflows" / "leanlora_continue_training.json"
@@ -41,8 +42,8 @@ def test_training_continues_from_its_own_file_and_the_stock_loader_loads_every_k
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=str(first.lora_path))
     adapter = ComfyAdapter(*comfy_objects)
     unet = adapter.training_unet()
-    inject_lora(unet, settings, seed=11)
-    loaded = continue_from_file(unet, settings, adapter.diffusers_module_names(), adapter.base_model_kind())
+    inject_lora(unet, settings, seed=11, target_modules=sd_targets(settings))
+    loaded = continue_from_file(unet, settings, adapter.diffusers_module_names(), adapter.identity())
     names = adapter.kohya_module_names()
     layers = {p: m for p, m in unet.named_modules() if hasattr(m, "lora_A") and "leanlora" in m.lora_A}
     assert loaded.modules == len(layers) == len(first_sd) // 3 and loaded.steps == 4
@@ -80,7 +81,7 @@ def test_a_diffusers_peft_lora_continues_on_comfyuis_unet(family, tmp_path, capl
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
     from safetensors.torch import save_file
-    from bridge.comfy_adapter import base_model_kind, diffusers_module_names
+    from bridge.families.sd_unet import SdUnet
     from test_lora_files import SD15_DIFFUSERS, SDXL_DIFFUSERS, _comfy_model
 
     torch.manual_seed(0)
@@ -94,8 +95,8 @@ def test_a_diffusers_peft_lora_continues_on_comfyuis_unet(family, tmp_path, capl
     model = _comfy_model(family)
     unet = copy.deepcopy(model.diffusion_model).float()
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=str(file))
-    inject_lora(unet, settings, seed=0)
-    loaded = continue_from_file(unet, settings, diffusers_module_names(model), base_model_kind(model, None))
+    inject_lora(unet, settings, seed=0, target_modules=sd_targets(settings))
+    loaded = continue_from_file(unet, settings, SdUnet().diffusers_module_names(model), SdUnet().identity(model, None))
     layers = {p: m for p, m in unet.named_modules() if hasattr(m, "lora_A") and "leanlora" in m.lora_A}
     assert loaded.format == "diffusers/peft" and loaded.modules == len(layers) == len(file_sd) // 2
 

@@ -3,7 +3,7 @@ on the GPU machine: `python -m pytest -q tests/test_fast_path.py` (see docs/BENC
 import pytest
 import torch
 
-from helpers import TinyNet
+from helpers import TinyNet, sd_targets
 from trainer.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
 from trainer.loop import train_loop
 from trainer.lora import inject_lora
@@ -17,7 +17,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def _setup(device, seed=0):
     torch.manual_seed(seed)
     net = TinyNet(dim=32).to(device)
-    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=seed)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=4), seed=seed, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     for p in params:  # lora_B starts at zero; give the test something to move
         p.data.normal_(0, 0.05)
     return net, params

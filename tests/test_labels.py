@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PACK, node_module as _node_module
+from helpers import PACK, node_module as _node_module, sd_targets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def test_the_dropdowns_are_the_table_and_todays_labels_still_load(labels):
         s.BaseWeights.FP8_STREAMED, s.AutoFit(card_gib=8), s.LatentCache.RAM_AND_DISK, s.Attention.SUB_QUADRATIC,
         s.CheckpointDepth.BLOCK, s.FastPath.OFF, s.LoraWeights.BF16_STOCHASTIC_ROUNDING, s.Allocator.AS_STARTED)
     lora, = node_settings.LeanLoRALoraConfig().execute(8, 8.0, 0.0, "attention+feed-forward")
-    assert lora.targets is s.LoraTargets.ATTENTION_FEED_FORWARD and "ff.net.2" in lora.target_modules
+    assert lora.targets is s.LoraTargets.ATTENTION_FEED_FORWARD and "ff.net.2" in sd_targets(lora)
 
 
 def test_an_unknown_label_names_the_field_and_its_choices(labels):

@@ -25,11 +25,13 @@ import comfy.lora
 import comfy.model_patcher
 import comfy.supported_models
 
-from bridge.comfy_adapter import ComfyAdapter, apply_lora, base_model_kind, kohya_module_names
+from bridge.comfy_adapter import ComfyAdapter, apply_lora
+from bridge.families.sd_unet import SdUnet
 from trainer.dataset import scan_folder
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
+from helpers import sd_targets  # noqa: E402
 
 diffusers = pytest.importorskip("diffusers")  # a test dependency only (requirements-dev.txt)
 transformers = pytest.importorskip("transformers")
@@ -96,14 +98,14 @@ def _trained_export(model, family: str, module_names="adapter", seed=0) -> tuple
     unet = copy.deepcopy(model.diffusion_model).float()
     for p in unet.parameters():  # ComfyUI leaves weights uninitialised (its loader fills them)
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.zeros_(p)
-    params = inject_lora(unet, LORA, seed)
+    params = inject_lora(unet, LORA, seed, target_modules=sd_targets(LORA))
     generator = torch.Generator().manual_seed(seed)
     for name, p in unet.named_parameters():
         if "lora_B" in name:
             p.data = torch.randn(p.shape, generator=generator) * 0.1
     assert params
     ldm_paths = {name.rsplit(".lora_A", 1)[0] for name, _ in unet.named_parameters() if ".lora_A." in name}
-    names = kohya_module_names(model) if module_names == "adapter" else module_names
+    names = SdUnet().kohya_module_names(model) if module_names == "adapter" else module_names
     return kohya_state_dict(unet, LORA, names), ldm_paths
 
 
@@ -242,7 +244,7 @@ def test_trained_sd15_file_loads_everywhere_with_every_key(trained_file, caplog)
     lora_sd = load_file(str(path))
     assert all(k.startswith("lora_unet_down_blocks_") or k.startswith(("lora_unet_mid_block_", "lora_unet_up_blocks_"))
                for k in lora_sd)
-    mapped = kohya_module_names(model.model)
+    mapped = SdUnet().kohya_module_names(model.model)
     ldm_paths = {ldm for ldm, diffusers_path in mapped.items()
                  if "lora_unet_" + diffusers_path.replace(".", "_") in _modules_in(lora_sd)}
     assert len(ldm_paths) == len(_modules_in(lora_sd))
@@ -299,11 +301,12 @@ def test_hash_covers_the_weights_and_legacy_hash_reads_1mib_in(tmp_path):
 
 
 def test_sdxl_and_v_prediction_metadata():
-    from trainer.lora import BaseModelKind, lora_metadata
+    from trainer.lora import lora_metadata
     sdxl_model = _comfy_model("sdxl")
-    kind = base_model_kind(sdxl_model, sdxl_model.model_sampling)
-    assert kind == BaseModelKind(sdxl=True)
-    meta = lora_metadata(LORA, kind, output_name="x", resolution=(1024, 1024), tags={}, extra={}, timestamp=0)
+    kind = SdUnet().identity(sdxl_model, sdxl_model.model_sampling)
+    assert (kind.name, kind.prediction, kind.v2) == ("SDXL", "epsilon", False)
+    meta = lora_metadata(LORA, kind, target_modules=(), output_name="x", resolution=(1024, 1024), tags={}, extra={},
+                         timestamp=0)
     assert meta["ss_base_model_version"] == "sdxl_base_v1-0" and meta["ss_v2"] == "False"
     assert meta["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
     assert meta["modelspec.implementation"] == "https://github.com/Stability-AI/generative-models"
@@ -313,8 +316,9 @@ def test_sdxl_and_v_prediction_metadata():
 
     class VPrediction(comfy.model_sampling.ModelSamplingDiscrete, comfy.model_sampling.V_PREDICTION):
         pass  # what ComfyUI's ModelSamplingDiscrete node patches onto a MODEL for sampling="v_prediction"
-    v_kind = base_model_kind(sd15, VPrediction(sd15.model_config))
-    assert v_kind == BaseModelKind(v_prediction=True)
-    v_meta = lora_metadata(LORA, v_kind, output_name="x", resolution=(512, 512), tags={}, extra={}, timestamp=0)
+    v_kind = SdUnet().identity(sd15, VPrediction(sd15.model_config))
+    assert (v_kind.name, v_kind.prediction) == ("SD1.x", "v")
+    v_meta = lora_metadata(LORA, v_kind, target_modules=(), output_name="x", resolution=(512, 512), tags={},
+                           extra={}, timestamp=0)
     assert v_meta["ss_base_model_version"] == "sd_v1_v" and v_meta["modelspec.prediction_type"] == "v"
     assert v_meta["modelspec.architecture"] == "stable-diffusion-v1/lora"

@@ -11,11 +11,17 @@ import torch
 from safetensors.torch import save_file
 
 from trainer.errors import LeanLoRAError
-from trainer.lora import BaseModelKind, inject_lora, kohya_state_dict
+from trainer.lora import inject_lora, kohya_state_dict
+from trainer.model import FamilyIdentity
 from trainer.lora_import import ContinuedLora, check_file, continue_from_file
-from trainer.settings import LoraSettings
+from trainer.settings import LoraSettings, LoraTargets
+from helpers import SD_TARGETS, sd_targets  # noqa: E402
 
-SD1 = BaseModelKind()
+# as bridge/families/sd_unet.py names them (this file imports no ComfyUI)
+SD1 = FamilyIdentity("SD1.x", "sd_v1", "stable-diffusion-v1", "diffusers", recorded_as=("sd_v1", "stable-diffusion-v1"))
+SDXL = FamilyIdentity("SDXL", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "x",
+                      recorded_as=("sdxl", "stable-diffusion-xl"))
+PRESETS = {LoraTargets(name): modules for name, modules in SD_TARGETS.items()}
 DIM, CONTEXT = 16, 8
 # ldm block -> diffusers block in SD1.5 (ComfyUI's unet_to_diffusers says the same for these four)
 TRANSFORMERS = {"input_blocks.1.1": "down_blocks.0.attentions.0", "input_blocks.4.1": "down_blocks.1.attentions.0",
@@ -82,7 +88,7 @@ NAMES = diffusers_names(tiny_unet())
 
 def injected(settings, seed=0):
     unet = tiny_unet()
-    inject_lora(unet, settings, seed)
+    inject_lora(unet, settings, seed, target_modules=sd_targets(settings))
     return unet
 
 
@@ -135,7 +141,7 @@ def test_kohya_files_of_both_naming_styles_load_exactly(tmp_path, style):
                 "ldm": "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_down.weight"}[style]
     assert expected in tensors
     unet = injected(LoraSettings(rank=4, alpha=2.0, continue_from=file))
-    loaded = continue_from_file(unet, LoraSettings(rank=4, alpha=2.0, continue_from=file), NAMES, SD1)
+    loaded = continue_from_file(unet, LoraSettings(rank=4, alpha=2.0, continue_from=file), NAMES, SD1, PRESETS)
     assert_loaded(unet, weights)
     assert (loaded.modules, loaded.rank, loaded.alpha, loaded.steps) == (len(weights), 4, 2.0, None)
     assert loaded.format == f"kohya ({style}-style names)"
@@ -145,7 +151,7 @@ def test_sdxl_naming_without_a_diffusers_map_is_ldm_style(tmp_path):
     file, weights, _ = kohya_file(tmp_path, ATTENTION, "ldm")
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     unet = injected(settings)
-    continue_from_file(unet, settings, None, BaseModelKind(sdxl=True))
+    continue_from_file(unet, settings, None, SDXL, PRESETS)
     assert_loaded(unet, weights)
 
 
@@ -169,7 +175,7 @@ def test_diffusers_and_peft_files_load_exactly(tmp_path, spelling):
     file = write(tmp_path / "peft.safetensors", tensors, {"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 2})})
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     unet = injected(settings)
-    loaded = continue_from_file(unet, settings, NAMES, SD1)
+    loaded = continue_from_file(unet, settings, NAMES, SD1, PRESETS)
     assert_loaded(unet, weights)
     assert loaded.format == "diffusers/peft" and loaded.alpha == 2.0
 
@@ -181,10 +187,10 @@ def test_a_peft_file_without_alpha_is_alpha_equal_to_rank(tmp_path):
                for ab, w in (("A", down), ("B", up))}
     file = write(tmp_path / "peft.safetensors", tensors)
     with pytest.raises(LeanLoRAError, match=r"has alpha 4; LoRA Config says alpha 2"):
-        continue_from_file(injected(ATTENTION), LoraSettings(rank=4, alpha=2.0, continue_from=file), names, SD1)
+        continue_from_file(injected(ATTENTION), LoraSettings(rank=4, alpha=2.0, continue_from=file), names, SD1, PRESETS)
     settings = LoraSettings(rank=4, alpha=4.0, continue_from=file)
     unet = injected(settings)
-    assert continue_from_file(unet, settings, names, SD1).alpha == 4.0
+    assert continue_from_file(unet, settings, names, SD1, PRESETS).alpha == 4.0
     assert_loaded(unet, weights)
 
 
@@ -197,7 +203,7 @@ def test_comfyui_named_files_load_exactly(tmp_path):
     file = write(tmp_path / "comfy.safetensors", tensors)
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     unet = injected(settings)
-    assert continue_from_file(unet, settings, NAMES, SD1).format == "ComfyUI (diffusion_model. paths)"
+    assert continue_from_file(unet, settings, NAMES, SD1, PRESETS).format == "ComfyUI (diffusion_model. paths)"
     assert_loaded(unet, weights)
 
 
@@ -217,7 +223,7 @@ def test_our_own_file_loads_exactly_with_its_steps(tmp_path):
                for path, d in NAMES.items() if path in lora_layers(source)}
     continued = LoraSettings(rank=4, alpha=2.0, targets="attention+feed-forward", continue_from=file)
     unet = injected(continued)
-    loaded = continue_from_file(unet, continued, NAMES, SD1)
+    loaded = continue_from_file(unet, continued, NAMES, SD1, PRESETS)
     assert_loaded(unet, weights)
     assert loaded.steps == 120 and loaded.format.startswith("LeanLoRA 0.9, kohya (diffusers")
     assert loaded.metadata(30) == {"leanlora_continued_from": "ours.safetensors", "ss_steps": "150"}
@@ -232,7 +238,7 @@ def test_text_encoder_keys_are_skipped_and_counted(tmp_path):
     file = write(tmp_path / "with_te.safetensors", tensors | te)
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     unet = injected(settings)
-    loaded = continue_from_file(unet, settings, NAMES, SD1)
+    loaded = continue_from_file(unet, settings, NAMES, SD1, PRESETS)
     assert loaded.text_encoder_keys_skipped == 3 and "3 text-encoder keys skipped" in loaded.describe()
     assert_loaded(unet, weights)
 
@@ -244,10 +250,10 @@ def test_a_rank_and_alpha_mismatch_names_both_and_the_file(tmp_path):
     settings = LoraSettings(rank=8, alpha=8.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"continue_from 'x.safetensors' has rank 4, alpha 4; LoRA Config says "
                                             r"rank 8, alpha 8: set those"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
     settings = LoraSettings(rank=4, alpha=1.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"has alpha 4; LoRA Config says alpha 1:"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_the_file_alone_is_checked_for_rank_and_alpha_before_any_model_work(tmp_path):
@@ -268,7 +274,7 @@ def test_a_targets_mismatch_names_both(tmp_path, file_targets, config_targets):
     file, _, _ = kohya_file(tmp_path, LoraSettings(rank=4, alpha=2.0, targets=file_targets), "diffusers")
     settings = LoraSettings(rank=4, alpha=2.0, targets=config_targets, continue_from=file)
     with pytest.raises(LeanLoRAError, match=re.escape(f"has targets {file_targets}; LoRA Config says targets {config_targets}")):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_a_file_on_layers_no_preset_trains_is_refused(tmp_path):
@@ -280,7 +286,7 @@ def test_a_file_on_layers_no_preset_trains_is_refused(tmp_path):
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"has LoRA on 33 modules that no target preset trains together \(it has LoRA on "
                                             r"input_blocks.1.1.proj_in\)"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_a_file_on_part_of_the_targets_is_refused(tmp_path):
@@ -290,7 +296,7 @@ def test_a_file_on_part_of_the_targets_is_refused(tmp_path):
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"has LoRA on 16 modules that no target preset trains together \(it has "
                                             r"none on input_blocks.1.1.transformer_blocks.0.attn1.to_k\)"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_a_per_module_alpha_is_refused(tmp_path):
@@ -299,7 +305,7 @@ def test_a_per_module_alpha_is_refused(tmp_path):
     file = write(tmp_path / "alphas.safetensors", tensors)
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"different alpha per module \(middle_block.1.*: 1, .*: 2\)"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 # --- files for another model, and files that are not LoRAs ---
@@ -313,7 +319,7 @@ def test_an_sdxl_lora_on_sd15_names_the_model_kind_and_a_key(tmp_path):
     settings = LoraSettings(rank=4, alpha=4.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=rf"continue_from 'sdxl.safetensors' does not fit this SD1.x model: 1 of "
                                             rf"its 1 LoRA modules match none of its modules, e.g. '{key}.lora_(down|up).weight'"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_a_file_whose_shapes_are_another_models_is_refused(tmp_path):
@@ -325,16 +331,16 @@ def test_a_file_whose_shapes_are_another_models_is_refused(tmp_path):
     with pytest.raises(LeanLoRAError, match=r"does not fit this SD1.x model: 'lora_unet_.*' has shape \(4, (16|32)\) "
                                             r"and its lora_up \((16|32), 4\), but that module of the model has a weight "
                                             r"of shape \((16, 16|16, 8)\)"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_a_file_recorded_for_sdxl_is_refused_on_sd15(tmp_path):
     _, _, tensors = kohya_file(tmp_path, ATTENTION, "ldm")
     file = write(tmp_path / "meta.safetensors", tensors, {"ss_base_model_version": "sdxl_base_v1-0"})
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
-    with pytest.raises(LeanLoRAError, match=r"'meta.safetensors' was trained on a SDXL model \(its metadata says "
+    with pytest.raises(LeanLoRAError, match=r"'meta.safetensors' was trained on another model \(its metadata says "
                                             r"'sdxl_base_v1-0'\); this is a SD1.x model"):
-        continue_from_file(injected(settings), settings, None, SD1)
+        continue_from_file(injected(settings), settings, None, SD1, PRESETS)
 
 
 def test_a_safetensors_file_that_is_not_a_lora_is_refused(tmp_path):
@@ -342,7 +348,7 @@ def test_a_safetensors_file_that_is_not_a_lora_is_refused(tmp_path):
     settings = LoraSettings(rank=4, alpha=2.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"'checkpoint.safetensors' holds no LoRA weights: 1 tensors \(e.g. "
                                             r"'model.diffusion_model.input_blocks.0.0.weight'\).*Is it a checkpoint"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 @pytest.mark.parametrize("zipped", [True, False], ids=["torch.save", "legacy-pickle"])
@@ -355,10 +361,10 @@ def test_a_pickle_renamed_to_safetensors_is_never_unpickled(tmp_path, monkeypatc
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load"))
     with pytest.raises(LeanLoRAError, match=r"'renamed.safetensors' .* is a pickled PyTorch file renamed to "
                                             r".safetensors; LeanLoRA never unpickles"):
-        continue_from_file(injected(settings), settings, None, SD1)
+        continue_from_file(injected(settings), settings, None, SD1, PRESETS)
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(LeanLoRAError, match=r"'renamed.safetensors' .* is not a readable safetensors file"):
-        continue_from_file(injected(settings), settings, None, SD1)
+        continue_from_file(injected(settings), settings, None, SD1, PRESETS)
 
 
 def test_a_safetensors_file_whose_header_starts_like_a_pickle_is_read(tmp_path):
@@ -386,7 +392,7 @@ def test_comfyui_trainer_output_with_bias_differences_is_refused_with_where_to_c
     settings = LoraSettings(rank=4, alpha=1.0, continue_from=file)
     with pytest.raises(LeanLoRAError, match=r"holds bias differences weights .*ComfyUI's own trainer.*ComfyUI's "
                                             r"Train LoRA node"):
-        continue_from_file(injected(settings), settings, NAMES, SD1)
+        continue_from_file(injected(settings), settings, NAMES, SD1, PRESETS)
 
 
 def test_the_setting_accepts_only_an_existing_safetensors_file(tmp_path):

@@ -81,10 +81,10 @@ def test_the_pack_imports_no_diffusers():
         "from trainer.optimizers import build_lr_schedule\n"
         "from trainer.lora import inject_lora, kohya_state_dict\n"
         "from trainer.settings import LoraSettings\n"
-        "from helpers import TinyNet\n"
+        "from helpers import TinyNet, sd_targets\n"
         "opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)\n"
         "build_lr_schedule(opt, 'cosine', 2, 10)\n"
-        "net = TinyNet(); inject_lora(net, LoraSettings(rank=2, alpha=2.0), 0)\n"
+        "net = TinyNet(); inject_lora(net, LoraSettings(rank=2, alpha=2.0), 0, target_modules=sd_targets(LoraSettings(rank=2, alpha=2.0)))\n"
         "assert kohya_state_dict(net, LoraSettings(rank=2, alpha=2.0))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,

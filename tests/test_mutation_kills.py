@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer.settings import LoraWeights, MemorySettings
+from helpers import sd_targets  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -181,18 +182,20 @@ def test_tag_frequency_counts_each_lower_cased_tag_once_per_caption():
 def test_lora_metadata_is_kohyas_set_plus_the_sai_model_spec():
     import datetime
     import json
-    from trainer.lora import BaseModelKind, lora_metadata
+    from trainer.lora import lora_metadata
+    from trainer.model import FamilyIdentity
     from trainer.settings import LoraSettings
     settings = LoraSettings(rank=8, alpha=4.0, dropout=0.1, targets="attention")
+    sd1 = FamilyIdentity("SD1.x", "sd_v1", "stable-diffusion-v1", "diffusers")
     tags = {"10_subject": {"red ball": 2}}
     started = 1_700_000_000.75
-    meta = lora_metadata(settings, BaseModelKind(), output_name="my lora", resolution=(768, 512), tags=tags,
-                         extra={"ss_steps": "40"}, timestamp=started)
+    meta = lora_metadata(settings, sd1, target_modules=sd_targets(settings), output_name="my lora",
+                         resolution=(768, 512), tags=tags, extra={"ss_steps": "40"}, timestamp=started)
     assert meta == {
         "ss_network_module": "networks.lora", "ss_network_dim": "8", "ss_network_alpha": "4.0",
         "ss_network_dropout": "0.1",
         "ss_network_args": json.dumps({"targets": "attention",
-                                       "target_modules": ",".join(settings.target_modules)}),
+                                       "target_modules": ",".join(sd_targets(settings))}),
         "ss_base_model_version": "sd_v1", "ss_v2": "False", "ss_output_name": "my lora",
         "ss_resolution": "(768, 512)", "ss_training_started_at": "1700000000.75",
         "ss_tag_frequency": '{"10_subject": {"red ball": 2}}', "leanlora_targets": "attention", "ss_steps": "40",
@@ -201,18 +204,16 @@ def test_lora_metadata_is_kohyas_set_plus_the_sai_model_spec():
         "modelspec.date": datetime.datetime.fromtimestamp(1_700_000_000).isoformat(),  # whole seconds, local time
         "modelspec.prediction_type": "epsilon"}
     before = __import__("time").time()
-    now = float(lora_metadata(settings, BaseModelKind(), output_name="x", resolution=(64, 64), tags={}, extra={})
-                ["ss_training_started_at"])
+    now = float(lora_metadata(settings, sd1, target_modules=(), output_name="x", resolution=(64, 64), tags={},
+                              extra={})["ss_training_started_at"])
     assert before <= now <= before + 60  # no timestamp given: the current time
 
 
-def test_base_model_kind_names_sd2_families_as_kohya_does():
-    from trainer.lora import BaseModelKind
-    assert BaseModelKind(v2=True).base_model_version == "sd_v2"
-    assert BaseModelKind(v2=True, v_prediction=True).base_model_version == "sd_v2_v"
-    assert BaseModelKind(v2=True).architecture == "stable-diffusion-v2-512/lora"
-    assert BaseModelKind(v2=True, v_prediction=True).architecture == "stable-diffusion-v2-768-v/lora"
-    assert BaseModelKind(v2=True).implementation == "diffusers"
+def test_family_identity_recognises_how_other_tools_record_its_family():
+    from trainer.model import FamilyIdentity
+    flux = FamilyIdentity("FLUX.1-dev", "flux1", "flux-1-dev", "x", "flow", recorded_as=("flux1", "flux-1"))
+    assert flux.recognises("flux1") and flux.recognises("Flux.1-dev/lora") and flux.recognises("flux-1-schnell")
+    assert not flux.recognises("sdxl_base_v1-0") and not flux.recognises("stable-diffusion-v1/lora")
 
 
 # --- objective, on ComfyUI's own model_sampling classes (the training-run tests of it take a minute) -----------
@@ -236,11 +237,25 @@ def test_sigmas_are_drawn_from_the_whole_schedule_by_the_given_generator():
     other = sample_sigmas(sampling, 20_000, torch.Generator().manual_seed(2))
     assert torch.equal(drawn, again) and not torch.equal(drawn, other)
 
-    class FlowSchedule:  # a continuous schedule (flow models): no table of sigmas
+    class ContinuousSchedule:  # a schedule without a table of sigmas
         pass
-    with pytest.raises(LeanLoRAError, match=r"this model's noise schedule \(FlowSchedule\) is not a discrete DDPM "
-                                            r"schedule; LeanLoRA trains SD1.5/SDXL-style models"):
-        sample_sigmas(FlowSchedule(), 2, torch.Generator())
+    with pytest.raises(LeanLoRAError, match=r"this model's noise schedule \(ContinuousSchedule\) has no table of "
+                                            r"noise levels"):
+        sample_sigmas(ContinuousSchedule(), 2, torch.Generator())
+
+
+def test_logit_normal_sampling_favours_the_middle_of_the_schedule_and_reaches_both_halves():
+    from trainer.objective import TimestepSampling, sample_sigmas
+    sampling = _sampling("eps")
+    sigmas = sampling.sigmas
+    drawn = sample_sigmas(sampling, 20_000, torch.Generator().manual_seed(1), TimestepSampling.LOGIT_NORMAL)
+    assert set(drawn.tolist()) <= set(sigmas.tolist())
+    index = torch.searchsorted(sigmas, drawn).float() / (len(sigmas) - 1)
+    middle = ((index > 0.25) & (index < 0.75)).float().mean()
+    assert 0.6 < middle < 0.8  # sigmoid(N(0,1)): P(|z| < logit(0.75) = 1.0986) = 0.73; uniform would give 0.5
+    assert index.min() < 0.1 and index.max() > 0.9
+    again = sample_sigmas(sampling, 20_000, torch.Generator().manual_seed(1), TimestepSampling.LOGIT_NORMAL)
+    assert torch.equal(drawn, again)
 
 
 def test_draw_noise_gives_the_seeded_noise_its_sigmas_and_the_models_timesteps():
@@ -1004,7 +1019,7 @@ def _tiny_lora(**settings):
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         before = net(x)
-    params = inject_lora(net, LoraSettings(**settings), seed=0)
+    params = inject_lora(net, LoraSettings(**settings), seed=0, target_modules=sd_targets(LoraSettings(**settings)))
     return net, params, x, before
 
 
@@ -1039,7 +1054,7 @@ def test_no_matching_layer_names_the_target_preset():
     from trainer.lora import inject_lora
     from trainer.settings import LoraSettings
     with pytest.raises(LeanLoRAError) as error:
-        inject_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraSettings(), seed=0)
+        inject_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraSettings(), seed=0, target_modules=sd_targets(LoraSettings()))
     message = str(error.value)
     assert message.startswith("LoRA targets 'attention' matched no layer of this model (")
     assert message.endswith("); pick another target preset")

@@ -14,7 +14,7 @@ from trainer.optimizers import (MIN_8BIT_SIZE, OPTIMIZERS, build_optimizer, opti
 from trainer.precision import Precision
 from trainer.settings import LoraSettings
 
-from helpers import TinyNet
+from helpers import TinyNet, sd_targets
 
 CPU = torch.device("cpu")
 # Per-optimizer learning rates: Lion's sign updates want a few times less than AdamW's.
@@ -30,7 +30,7 @@ def _net():
 def _train(name: str, steps: int = 60, flat: bool = False):
     torch.manual_seed(0)
     net = _net()
-    params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
+    params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0, target_modules=sd_targets(LoraSettings(rank=16, alpha=16.0)))
     x = torch.randn(64, 5, 256)
     with torch.no_grad():
         y = _net()(x)
@@ -203,7 +203,7 @@ def test_the_chosen_optimizer_is_built_once_on_the_tensors_it_steps(monkeypatch)
 def test_flat_gradients_are_zeroed_in_place_and_reattached():
     torch.manual_seed(0)
     net = _net()
-    params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
+    params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0, target_modules=sd_targets(LoraSettings(rank=16, alpha=16.0)))
     optimizer, _ = build_optimizer("AdamW8bit", params, 1e-2, device=CPU, flat=True)
     flat = optimizer.leanlora_flat
     net(torch.randn(2, 5, 256)).square().mean().backward()
@@ -242,7 +242,7 @@ def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name, chunk, mo
     def run(bf16_weights):
         torch.manual_seed(0)
         net = _net()
-        params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0)
+        params = inject_lora(net, LoraSettings(rank=16, alpha=16.0), seed=0, target_modules=sd_targets(LoraSettings(rank=16, alpha=16.0)))
         optimizer, _ = build_optimizer(name, params, 1e-2, device=CPU, bf16_weights=bf16_weights)
         x = torch.randn(64, 5, 256)
         with torch.no_grad():

@@ -11,6 +11,7 @@ from trainer.cache import CachedSample
 from trainer.errors import LeanLoRAError
 from trainer.memory_plan import next_rung
 from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, MemorySettings, TrainSettings
+from helpers import sd_targets  # noqa: E402
 
 LATENT = (8, 8)  # level 0 runs at 8x8 = 64 positions, level 1 at 4x4 = 16
 CONTEXT_DIM = 96
@@ -64,7 +65,7 @@ def _session(adapter, unet, seed=0):
     from trainer.lora import inject_lora
     from trainer.session import TrainingSession
     unet = copy.deepcopy(unet)
-    params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
     for p in params:  # LoRA's B starts at zero, which would leave A without gradient
         p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
     generator = torch.Generator().manual_seed(seed)
@@ -95,12 +96,12 @@ def test_order_puts_high_resolution_units_first_transformer_layers_before_resblo
 
 
 def test_model_matches_what_autograd_saves_and_the_flop_counter(adapter, two_level_unet, monkeypatch):
-    """The documented model (trainer/checkpointing.py) against one forward of each kind of unit with LoRA on
+    """The documented model (bridge/families/sd_unet.py) against one forward of each kind of unit with LoRA on
     attention: the elements autograd keeps inside it (weights and the unit's inputs excluded, shared tensors
     once) and torch's count of its linear/conv multiply-adds (the counter does not see attention on CPU)."""
     import comfy.ldm.modules.attention as comfy_attention
     from torch.utils.flop_counter import FlopCounterMode
-    from trainer.checkpointing import CONTEXT_TOKENS, recompute_model
+    from bridge.families.sd_unet import CONTEXT_TOKENS, recompute_cost
     monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_pytorch)
     unet = _session(adapter, two_level_unet).unet
     levels = _levels(unet)
@@ -129,7 +130,7 @@ def test_model_matches_what_autograd_saves_and_the_flop_counter(adapter, two_lev
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             unit(*args, **kwargs)
         tokens = LATENT[0] * LATENT[1]
-        model_saved, model_macs = recompute_model(unit, tokens)
+        model_saved, model_macs = recompute_cost(unit, tokens)
         attention = 2 * tokens * (tokens + CONTEXT_TOKENS) * unit.attn1.to_q.out_features if unit is layer else 0
         assert abs(sum(saved.values()) / model_saved - 1) < 0.1, (type(unit).__name__, sum(saved.values()), model_saved)
         assert abs((model_macs - attention) / (counter.get_total_flops() / 2) - 1) < 0.01

@@ -1,4 +1,4 @@
-"""train_lora end to end on a tiny pure-torch model through the ModelAdapter contract (trainer/model_adapter.py),
+"""train_lora end to end on a tiny pure-torch model through the ModelAdapter contract (trainer/model.py),
 with no ComfyUI anywhere: eager training, recovery from an out-of-memory step, and Cancel (the trainer's own stop
 and the host's cancel error raised inside a step). This file imports no ComfyUI, and the last test checks that
 such a run loads none."""
@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from trainer.dataset import scan_folder
 from trainer.frozen_weights import cast_frozen_weights
-from trainer.lora import BaseModelKind
-from trainer.model_adapter import ModelAdapter
+from trainer.model import FamilyIdentity, ModelAdapter
+from trainer.objective import TimestepSampling
 from trainer.report import Recovery
 from trainer.settings import Attention, FastPath, LatentCache, LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
@@ -93,6 +93,8 @@ class TinyAdapter:
     device = torch.device("cpu")
     cancel_errors = (HostInterrupt,)
     sequence_conditioning = ("context",)
+    timestep_sampling = TimestepSampling.UNIFORM
+    graph_blocker = None
 
     def __init__(self):
         torch.manual_seed(0)
@@ -168,8 +170,11 @@ class TinyAdapter:
     def free(self, unet) -> None:
         unet.to("cpu")
 
-    def base_model_kind(self) -> BaseModelKind:
-        return BaseModelKind()
+    def identity(self) -> FamilyIdentity:
+        return FamilyIdentity("TinyDenoiser", "tiny_denoiser", "tiny-denoiser", "pure torch")
+
+    def lora_targets(self, unet, targets):
+        return ("to_q", "to_k", "to_v", "to_out.0")
 
     def kohya_module_names(self):
         return None

@@ -284,7 +284,7 @@ def test_the_seed_reaches_noise_and_shuffling(adapter, dataset, tmp_path, monkey
     """Same seed: the same LoRA. Another seed with the LoRA's initial weights held fixed: another LoRA, so the
     seed reaches the noise, timestep and shuffle draws and not only the initialisation."""
     import trainer.train_lora as train_module
-    monkeypatch.setattr(train_module, "inject_lora", lambda unet, lora, seed: inject_lora(unet, lora, 0))
+    monkeypatch.setattr(train_module, "inject_lora", lambda unet, lora, seed, targets: inject_lora(unet, lora, 0, targets))
     runs = {}
     for label, seed in (("a", 1), ("b", 1), ("c", 2)):
         outcome = _train(adapter, dataset, tmp_path, steps=3, name=label, seed=seed, lr=1e-2)

@@ -12,11 +12,12 @@ from bridge.cast_weights import store_weights_fp8
 from trainer.frozen_weights import FP8, frozen_weight_bytes
 from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraWeights, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
+from helpers import sd_targets  # noqa: E402
 
 
 def test_the_comfy_adapter_implements_the_model_adapter_protocol(adapter):
     from test_pure_torch_training import protocol_members
-    from trainer.model_adapter import ModelAdapter
+    from trainer.model import ModelAdapter
     assert not protocol_members(ModelAdapter) - set(dir(adapter))
 
 
@@ -130,7 +131,7 @@ def test_gradient_checkpointing_really_wraps_comfyui_unet_layers(adapter):
     from trainer.lora import inject_lora
     plain, checkpointed = adapter.training_unet(), adapter.training_unet()
     for unet in (plain, checkpointed):
-        inject_lora(unet, LoraSettings(rank=4), seed=0)
+        inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
     units = adapter.checkpoint_blocks(checkpointed)
     assert checkpoint_blocks(units) == len(units) >= 4  # ResBlocks and transformer layers
     saved_plain, saved_checkpointed = _saved_bytes_in_forward(adapter, plain), _saved_bytes_in_forward(adapter, checkpointed)
@@ -145,7 +146,7 @@ def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
     unets = {depth: adapter.training_unet() for depth in CheckpointDepth}
     grads = {}
     for depth, unet in unets.items():
-        params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+        params = inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
         for p in params:
             p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
         units = adapter.checkpoint_blocks(unet, depth)
@@ -163,7 +164,7 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter, monke
     from trainer.frozen_weights import device_bound
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
-    params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
     as_loaded = projected_weight_bytes(unet, torch.float32, BaseWeights.AS_LOADED)
@@ -202,7 +203,7 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     from trainer.checkpointing import checkpoint_blocks
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
-    params = inject_lora(unet, LoraSettings(rank=4), seed=0)
+    params = inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
     with torch.no_grad():
         for p in params:  # LoRA up-weights start at zero: make the gradients of the down-weights non-zero too
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -310,7 +311,7 @@ def test_a_stream_share_streams_the_largest_layers_up_to_that_share_and_its_proj
     from trainer.frozen_weights import device_bound
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
-    inject_lora(unet, LoraSettings(rank=4), seed=0)
+    inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
     projections = {share: projected_weight_bytes(unet, torch.float32, BaseWeights.FP8_STREAMED, share)
@@ -424,7 +425,7 @@ def test_compiled_model_trains_like_the_eager_one(adapter, dataset, tmp_path, ch
     # transformer layers at different places in the UNet share graphs: their position is not part of the trace
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from comfy.ldm.modules.attention import BasicTransformerBlock
-    from bridge.comfy_adapter import _position_free_forward
+    from bridge.families.sd_unet import _position_free_forward
     layers = sum(isinstance(m, BasicTransformerBlock) for m in adapter.training_unet().modules())
     layer_graphs = len(_debug_get_cache_entry_list(_position_free_forward.__code__))
     assert 0 < layer_graphs < layers, (layer_graphs, layers)

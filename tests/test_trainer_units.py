@@ -10,7 +10,7 @@ from trainer.cache import batches, collate, CachedSample
 from trainer.checkpointing import checkpoint_blocks
 from trainer.errors import LeanLoRAError
 from trainer.files import sanitize_name, save_safetensors_atomic, unused_path
-from helpers import node_module
+from helpers import node_module, sd_targets
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.loop import train_loop
 from trainer.precision import Precision
@@ -40,7 +40,7 @@ def test_lora_injection_trains_only_lora_and_exports_kohya_keys():
     torch.manual_seed(0)
     net = TinyNet()
     frozen = {k: v.clone() for k, v in net.state_dict().items()}
-    params = inject_lora(net, LoraSettings(rank=4, alpha=2.0, targets="attention"), seed=1)
+    params = inject_lora(net, LoraSettings(rank=4, alpha=2.0, targets="attention"), seed=1, target_modules=sd_targets(LoraSettings(rank=4, alpha=2.0, targets="attention")))
     assert params and all(p.dtype == torch.float32 and p.requires_grad for p in params)
     assert all(not p.requires_grad for n, p in net.named_parameters() if "lora_" not in n)
     sd = kohya_state_dict(net, LoraSettings(rank=4, alpha=2.0))
@@ -59,7 +59,7 @@ def test_lora_layers_under_autocast_keep_their_input_in_the_compute_dtype():
     from trainer.frozen_weights import cast_frozen_weights
     torch.manual_seed(0)
     net = TinyNet(dim=32)
-    inject_lora(net, LoraSettings(rank=4), seed=1)
+    inject_lora(net, LoraSettings(rank=4), seed=1, target_modules=sd_targets(LoraSettings(rank=4)))
     cast_frozen_weights(net, torch.bfloat16)
     x = torch.randn(2, 64, 32, dtype=torch.bfloat16)
 
@@ -213,7 +213,7 @@ def test_lora_dropout_masks_follow_the_steps_seed_so_recompute_needs_no_generato
     from trainer.lora import StepSeededDropout, seed_lora_dropout
     torch.manual_seed(0)
     net = TinyNet(dim=64)
-    inject_lora(net, LoraSettings(rank=4, alpha=4.0, dropout=0.3), seed=0)
+    inject_lora(net, LoraSettings(rank=4, alpha=4.0, dropout=0.3), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4.0, dropout=0.3)))
     dropouts = [m for m in net.modules() if isinstance(m, StepSeededDropout)]
     assert dropouts and len({d.salt for d in dropouts}) == len(dropouts)  # each layer its own masks
     assert not uses_randomness(net) and seed_lora_dropout(net) is not None
@@ -264,7 +264,7 @@ def test_checkpointed_blocks_with_lora_dropout_recompute_the_forwards_masks():
     for checkpointed in (False, True):
         torch.manual_seed(0)
         net = TinyNet(dim=32)
-        params = inject_lora(net, LoraSettings(rank=4, alpha=4.0, dropout=0.5), seed=0)
+        params = inject_lora(net, LoraSettings(rank=4, alpha=4.0, dropout=0.5), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4.0, dropout=0.5)))
         with torch.no_grad():
             for p in params:  # lora_up starts at zero, where dropout changes no gradient of lora_down
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -280,8 +280,8 @@ def test_checkpointed_blocks_with_lora_dropout_recompute_the_forwards_masks():
 def test_same_seed_same_lora_init():
     a, b = TinyNet(), TinyNet()
     b.load_state_dict(a.state_dict())
-    inject_lora(a, LoraSettings(rank=4), seed=7)
-    inject_lora(b, LoraSettings(rank=4), seed=7)
+    inject_lora(a, LoraSettings(rank=4), seed=7, target_modules=sd_targets(LoraSettings(rank=4)))
+    inject_lora(b, LoraSettings(rank=4), seed=7, target_modules=sd_targets(LoraSettings(rank=4)))
     sa, sb = kohya_state_dict(a, LoraSettings(rank=4)), kohya_state_dict(b, LoraSettings(rank=4))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
@@ -293,7 +293,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_fp32():
     checkpointed.load_state_dict(plain.state_dict())
     grads = []
     for net, use_checkpointing in ((plain, False), (checkpointed, True)):
-        params = inject_lora(net, LoraSettings(rank=4), seed=3)
+        params = inject_lora(net, LoraSettings(rank=4), seed=3, target_modules=sd_targets(LoraSettings(rank=4)))
         with torch.no_grad():
             for p in params:
                 p.add_(0.1)  # lora_B starts at zero: make every LoRA weight carry gradient
@@ -440,7 +440,7 @@ def test_estimate_static_terms_are_exact_counts():
     from trainer.estimate import fit_line, static_terms
     from trainer.optimizers import build_optimizer
     net = TinyNet()
-    params = inject_lora(net, LoraSettings(rank=4), seed=0)
+    params = inject_lora(net, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
     estimate = static_terms(net, params, "AdamW")
     frozen = [p for p in net.parameters() if not p.requires_grad]
     assert estimate.frozen_weights == sum(p.numel() * 4 for p in frozen)
@@ -633,7 +633,7 @@ def test_split_geglu_computes_comfyuis_geglu_and_leaves_per_call_cast_projection
     (backward then needs no concatenation): same output and input gradient as ComfyUI's GEGLU; a projection whose
     weight is computed per call (fp8, LoRA patches) keeps ComfyUI's forward."""
     from comfy.ldm.modules.attention import GEGLU
-    from bridge.comfy_adapter import _split_geglu_forward
+    from bridge.families.sd_unet import _split_geglu_forward
     g = torch.Generator().manual_seed(0)
     geglu = GEGLU(16, 24)
     geglu.proj.weight.data = torch.randn(48, 16, generator=g) / 4
@@ -660,7 +660,7 @@ def test_split_geglu_computes_comfyuis_geglu_and_leaves_per_call_cast_projection
     holder = torch.nn.Module()  # a LoRA on the projection (targets "attention+feed-forward"): peft wraps it
     holder.ff = torch.nn.Module()
     holder.ff.net = torch.nn.Sequential(geglu)
-    inject_lora(holder, LoraSettings(rank=2, targets="attention+feed-forward"), seed=0)
+    inject_lora(holder, LoraSettings(rank=2, targets="attention+feed-forward"), seed=0, target_modules=sd_targets(LoraSettings(rank=2, targets="attention+feed-forward")))
     assert not isinstance(geglu.proj, torch.nn.Linear)
     _split_geglu_forward(geglu, x)
     assert calls == [1, 1, 1]
@@ -696,7 +696,8 @@ def test_compile_preparation_splits_geglus_only_for_whole_layers(comfy_objects):
     """prepare_compile_units installs the split GEGLU with whole transformer layers, not with the older
     "modules" scope (whose feed-forward modules compile as they are)."""
     from comfy.ldm.modules.attention import GEGLU
-    from bridge.comfy_adapter import ComfyAdapter, _split_geglu_forward
+    from bridge.comfy_adapter import ComfyAdapter
+    from bridge.families.sd_unet import _split_geglu_forward
     adapter = ComfyAdapter(*comfy_objects)
     for scope, split in (("modules", False), ("layers", True)):
         unet = adapter.training_unet()

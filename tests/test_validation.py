@@ -23,6 +23,7 @@ from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX, load_training_state
 from trainer.validation import ValidationSet, held_out_count, split_validation
+from helpers import sd_targets  # noqa: E402
 
 FP32 = MemorySettings("no", False, batch_size=1, gradient_accumulation=1)
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_an_evaluation_is_repeatable_and_changes_nothing_training_uses(adapter, 
     unet = adapter.training_unet()
     try:
         lora = LoraSettings(rank=4, alpha=4.0, dropout=0.5)
-        params = inject_lora(unet, lora, 0)
+        params = inject_lora(unet, lora, 0, target_modules=sd_targets(lora))
         with torch.no_grad():  # lora_up starts at zero, where dropout would change nothing
             generator = torch.Generator().manual_seed(1)
             for param in params:

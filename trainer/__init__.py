@@ -1,6 +1,6 @@
 """LeanLoRA's training library: folder -> samples -> cache -> steps -> LoRA file.
 
-Imports no ComfyUI: what it needs from a model is trainer/model_adapter.py's ModelAdapter, which ../bridge
+Imports no ComfyUI: what it needs from a model is trainer/model.py's ModelAdapter, which ../bridge
 implements for ComfyUI (tests/test_imports.py keeps it so).
 """
 from .errors import LeanLoRAError

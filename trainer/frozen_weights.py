@@ -126,8 +126,8 @@ def cast_frozen_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
     cast copy of every fp16 weight in a bf16 run and keep it for backward: a second model's worth of memory."""
     frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
     for name, tensor in [*frozen, *module.named_buffers()]:
-        if name.endswith(FP8_SCALE):
-            continue
+        if name.endswith(FP8_SCALE) or tensor.numel() <= 1:  # scales (ours, a scaled-fp8 file's): nothing to
+            continue                                              # save, and their precision is the weights'
         if tensor.is_floating_point() and tensor.dtype not in (FP8, dtype) and tensor.element_size() > 1:
             tensor.data = tensor.data.to(dtype)
 

@@ -8,13 +8,13 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import safetensors.torch
 import torch
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
 from .errors import LeanLoRAError
+from .model import FamilyIdentity
 from .settings import LoraSettings
 
 ADAPTER = "leanlora"
@@ -134,11 +134,16 @@ def _step_seeded_dropout(module: torch.nn.Module) -> None:
         module.leanlora_dropout_seed = seed
 
 
-def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int) -> list[torch.nn.Parameter]:
-    """Adds LoRA layers in place and freezes everything else. Returns the trainable parameters (fp32). LoRA
-    dropout, if any, is StepSeededDropout."""
+def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int,
+                target_modules: tuple[str, ...]) -> list[torch.nn.Parameter]:
+    """Adds LoRA layers in place and freezes everything else. Returns the trainable parameters (fp32).
+    `target_modules`: module paths or path suffixes (peft's matching), what the model's family names for
+    `settings.targets` (ModelAdapter.lora_targets). LoRA dropout, if any, is StepSeededDropout."""
+    if not target_modules:
+        raise LeanLoRAError(f"LoRA targets {settings.targets.value!r} name no layer of this model; pick another "
+                            "target preset")
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=list(settings.target_modules), init_lora_weights=True)
+                        target_modules=list(target_modules), init_lora_weights=True)
     module.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):  # seeded lora_A init without disturbing the caller's RNG
         torch.manual_seed(seed)
@@ -166,7 +171,8 @@ def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings, module_nam
                      dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """kohya's keys for the LoRA layers in `module`. `module_names` maps each LoRA'd module path of the training
     copy to the name kohya gives it for this model family (SD1.x: diffusers' `down_blocks.0.attentions.0...`,
-    from ComfyAdapter.kohya_module_names); None keeps the copy's own (ldm) paths, kohya's names for SDXL."""
+    from ModelAdapter.kohya_module_names); None keeps the copy's own paths (ComfyUI's, kohya's names for SDXL and
+    the DiTs: ComfyUI reads `lora_unet_<its path>` for every family)."""
     # peft reads module.peft_config and raises AttributeError on a module that never had a LoRA injected
     peft_sd = get_peft_model_state_dict(module, adapter_name=ADAPTER) if hasattr(module, "peft_config") else {}
     if not peft_sd:
@@ -191,36 +197,6 @@ def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings, module_nam
 
 # --- what the file says about itself: kohya's `ss_*` keys and the SAI model spec (kohya's library/sai_model_spec) ---
 
-@dataclass(frozen=True)
-class BaseModelKind:
-    """The base model a LoRA was trained on, in the terms kohya's metadata uses."""
-    sdxl: bool = False
-    v2: bool = False
-    v_prediction: bool = False
-
-    @property
-    def base_model_version(self) -> str:
-        """kohya's ss_base_model_version (A1111/Forge sort LoRAs into SD1/SD2/SDXL lists by it)."""
-        if self.sdxl:
-            return "sdxl_base_v1-0"
-        return ("sd_v2" if self.v2 else "sd_v1") + ("_v" if self.v_prediction else "")
-
-    @property
-    def architecture(self) -> str:
-        if self.sdxl:
-            family = "stable-diffusion-xl-v1-base"
-        elif self.v2:
-            family = "stable-diffusion-v2-768-v" if self.v_prediction else "stable-diffusion-v2-512"
-        else:
-            family = "stable-diffusion-v1"
-        return f"{family}/lora"
-
-    @property
-    def implementation(self) -> str:
-        # kohya: SDXL LoRAs follow Stability's ldm layout, SD1/SD2 LoRAs diffusers' module names
-        return "https://github.com/Stability-AI/generative-models" if self.sdxl else "diffusers"
-
-
 def tag_frequency(folder_name: str, captions) -> dict[str, dict[str, int]]:
     """kohya's ss_tag_frequency for one dataset folder: each comma-separated tag of each caption, lower-cased,
     counted once per image (repeats are not counted)."""
@@ -233,9 +209,9 @@ def tag_frequency(folder_name: str, captions) -> dict[str, dict[str, int]]:
     return {folder_name: counts}
 
 
-def lora_metadata(settings: LoraSettings, kind: BaseModelKind, *, output_name: str, resolution: tuple[int, int],
-                  tags: dict[str, dict[str, int]], extra: dict[str, str],
-                  timestamp: float | None = None) -> dict[str, str]:
+def lora_metadata(settings: LoraSettings, family: FamilyIdentity, *, target_modules: tuple[str, ...],
+                  output_name: str, resolution: tuple[int, int], tags: dict[str, dict[str, int]],
+                  extra: dict[str, str], timestamp: float | None = None) -> dict[str, str]:
     """kohya's `ss_` keys (its minimum set included) plus the SAI model spec, all strings like kohya writes them."""
     timestamp = time.time() if timestamp is None else timestamp
     width, height = resolution
@@ -243,16 +219,16 @@ def lora_metadata(settings: LoraSettings, kind: BaseModelKind, *, output_name: s
         "ss_network_module": "networks.lora", "ss_network_dim": str(settings.rank),
         "ss_network_alpha": str(settings.alpha), "ss_network_dropout": str(settings.dropout),
         "ss_network_args": json.dumps({"targets": settings.targets.value,
-                                       "target_modules": ",".join(settings.target_modules)}),
-        "ss_base_model_version": kind.base_model_version, "ss_v2": str(kind.v2),
+                                       "target_modules": ",".join(target_modules)}),
+        "ss_base_model_version": family.base_model_version, "ss_v2": str(family.v2),
         "ss_output_name": output_name, "ss_resolution": str((width, height)),
         "ss_training_started_at": str(timestamp), "ss_tag_frequency": json.dumps(tags),
         "leanlora_targets": settings.targets.value, **extra,
-        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": kind.architecture,
-        "modelspec.implementation": kind.implementation, "modelspec.title": output_name,
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": f"{family.architecture}/lora",
+        "modelspec.implementation": family.implementation, "modelspec.title": output_name,
         "modelspec.resolution": f"{width}x{height}",
         "modelspec.date": datetime.datetime.fromtimestamp(int(timestamp)).isoformat(),
-        "modelspec.prediction_type": "v" if kind.v_prediction else "epsilon",
+        "modelspec.prediction_type": family.prediction,
     }
     return metadata
 

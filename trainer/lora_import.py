@@ -22,7 +22,8 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 
 from .errors import LeanLoRAError
-from .lora import ADAPTER, UNET_PREFIX, BaseModelKind
+from .lora import ADAPTER, UNET_PREFIX
+from .model import FamilyIdentity
 from .settings import LoraSettings, LoraTargets
 
 # One LoRA tensor per key: `<module><part>`. The module part is matched against the model's spellings below.
@@ -71,15 +72,18 @@ class ContinuedLora:
 
 
 def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_names: Mapping[str, str] | None,
-                       model_kind: BaseModelKind) -> ContinuedLora:
+                       family: FamilyIdentity,
+                       presets: Mapping[LoraTargets, tuple[str, ...]] | None = None) -> ContinuedLora:
     """Loads `settings.continue_from` into the LoRA layers `inject_lora` put into `unet` (fp32 master weights).
-    `diffusers_names` is the adapter's diffusers_module_names() (ldm path -> diffusers path of each weight module,
-    any family: kohya's SD1.x names and diffusers/peft files use them); None reads ldm-named files only."""
+    `diffusers_names` is the adapter's diffusers_module_names() (training-copy path -> diffusers path of each
+    weight module: kohya's SD1.x names and diffusers/peft files use them); None reads ComfyUI-named files only.
+    `presets`: the modules each target preset trains in this model (ModelAdapter.lora_targets), to name the
+    preset a file was trained with."""
     path = Path(settings.continue_from)
     name = f"continue_from {path.name!r}"
     keys, metadata = _read_keys(path, name)
-    model = _family(model_kind)
-    _check_base_model(name, metadata, model)
+    model = family.name
+    _check_base_model(name, metadata, family)
 
     lora_layers = {p: m for p, m in unet.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
     if not lora_layers:
@@ -101,10 +105,10 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
                 if diffusers_names is None and "down_blocks" in unmatched[0] else "")
         raise LeanLoRAError(
             f"{name} does not fit this {model} model: {len(unmatched)} of its {len(file_modules)} LoRA modules "
-            f"match none of its modules, e.g. {unmatched[0]!r}{hint}. It was made for another model family (an SDXL "
-            f"LoRA on SD1.5, or the other way round) or another architecture: pick a LoRA trained on a {model} model")
+            f"match none of its modules, e.g. {unmatched[0]!r}{hint}. It was made for another model family (e.g. an "
+            f"SDXL LoRA on SD1.5) or another architecture: pick a LoRA trained on a {model} model")
 
-    file_targets = _file_targets(name, set(parts), lora_layers, unet)  # before shapes: a conv LoRA is a target matter
+    file_targets = _file_targets(name, set(parts), lora_layers, unet, presets or {})  # before shapes: a conv LoRA is a target matter
     tensors = _read_tensors(path, {key for module_parts in parts.values() for key in module_parts.values()})
     weights = {}
     for module_path, module_parts in parts.items():
@@ -222,21 +226,15 @@ def _read_tensors(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
         return {key: file.get_tensor(key) for key in keys}
 
 
-def _family(kind: BaseModelKind) -> str:
-    return "SDXL" if kind.sdxl else "SD2.x" if kind.v2 else "SD1.x"
-
-
-def _check_base_model(name: str, metadata: Mapping[str, str], model: str) -> None:
-    """kohya's ss_base_model_version (or the SAI model spec's architecture), where the file records one."""
-    recorded = metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture") or ""
-    if not recorded:
+def _check_base_model(name: str, metadata: Mapping[str, str], family: FamilyIdentity) -> None:
+    """kohya's ss_base_model_version (or the SAI model spec's architecture), where the file records one and the
+    family knows how files name it."""
+    recorded = [value for value in (metadata.get("ss_base_model_version"), metadata.get("modelspec.architecture"))
+                if value]
+    if not recorded or not family.recorded_as or any(family.recognises(value) for value in recorded):
         return
-    family = ("SDXL" if recorded.startswith(("sdxl", "stable-diffusion-xl")) else
-              "SD2.x" if recorded.startswith(("sd_v2", "stable-diffusion-v2")) else
-              "SD1.x" if recorded.startswith(("sd_v1", "stable-diffusion-v1")) else recorded)
-    if family != model:
-        raise LeanLoRAError(f"{name} was trained on a {family} model (its metadata says {recorded!r}); this is a "
-                            f"{model} model: pick a LoRA trained on a {model} model")
+    raise LeanLoRAError(f"{name} was trained on another model (its metadata says {recorded[0]!r}); this is a "
+                        f"{family.name} model: pick a LoRA trained on a {family.name} model")
 
 
 def _alpha_without_tensors(metadata: Mapping[str, str], rank: int) -> float:
@@ -304,28 +302,30 @@ def _spellings(unet: torch.nn.Module, lora_layers: Mapping[str, torch.nn.Module]
             processor = re.sub(r"\.(to_[qkv]|to_out)(\.0)?$", r".processor.\1", diffusers)
             names += [(UNET_PREFIX + diffusers.replace(".", "_"), _KOHYA_DIFFUSERS)]
             names += [(prefix + spelling, _DIFFUSERS) for spelling in dict.fromkeys((diffusers, processor))
-                      for prefix in ("", "unet.", "base_model.model.", "base_model.model.unet.")]
+                      for prefix in ("", "unet.", "transformer.", "base_model.model.", "base_model.model.unet.",
+                                     "base_model.model.transformer.")]
         for spelling, style in names:
             spelled.setdefault(spelling, (path, style))
     return spelled
 
 
-def _targets_of(paths: set[str], all_paths: list[str]) -> LoraTargets | None:
+def _targets_of(paths: set[str], all_paths: list[str],
+                presets: Mapping[LoraTargets, tuple[str, ...]]) -> LoraTargets | None:
     """The target preset that puts LoRA on exactly `paths` in this model (peft's suffix match), if one does."""
-    for targets in LoraTargets:
-        chosen = {p for p in all_paths if any(p == t or p.endswith(f".{t}") for t in targets.modules)}
+    for targets, modules in presets.items():
+        chosen = {p for p in all_paths if any(p == t or p.endswith(f".{t}") for t in modules)}
         if chosen == paths:
             return targets
     return None
 
 
-def _file_targets(name: str, loaded: set[str], lora_layers: Mapping[str, torch.nn.Module],
-                  unet: torch.nn.Module) -> LoraTargets | None:
+def _file_targets(name: str, loaded: set[str], lora_layers: Mapping[str, torch.nn.Module], unet: torch.nn.Module,
+                  presets: Mapping[LoraTargets, tuple[str, ...]]) -> LoraTargets | None:
     """None when the file has LoRA on exactly the layers the settings injected; else the other target preset it
     was trained with, or an error when no preset trains its layers."""
     if loaded == set(lora_layers):
         return None
-    file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers))
+    file_targets = _targets_of(loaded, _weight_modules(unet, lora_layers), presets)
     if file_targets is None:
         extra, missing = sorted(loaded - set(lora_layers)), sorted(set(lora_layers) - loaded)
         example = f"it has LoRA on {extra[0]}" if extra else f"it has none on {missing[0]}"

@@ -25,7 +25,7 @@ from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_d
 from .memory_plan import next_rung
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
-from .model_adapter import ModelAdapter
+from .model import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
 from .precision import DTYPES, Precision, norms_in_compute_dtype
@@ -142,7 +142,7 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=self.adapter.cancel_errors,
-            incompatible=graphs_incompatible(random_forward),
+            incompatible=graphs_incompatible(random_forward) or self.adapter.graph_blocker,
             offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -299,7 +299,7 @@ class TrainingSession:
         """One batch with its random draws, on the device. Copies go through pinned memory without blocking,
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
-        draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator)
+        draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator, self.adapter.timestep_sampling)
         if seed_lora_dropout(self.unet) is not None:  # drawn only with dropout: other runs keep their noise
             draws["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=self.generator)
         return self._on_device({"clean": clean, **draws, **{f"cond.{name}": value for name, value in cond.items()}})

@@ -119,20 +119,10 @@ AUTO_FIT_FREE_VRAM = AutoFit(free_vram=True)
 
 
 class LoraTargets(Enum):
-    """Which layers get LoRA; the values are also what the LoRA file's metadata records."""
+    """Which layers get LoRA; the values are also what the LoRA file's metadata records. Which modules those are
+    is the model family's knowledge (ModelFamily.lora_targets)."""
     ATTENTION = "attention"
     ATTENTION_FEED_FORWARD = "attention+feed-forward"
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        return LORA_TARGET_MODULES[self]
-
-
-LORA_TARGET_MODULES = {
-    # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
-    LoraTargets.ATTENTION: ("to_q", "to_k", "to_v", "to_out.0"),
-    LoraTargets.ATTENTION_FEED_FORWARD: ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
-}
 
 
 @dataclass(frozen=True)
@@ -226,10 +216,6 @@ class LoraSettings:
             _require(isinstance(path, str) and path.lower().endswith(".safetensors"), "continue_from",
                      f"got {path!r}; use the path of a .safetensors LoRA (pickled .pt/.ckpt files are never read)")
             _require(Path(path).is_file(), "continue_from", f"{path!r} is not a file; pick an existing LoRA")
-
-    @property
-    def target_modules(self) -> tuple[str, ...]:
-        return self.targets.modules
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "cosine_with_restarts", "polynomial")  # diffusers' names

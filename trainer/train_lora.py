@@ -1,6 +1,6 @@
 """One LoRA training run, top to bottom: cache -> training copy + LoRA -> steps -> LoRA file.
 
-`adapter` is the model as the trainer needs it (trainer/model_adapter.py; ComfyUI's is bridge/comfy_adapter.py):
+`adapter` is the model as the trainer needs it (trainer/model.py; ComfyUI's is bridge/comfy_adapter.py):
 encoders, a training copy of the diffusion model, its noise schedule and forward. Progress goes out through `emit`.
 An out-of-memory inside a step frees memory, moves one rung down the memory ladder and repeats that step."""
 from __future__ import annotations
@@ -25,10 +25,10 @@ from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, w
 from .lora_import import ContinuedLora, continue_from_file
 from .loop import StepInfo
 from .memory_plan import resolve_for_device
-from .model_adapter import ModelAdapter
+from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import LoraSettings, MemorySettings, TrainSettings
+from .settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from .training_state import (TrainingState, check_resumable, dataset_fingerprint, load_training_state,
                              lora_fingerprint, model_fingerprint, save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
@@ -119,11 +119,13 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
     fingerprints = {"dataset": dataset_id, "model": model_fingerprint(unet)}
-    params = inject_lora(unet, lora, train.seed)
+    presets = {targets: adapter.lora_targets(unet, targets) for targets in LoraTargets}  # before LoRA wraps layers
+    params = inject_lora(unet, lora, train.seed, presets[lora.targets])
     continued = None
     if lora.continue_from:
         try:
-            continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.base_model_kind())
+            continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.identity(),
+                                           presets)
         except LeanLoRAError:
             adapter.free(unet)
             raise
@@ -141,7 +143,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     validation = None
     if held_out:
         validation = ValidationSet.build([all_cached[i] for i in held_out], train.validation_every_steps,
-                                         session.sampling_on_cpu, train.seed)
+                                         session.sampling_on_cpu, train.seed,
+                                         sampling=adapter.timestep_sampling)
         if resumed is not None:  # the curve so far: a resumed run's curve is the uninterrupted run's
             validation.losses[:] = [(int(step), float(value)) for step, value in resumed.validation_losses]
         names = [sample.name for sample in validation.samples]
@@ -180,7 +183,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule}
-    exporter = LoraExporter(adapter, unet, lora, dataset, train, started_at, continued, len(held_out))
+    exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,
+                            len(held_out))
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
 
     def write_state(lora_path: Path) -> None:
@@ -415,9 +419,11 @@ class SampleLog:
 class LoraExporter:
     """The LoRA file's tensors (kohya's keys, fp16, fp32 where fp16 would overflow) and metadata at a step."""
 
-    def __init__(self, adapter: ModelAdapter, unet: torch.nn.Module, lora: LoraSettings, dataset: Dataset,
-                 train: TrainSettings, started_at: float, continued: ContinuedLora | None = None, held_out: int = 0):
+    def __init__(self, adapter: ModelAdapter, unet: torch.nn.Module, lora: LoraSettings,
+                 target_modules: tuple[str, ...], dataset: Dataset, train: TrainSettings, started_at: float,
+                 continued: ContinuedLora | None = None, held_out: int = 0):
         self.adapter, self.unet, self.lora, self.dataset, self.train = adapter, unet, lora, dataset, train
+        self.target_modules = target_modules
         self.held_out = held_out  # images validation keeps out of training
         self.continued = continued  # the LoRA file this run started from: its steps count in ss_steps
         self.started_at, self.stem = started_at, sanitize_name(train.output_name)
@@ -439,7 +445,8 @@ class LoraExporter:
     def contents(self, steps_done: int, partial: bool, stem: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         state_dict, lora, dataset, train = self.tensors(), self.lora, self.dataset, self.train
         metadata = lora_metadata(
-            lora, self.adapter.base_model_kind(), output_name=stem, resolution=(dataset.resolution, dataset.resolution),
+            lora, self.adapter.identity(), target_modules=self.target_modules, output_name=stem,
+            resolution=(dataset.resolution, dataset.resolution),
             tags=tag_frequency(dataset.folder.name, (sample.caption for sample in dataset.samples)),
             timestamp=self.started_at, extra={"leanlora_version": __version__, "ss_steps": str(steps_done),
                                               "ss_max_train_steps": str(train.steps),

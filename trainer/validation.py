@@ -12,7 +12,7 @@ import torch
 
 from .cache import CachedSample
 from .errors import LeanLoRAError
-from .objective import draw_noise
+from .objective import TimestepSampling, draw_noise
 
 DRAWS_PER_IMAGE = 4  # (noise, timestep) pairs per held-out image: a steadier mean than one, at 4 forwards an image
 # Offsets that give the split and the draws generators of their own: the training's is seeded with the seed itself
@@ -60,9 +60,10 @@ class ValidationSet:
 
     @classmethod
     def build(cls, samples: list[CachedSample], every: int, model_sampling, seed: int,
-              draws_per_image: int = DRAWS_PER_IMAGE) -> "ValidationSet":
+              draws_per_image: int = DRAWS_PER_IMAGE,
+              sampling: TimestepSampling = TimestepSampling.UNIFORM) -> "ValidationSet":
         generator = torch.Generator().manual_seed(seed + DRAW_STREAM)
-        draws = [[draw_noise(model_sampling, sample.latent.shape, generator) for _ in range(draws_per_image)]
+        draws = [[draw_noise(model_sampling, sample.latent.shape, generator, sampling) for _ in range(draws_per_image)]
                  for sample in samples]
         return cls(samples, every, draws)
 

@@ -1,0 +1,251 @@
+"""The DiT families (Z-Image, FLUX.1-dev) in the server matrix: the LeanLoRA Train node as users run it, in a real
+ComfyUI server, stock loaders, full-size random weights, 1024², batch 1, rank 16, under emulated card sizes.
+
+    python -m bench.dit_matrix --plan z_image --out DIR [--comfyui PATH] [--budget-s S] [--only NAME,...]
+    python -m bench.dit_matrix --plan smoke --tiny --out DIR     # CPU: the tiny fixtures, no caps, no NVML
+
+Everything but what differs for these families is bench/server_matrix.py's (servers, jobs, NVML peaks, the
+trainer's s/step with the first burst left out, the time budget, results.json / table.md); this file supplies:
+- the files (bench/dit_assets.py, built in a child process: its CUDA context stays out of the NVML baseline);
+- the prompt: UNETLoader + CLIPLoader type lumina2 (Z-Image) or DualCLIPLoader type flux (CLIP-L + fp8 T5-XXL) +
+  VAELoader, then LeanLoRA Dataset / Memory Settings / LoRA Config / Train and a KSampler after training
+  (EmptySD3LatentImage, euler/simple, cfg 1 as these distilled models are sampled), or ComfyUI's own
+  TrainLoraNode as the peer;
+- the launcher: bench/dit_launcher.py (comfy_launcher.py + the text-encoder placement a real card of that size
+  gets; see its docstring);
+- host RAM: the server process's resident set (/proc/PID/status VmRSS) sampled every 0.1 s during each job (job
+  peak, and the peak from the first training step to the job's end), and its VmHWM (lifetime peak) after the job.
+Plans: z_image (uncapped fast, 24 GiB, 8 GiB), flux_dev (the same), flux_peer (ComfyUI's TrainLoraNode on that
+Flux, uncapped: bf16, rank 16, its default gradient checkpointing), smoke (CPU).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+from bench import server_matrix as sm
+from bench.server_matrix import Job, Server, settings
+
+REPO = sm.REPO
+DIT_LAUNCHER = REPO / "bench" / "dit_launcher.py"
+TINY_CONFIGS = REPO / "tests" / "tiny_dit_configs"
+GIB = sm.GIB
+FAMILIES = ("z_image", "flux_dev")
+
+
+# --- plans ---------------------------------------------------------------------------------------------------
+
+def _family(fam: str, step_s: tuple[float, float, float], setup_s: tuple[float, float, float]) -> list[Server]:
+    """Uncapped fast (the ratio's denominator), then auto-fit 24 and 8 GiB: 110 steps each (102 measured)."""
+    fast_s, s24, s8 = step_s
+    return [
+        Server(f"{fam}_uncapped", fam, [Job("fast", settings("fast"), est_step_s=fast_s, est_setup_s=setup_s[0],
+                                            timeout_s=420)], card_gib=None, est_start_s=15),
+        Server(f"{fam}_24", fam, [Job("autofit_24", settings("fast", auto_fit="24 GiB"), est_step_s=s24,
+                                      est_setup_s=setup_s[1], timeout_s=480)], card_gib=24, est_start_s=15),
+        Server(f"{fam}_8", fam, [Job("autofit_8", settings("fast", auto_fit="8 GiB"), est_step_s=s8,
+                                     est_setup_s=setup_s[2], timeout_s=540)], card_gib=8, est_start_s=15),
+    ]
+
+
+def plan_z_image() -> list[Server]:
+    return _family("z_image", (0.33, 0.45, 0.8), (45, 50, 60))
+
+
+def plan_flux_dev() -> list[Server]:
+    return _family("flux_dev", (0.5, 0.7, 1.1), (60, 60, 70))
+
+
+def plan_flux_peer() -> list[Server]:
+    """ComfyUI 0.3.75's own trainer on the same Flux, uncapped (it fits no consumer card: 46 GiB in-process)."""
+    return [Server("flux_dev_peer_uncapped", "flux_dev", [
+        Job("peer_builtin", kind="peer", steps=sm.PEER_WARMUP_STEPS + 40, est_step_s=1.05, est_setup_s=60,
+            timeout_s=400)], card_gib=None, est_start_s=15)]
+
+
+def plan_smoke() -> list[Server]:
+    """CPU, the tiny fixtures: each family trains + samples (fast preset; auto-fit is CUDA-only), the peer on Flux."""
+    tiny = dict(est_step_s=0.5, est_setup_s=20, timeout_s=240)
+    return [Server(f"smoke_{fam}_cpu", fam, [Job("fast", settings("fast"), steps=3, **tiny)], est_start_s=15)
+            for fam in FAMILIES] + [
+        Server("smoke_flux_dev_peer_cpu", "flux_dev", [Job("peer_builtin", kind="peer", steps=sm.PEER_WARMUP_STEPS + 2,
+                                                           **tiny)], est_start_s=15)]
+
+
+PLANS = {"z_image": plan_z_image, "flux_dev": plan_flux_dev, "flux_peer": plan_flux_peer, "smoke": plan_smoke,
+         "flux_all": lambda: plan_flux_dev() + plan_flux_peer()}
+
+
+# --- prompt --------------------------------------------------------------------------------------------------
+
+_base_build_prompt = sm.build_prompt
+
+
+def build_prompt(job, model, form, assets, memory_inputs, run_tag, sampler_steps, cfg=5.0, peer_lora_output=0):
+    """server_matrix's prompt with the family's stock loaders and a flow model's sampling (cfg 1)."""
+    files = assets[model]
+    if "loaders" not in files:  # an SD model: as server_matrix has it
+        return _base_build_prompt(job, model, form, assets, memory_inputs, run_tag, sampler_steps, cfg,
+                                  peer_lora_output)
+    shim = {model: {"unet": "-", "vae": "-", "clip": ["-"], "dataset": files["dataset"],
+                    "resolution": files["resolution"]}}
+    prompt = _base_build_prompt(job, model, "split", shim, memory_inputs, run_tag, sampler_steps, 1.0,
+                                peer_lora_output)
+    loaders = files["loaders"]
+    prompt["unet"] = {"class_type": "UNETLoader", "inputs": dict(loaders["UNETLoader"])}
+    prompt["vae"] = {"class_type": "VAELoader", "inputs": dict(loaders["VAELoader"])}
+    clip_node = "DualCLIPLoader" if "DualCLIPLoader" in loaders else "CLIPLoader"
+    prompt["clip"] = {"class_type": clip_node, "inputs": dict(loaders[clip_node])}
+    for node in prompt.values():
+        if node["class_type"] == "EmptyLatentImage":  # 16-channel latents
+            node["class_type"] = "EmptySD3LatentImage"
+        elif node["class_type"] == "KSampler":
+            node["inputs"]["scheduler"] = "simple"
+    return prompt
+
+
+# --- host RAM --------------------------------------------------------------------------------------------------
+
+def _status_kib(pid: int, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class RssSampler:
+    """The server process's VmRSS every `period` s in a thread: (monotonic time, bytes)."""
+
+    def __init__(self, pid: int | None, period: float = 0.1):
+        self.pid, self.period, self.samples = pid, period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss")
+        if pid is not None:
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            kib = _status_kib(self.pid, "VmRSS")
+            if kib is not None:
+                self.samples.append((time.monotonic(), kib * 1024))
+            time.sleep(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2)
+
+    def peak(self, since: float | None = None) -> int | None:
+        values = [b for t, b in self.samples if since is None or t >= since]
+        return max(values) if values else None
+
+
+_base_run_job = sm.run_job
+
+
+def run_job(server, job, assets, run_tag, timeout_s, sampler_steps, cfg):
+    pid = server.proc.pid if server.proc else None
+    rss = RssSampler(pid)
+    started = time.monotonic()
+    try:
+        row = _base_run_job(server, job, assets, run_tag, timeout_s, sampler_steps, cfg)
+    finally:
+        rss.stop()
+    peak = rss.peak()
+    row["host_rss_job_peak_gib"] = round(peak / GIB, 3) if peak else None
+    if row.get("first_step_after_s") is not None:
+        training = rss.peak(started + row["first_step_after_s"])
+        row["host_rss_from_first_step_peak_gib"] = round(training / GIB, 3) if training else None
+    hwm = _status_kib(pid, "VmHWM") if pid else None
+    row["host_vmhwm_gib"] = round(hwm * 1024 / GIB, 3) if hwm else None
+    if rss.samples:  # a coarse timeline: one sample per second, seconds since the job was queued
+        row["host_rss_timeline"] = [(round(t - started, 1), round(b / GIB, 2)) for t, b in rss.samples[::10]]
+    print(f"[dit] {server.spec.name}/{job.name}: host RSS job peak {row['host_rss_job_peak_gib']} GiB, from the "
+          f"first step {row.get('host_rss_from_first_step_peak_gib')}, VmHWM {row['host_vmhwm_gib']}", flush=True)
+    return row
+
+
+# --- server and assets -----------------------------------------------------------------------------------------
+
+def _popen_with_dit_launcher(real_popen):
+    def popen(cmd, *args, **kwargs):
+        cmd = [str(DIT_LAUNCHER) if str(c) == str(REPO / "bench" / "comfy_launcher.py") else c for c in cmd]
+        return real_popen(cmd, *args, **kwargs)
+    return popen
+
+
+class DitServer(sm.MatrixServer):
+    """A MatrixServer started through bench/dit_launcher.py; with --tiny, tests/tiny_dit_configs loaded beside
+    the pack (the narrow fixtures' widths)."""
+
+    tiny = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.tiny:
+            link = self.base / "custom_nodes" / TINY_CONFIGS.name
+            if not link.exists():
+                link.symlink_to(TINY_CONFIGS, target_is_directory=True)
+            self.spec = sm.replace(self.spec, extra_args=(*self.spec.extra_args, "--whitelist-custom-nodes",
+                                                          sm.PACK_NAME, TINY_CONFIGS.name))
+
+    def start(self, timeout: float = 180) -> None:
+        super().start(timeout)
+        self.command = [str(DIT_LAUNCHER) if c == str(REPO / "bench" / "comfy_launcher.py") else c
+                        for c in self.command]
+
+
+def build_assets(out: Path, servers, tiny: bool, comfyui: Path) -> dict:
+    families = sorted({s.model for s in servers})
+    cmd = [sys.executable, "-m", "bench.dit_assets", "--out", str(out), "--families", ",".join(families)]
+    if tiny:
+        cmd += ["--tiny", "--images", "3"]
+    started = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "COMFYUI_PATH": str(comfyui)})
+    sys.stderr.write(done.stderr[-3000:])
+    if done.returncode != 0:
+        raise SystemExit(f"dit_matrix: building assets failed ({shlex.join(cmd)}):\n{done.stderr[-3000:]}")
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("[assets]")), flush=True)
+    print(f"[dit] assets ready in {time.monotonic() - started:.1f} s", flush=True)
+    return json.loads((out / "assets.json").read_text())
+
+
+def install() -> None:
+    """Points server_matrix at this file's plans, prompt, job wrapper, server class and assets."""
+    sm.PLANS.update({name: plan for name, plan in PLANS.items() if name not in ("smoke",)})
+    sm.PLANS["dit_smoke"] = plan_smoke
+    sm.build_prompt = build_prompt
+    sm.run_job = run_job
+    sm.MatrixServer = DitServer
+    sm.build_assets = build_assets
+    sm.subprocess = types.SimpleNamespace(**{k: getattr(subprocess, k) for k in dir(subprocess) if not k.startswith("__")})
+    sm.subprocess.Popen = _popen_with_dit_launcher(subprocess.Popen)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    install()
+    if "--tiny" in argv:
+        DitServer.tiny = True
+    for i, arg in enumerate(argv):  # this file's smoke plan is server_matrix's dit_smoke
+        if arg == "--plan" and i + 1 < len(argv) and argv[i + 1] == "smoke":
+            argv[i + 1] = "dit_smoke"
+        elif arg == "--plan=smoke":
+            argv[i] = "--plan=dit_smoke"
+    sys.argv = [sys.argv[0], *argv]
+    sm.main(argv)
+
+
+if __name__ == "__main__":
+    main()

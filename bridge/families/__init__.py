@@ -1,0 +1,32 @@
+"""Model families, one file each (see trainer/model.py's ModelFamily). The first family whose `matches` answers
+yes trains the model; the generic path comes last. Adding a family: a file here and an entry in FAMILIES."""
+from __future__ import annotations
+
+from .flux import Flux
+from .generic import Generic
+from .qwen_image import QwenImage
+from .sd_unet import SdUnet
+from .z_image import ZImage
+
+if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
+    from ...trainer.errors import LeanLoRAError
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.errors import LeanLoRAError
+
+FAMILIES = [SdUnet(), ZImage(), Flux(), QwenImage(), Generic()]
+
+
+def family_for(base):
+    """The family that trains ComfyUI model `base` (MODEL.model), or a clear error naming the model and the
+    families there are."""
+    for family in FAMILIES:
+        if family.matches(base):
+            problem = family.unsupported(base)
+            if problem:
+                raise LeanLoRAError(f"LeanLoRA Train: {problem}")
+            return family
+    names = ", ".join(family.name for family in FAMILIES)
+    raise LeanLoRAError(f"LeanLoRA Train cannot train this MODEL ({type(base).__name__}, diffusion model "
+                        f"{type(getattr(base, 'diffusion_model', None)).__name__}): no model family knows it "
+                        f"(families: {names}). Connect a diffusion model ComfyUI loads with its own layers "
+                        "(Load Checkpoint or Load Diffusion Model)")

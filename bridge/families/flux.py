@@ -1,0 +1,160 @@
+"""FLUX.1 (dev and schnell) as ComfyUI loads it: comfy/ldm/flux (19 double-stream and 38 single-stream blocks in
+the full model), flow matching, CLIP-L's pooled vector and T5-XXL's sequence, the guidance embedding."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+import comfy.ldm.flux.layers as flux_layers
+import comfy.model_base
+
+from .common import call_diffusion_model, linear_cost, prediction_of
+
+if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
+    from ...trainer.checkpointing import most_memory_per_flop_first
+    from ...trainer.model import FamilyIdentity, SampleDefaults
+    from ...trainer.objective import TimestepSampling
+    from ...trainer.settings import CheckpointDepth, LoraTargets
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.checkpointing import most_memory_per_flop_first
+    from trainer.model import FamilyIdentity, SampleDefaults
+    from trainer.objective import TimestepSampling
+    from trainer.settings import CheckpointDepth, LoraTargets
+
+# Module-name suffixes in ComfyUI's (= Black Forest Labs') Flux, as kohya's lora_flux names them
+LORA_TARGETS = {
+    LoraTargets.ATTENTION: ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj", "linear1", "linear2"),
+    LoraTargets.ATTENTION_FEED_FORWARD: ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj",
+                                         "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2", "linear1", "linear2"),
+}
+TEXT_TOKENS = 256  # ComfyUI pads T5's sequence to at least 256 tokens
+
+
+class Flux:
+    name = "FLUX.1"
+    timestep_sampling = TimestepSampling.LOGIT_NORMAL  # kohya's and ai-toolkit's flow-model default
+    sequence_conditioning = ()
+    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    graph_blocker = None
+    # Train dev's distilled guidance at 1.0, as kohya's docs and ai-toolkit do (ComfyUI's default for sampling is
+    # 3.5): the LoRA then learns the images, not the guidance embedding's push, and samples at any guidance
+    text_conditioning = {"guidance": 1.0}
+
+    def matches(self, base) -> bool:
+        return type(base) is comfy.model_base.Flux
+
+    def unsupported(self, base) -> str | None:
+        unet = base.diffusion_model  # as comfy.model_base.Flux.concat_cond tells them apart
+        if unet.img_in.weight.shape[1] // unet.patch_size ** 2 > base.model_config.unet_config["out_channels"]:
+            return ("FLUX.1 Fill/Depth/Canny models (extra input channels) are not supported yet; train on FLUX.1 "
+                    "dev or schnell")
+        return None
+
+    def identity(self, base, model_sampling) -> FamilyIdentity:
+        schnell = type(base.model_config).__name__ == "FluxSchnell"
+        return FamilyIdentity("FLUX.1-schnell" if schnell else "FLUX.1-dev", "flux1",
+                              "flux-1-schnell" if schnell else "flux-1-dev",
+                              "https://github.com/black-forest-labs/flux", prediction_of(model_sampling),
+                              recorded_as=("flux1", "flux-1", "flux.1", "flux"))
+
+    def describe(self, base) -> str:
+        unet = base.diffusion_model
+        return (f"{self.identity(base, base.model_sampling).name} ({len(unet.double_blocks)} double + "
+                f"{len(unet.single_blocks)} single blocks, {sum(p.numel() for p in unet.parameters()) / 1e9:.2f}B "
+                f"parameters, dtype {unet.dtype}), flow matching")
+
+    def prepare(self, unet: torch.nn.Module) -> None:
+        """0.3.75's blocks add into their input in place (`img += ...`) after a LayerNorm saved it for backward:
+        backward then fails, checkpointed or not. The training copy's blocks get the same computation with
+        out-of-place adds."""
+        for block in unet.double_blocks:
+            block.forward = types.MethodType(_double_block_forward, block)
+        for block in unet.single_blocks:
+            block.forward = types.MethodType(_single_block_forward, block)
+
+    def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:
+        return LORA_TARGETS[targets]
+
+    def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
+        return [*unet.double_blocks, *unet.single_blocks]
+
+    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
+                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
+        units = self.blocks(unet)
+        if latent_size is None:
+            return units
+        tokens = (latent_size[0] // unet.patch_size) * (latent_size[1] // unet.patch_size) + TEXT_TOKENS
+        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+
+    def compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
+        return self.blocks(unet)
+
+    def upcast_groups(self, unet: torch.nn.Module):
+        return self.blocks(unet)
+
+    def predict(self, unet, x, timestep, cond, transformer_options):
+        return call_diffusion_model(unet, x, timestep, cond, transformer_options)
+
+    def set_conv_layout(self, base, unet, device, compute_dtype) -> str | None:
+        return None
+
+    def kohya_module_names(self, base) -> dict[str, str] | None:
+        return None  # kohya names Flux modules by ComfyUI's (BFL's) paths: lora_unet_double_blocks_0_img_attn_qkv
+
+    def diffusers_module_names(self, base) -> dict[str, str] | None:
+        return None
+
+
+def _double_block_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,
+                          modulation_dims_txt=None, transformer_options={}):
+    """comfy.ldm.flux.layers.DoubleStreamBlock.forward with out-of-place residual adds (see Flux.prepare)."""
+    apply_mod, attention = flux_layers.apply_mod, flux_layers.attention
+    if self.modulation:
+        img_mod1, img_mod2 = self.img_mod(vec)
+        txt_mod1, txt_mod2 = self.txt_mod(vec)
+    else:
+        (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
+
+    def qkv(norm, attn, x, mod, dims):
+        projected = attn.qkv(apply_mod(norm(x), (1 + mod.scale), mod.shift, dims))
+        q, k, v = projected.view(projected.shape[0], projected.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = attn.norm(q, k, v)
+        return q, k, v
+
+    img_q, img_k, img_v = qkv(self.img_norm1, self.img_attn, img, img_mod1, modulation_dims_img)
+    txt_q, txt_k, txt_v = qkv(self.txt_norm1, self.txt_attn, txt, txt_mod1, modulation_dims_txt)
+    first, second = ((img_q, img_k, img_v), (txt_q, txt_k, txt_v)) if self.flipped_img_txt else \
+        ((txt_q, txt_k, txt_v), (img_q, img_k, img_v))
+    attn = attention(*(torch.cat((a, b), dim=2) for a, b in zip(first, second)), pe=pe, mask=attn_mask,
+                     transformer_options=transformer_options)
+    if self.flipped_img_txt:
+        img_attn, txt_attn = attn[:, : img.shape[1]], attn[:, img.shape[1]:]
+    else:
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
+
+    img = img + apply_mod(self.img_attn.proj(img_attn), img_mod1.gate, None, modulation_dims_img)
+    img = img + apply_mod(self.img_mlp(apply_mod(self.img_norm2(img), (1 + img_mod2.scale), img_mod2.shift,
+                                                 modulation_dims_img)), img_mod2.gate, None, modulation_dims_img)
+    txt = txt + apply_mod(self.txt_attn.proj(txt_attn), txt_mod1.gate, None, modulation_dims_txt)
+    txt = txt + apply_mod(self.txt_mlp(apply_mod(self.txt_norm2(txt), (1 + txt_mod2.scale), txt_mod2.shift,
+                                                 modulation_dims_txt)), txt_mod2.gate, None, modulation_dims_txt)
+    if txt.dtype == torch.float16:
+        txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
+    return img, txt
+
+
+def _single_block_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):
+    """comfy.ldm.flux.layers.SingleStreamBlock.forward with an out-of-place residual add (see Flux.prepare)."""
+    apply_mod = flux_layers.apply_mod
+    mod = self.modulation(vec)[0] if self.modulation else vec
+    qkv, mlp = torch.split(self.linear1(apply_mod(self.pre_norm(x), (1 + mod.scale), mod.shift, modulation_dims)),
+                           [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = self.norm(q, k, v)
+    attn = flux_layers.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+    output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+    x = x + apply_mod(output, mod.gate, None, modulation_dims)
+    if x.dtype == torch.float16:
+        x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x

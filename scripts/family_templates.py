@@ -1,0 +1,127 @@
+"""The per-family templates in example_workflows/ (leanlora_<family>_train_then_generate.json): the files a user of
+that family loads with ComfyUI's own loader nodes -> the LeanLoRA nodes -> Train -> a sampler with the trained LoRA in
+the same graph, laid out without overlaps, with notes beside the two things to pick (the model files, the image
+folder). Written from one API-format graph per family by workflow_convert.api_to_ui, so a node's widget order
+always matches the server's:
+
+    python scripts/family_templates.py --object-info http://127.0.0.1:8188    # or a saved object_info.json
+
+tests/test_families.py checks the shipped files are what this writes, and runs each on the tiny models."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from workflow_convert import api_to_ui, load_object_info
+
+REPO = Path(__file__).resolve().parents[1]
+TRIGGER = "lnlr"
+
+# family: (title, loaders as the family's own ComfyUI templates use them, Train/sampler settings, file notes)
+FAMILIES = {
+    "z_image": {
+        "title": "Z-Image",
+        "loaders": {"UNETLoader": {"unet_name": "z_image_turbo_bf16.safetensors", "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "qwen_3_4b.safetensors", "type": "lumina2"},
+                    "VAELoader": {"vae_name": "ae.safetensors"}},
+        "sampler": {"steps": 8, "cfg": 1.0},
+        "files": "models/diffusion_models: z_image_turbo_bf16.safetensors; models/text_encoders: "
+                 "qwen_3_4b.safetensors (CLIPLoader type lumina2); models/vae: ae.safetensors",
+    },
+    "flux_dev": {
+        "title": "FLUX.1-dev",
+        "loaders": {"UNETLoader": {"unet_name": "flux1-dev.safetensors", "weight_dtype": "fp8_e4m3fn"},
+                    "DualCLIPLoader": {"clip_name1": "clip_l.safetensors",
+                                       "clip_name2": "t5xxl_fp8_e4m3fn.safetensors", "type": "flux"},
+                    "VAELoader": {"vae_name": "ae.safetensors"}},
+        "sampler": {"steps": 20, "cfg": 1.0},
+        "files": "models/diffusion_models: flux1-dev.safetensors (or an fp8 file; weight_dtype fp8 keeps it at "
+                 "12 GB); models/text_encoders: clip_l.safetensors + t5xxl_fp8_e4m3fn.safetensors (DualCLIPLoader "
+                 "type flux); models/vae: ae.safetensors",
+    },
+    "qwen_image": {
+        "title": "Qwen-Image",
+        "loaders": {"UNETLoader": {"unet_name": "qwen_image_fp8_e4m3fn.safetensors", "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "type": "qwen_image"},
+                    "VAELoader": {"vae_name": "qwen_image_vae.safetensors"}},
+        "sampler": {"steps": 20, "cfg": 2.5},
+        "files": "models/diffusion_models: qwen_image_fp8_e4m3fn.safetensors; models/text_encoders: "
+                 "qwen_2.5_vl_7b_fp8_scaled.safetensors (CLIPLoader type qwen_image); models/vae: "
+                 "qwen_image_vae.safetensors",
+    },
+}
+
+
+def template_path(family: str) -> Path:
+    return REPO / "example_workflows" / f"leanlora_{family}_train_then_generate.json"
+
+
+def family_prompt(family: str) -> dict:
+    """The API-format graph of a family's template (node ids as the test's overrides name them)."""
+    spec = FAMILIES[family]
+    clip_loader = "DualCLIPLoader" if "DualCLIPLoader" in spec["loaders"] else "CLIPLoader"
+    prompt_text = f"{TRIGGER}, a photo"
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": dict(spec["loaders"]["UNETLoader"])},
+        "2": {"class_type": clip_loader, "inputs": dict(spec["loaders"][clip_loader])},
+        "3": {"class_type": "VAELoader", "inputs": dict(spec["loaders"]["VAELoader"])},
+        "4": {"class_type": "LeanLoRADataset", "inputs": {"folder": "my_photos", "resolution": 1024, "repeats": 1,
+                                                         "trigger_word": TRIGGER}},
+        "5": {"class_type": "LeanLoRAMemorySettings", "inputs": {"auto_fit": "free VRAM"}},
+        "6": {"class_type": "LeanLoRALoraConfig", "inputs": {"rank": 16, "alpha": 16.0}},
+        "7": {"class_type": "LeanLoRATrain",
+              "inputs": {"steps": 1000, "learning_rate": 1e-4, "output_name": f"my_{family}_lora",
+                         "model": ["1", 0], "clip": ["2", 0], "vae": ["3", 0], "dataset": ["4", 0],
+                         "memory": ["5", 0], "lora_config": ["6", 0]}},
+        "8": {"class_type": "CLIPTextEncode", "inputs": {"text": prompt_text, "clip": ["7", 1]}},
+        "9": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["7", 1]}},
+        "10": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
+        "11": {"class_type": "KSampler", "inputs": {"seed": 42, **spec["sampler"], "sampler_name": "euler",
+                                                    "scheduler": "simple", "denoise": 1.0, "model": ["7", 0],
+                                                    "positive": ["8", 0], "negative": ["9", 0],
+                                                    "latent_image": ["10", 0]}},
+        "12": {"class_type": "VAEDecode", "inputs": {"samples": ["11", 0], "vae": ["3", 0]}},
+        "13": {"class_type": "SaveImage", "inputs": {"filename_prefix": f"leanlora_{family}", "images": ["12", 0]}},
+        "14": {"class_type": "PreviewAny", "inputs": {"source": ["7", 5]}},
+        "15": {"class_type": "PreviewImage", "inputs": {"images": ["7", 4]}},
+    }
+
+
+# columns: loaders | LeanLoRA inputs | Train | sampling | outputs
+LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 290), "6": (400, 820),
+          "7": (780, 40), "8": (1160, 40), "9": (1160, 250), "10": (1160, 460), "11": (1540, 40), "12": (1540, 420),
+          "13": (1920, 40), "14": (780, 620), "15": (780, 900)}
+
+
+def family_template(family: str, object_info: dict) -> dict:
+    spec = FAMILIES[family]
+    notes = [
+        {"pos": (20, -220), "size": (740, 200),
+         "text": f"{spec['title']} LoRA, trained inside ComfyUI. 1) Pick your model files in the three loaders "
+                 f"(left): {spec['files']}. 2) Put your images (and optional <image>.txt captions) in "
+                 f"ComfyUI/input/<a folder> and type that folder's name in LeanLoRA Dataset. 3) Queue: Memory "
+                 "Settings' auto-fit plans for your GPU; the LoRA is saved to models/loras and used by the "
+                 "sampler on the right in the same run."},
+        {"pos": (1160, 680), "size": (340, 140),
+         "text": f"The trigger word ({TRIGGER}) is added to every caption; keep it in your prompts. The sampler "
+                 "uses the family's usual settings (euler, simple schedule)."},
+    ]
+    titles = {"4": "LeanLoRA Dataset (your image folder)", "1": f"Load Diffusion Model ({spec['title']})"}
+    return api_to_ui(family_prompt(family), object_info, LAYOUT, titles, notes)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--object-info", required=True, help="server URL or a saved object_info.json")
+    args = parser.parse_args(argv)
+    info = load_object_info(args.object_info)
+    for family in FAMILIES:
+        path = template_path(family)
+        path.write_text(json.dumps(family_template(family, info), indent=1) + "\n")
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,393 @@
+"""Tiny, random-weight DiT test assets: Z-Image, FLUX.1-dev and Qwen-Image file sets for ComfyUI's stock loaders.
+
+Each set is what a user downloads for that family, shrunk: a diffusion model for UNETLoader
+(models/diffusion_models/), its text encoder(s) for CLIPLoader / DualCLIPLoader (models/text_encoders/) and its VAE
+for VAELoader (models/vae/). As in tiny_assets.py, the tensors' names and shapes come from ComfyUI's own classes
+(built on the meta device) and their values from a seeded generator, so a file is deterministic for a seed.
+
+ComfyUI 0.3.75 pins these models' widths in code (model_detection.py, t5_config_xxl.json, llama.py), so the
+narrow files load through the stock loaders only in a ComfyUI that also imported the test-only package
+tests/tiny_dit_configs (see its docstring for exactly what it patches; real files are never affected).
+The two VAEs are the exception: the Flux "ae" (AutoencoderKL, ch 128, 16 latent channels) has its widths pinned in
+comfy.sd.VAE with no override hook, so it is full size (84M parameters, 168 MB in bf16, shared by Flux and
+Z-Image as in the real releases); the Wan 2.1 VAE of Qwen-Image takes its width from the file, so it is tiny.
+
+For training tests: ComfyUI 0.3.75's Flux blocks add to their residual streams in place (DoubleStreamBlock
+`img += ...`, `txt += ...`; SingleStreamBlock `x += ...`) after a LayerNorm saved that tensor, so a backward pass
+through them fails ("modified by an inplace operation"), with or without checkpointing. Z-Image's and Qwen-Image's
+blocks are out of place and backpropagate as loaded.
+
+CLI:  python scripts/tiny_dit_assets.py BASE_DIR [--family z_image|flux_dev|qwen_image|all] [--verify]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_assets import REPO_ROOT, _import_comfy  # noqa: E402  (same ComfyUI import rules as the SD1.5 assets)
+
+FORMAT_VERSION = "1"  # bump when a builder's output changes: files with another version are rebuilt
+TINY_CONFIGS_PACKAGE = REPO_ROOT / "tests" / "tiny_dit_configs"
+
+# Text encoders. Heads stay 128 wide for the Qwen models (llama.py's head_dim is a class attribute); Qwen2.5-VL-7B
+# needs 4 kv heads (k_proj.bias of 512 is how comfy.sd.detect_te_model recognises it); Z-Image takes the
+# second-to-last hidden state (layer_idx=-2, which SDClipModel accepts only with 3 or more layers).
+CLIP_L = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_hidden_layers=2)
+T5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2)
+QWEN3_4B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+QWEN25_7B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+
+# Diffusion models: what ComfyUI's detection (+ tests/tiny_dit_configs) derives from the files' shapes. Widths are
+# multiples of the real 128-wide heads; Z-Image's must be >= 256 (its modulation input is min(dim, 256) while the
+# timestep embedding is always 256 wide).
+FLUX_DEV = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=CLIP_L["hidden_size"],
+                context_in_dim=T5XXL["d_model"], hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2,
+                depth_single_blocks=2, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
+                guidance_embed=True)
+Z_IMAGE = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=256, cap_feat_dim=QWEN3_4B["hidden_size"],
+               n_layers=2, n_refiner_layers=2, qk_norm=True, n_heads=2, n_kv_heads=2, axes_dims=[32, 48, 48],
+               axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True,
+               time_scale=1000.0, pad_tokens_multiple=32)
+QWEN_IMAGE = dict(image_model="qwen_image", in_channels=64, out_channels=16, num_layers=2, attention_head_dim=128,
+                  num_attention_heads=2, joint_attention_dim=QWEN25_7B["hidden_size"])
+
+# VAEs, as comfy.sd.VAE builds them from these files.
+FLUX_AE = dict(double_z=True, z_channels=16, resolution=256, in_channels=3, out_ch=3, ch=128, ch_mult=[1, 2, 4, 4],
+               num_res_blocks=2, attn_resolutions=[], dropout=0.0)
+WAN21_VAE = dict(dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True], dropout=0.0)
+
+# What a workflow uses: loader node, its `type` input, and the file names (relative to models/<folder>/).
+WORKFLOW = {
+    "z_image": {
+        "UNETLoader": {"unet_name": "leanlora_tiny_z_image.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_3_4b.safetensors", "type": "lumina2"},
+        "VAELoader": {"vae_name": "leanlora_tiny_ae.safetensors"},
+    },
+    "flux_dev": {
+        "UNETLoader": {"unet_name": "leanlora_tiny_flux1_dev.safetensors", "weight_dtype": "default"},
+        "DualCLIPLoader": {"clip_name1": "leanlora_tiny_clip_l.safetensors",
+                           "clip_name2": "leanlora_tiny_t5xxl.safetensors", "type": "flux"},
+        "VAELoader": {"vae_name": "leanlora_tiny_ae.safetensors"},
+    },
+    "qwen_image": {
+        "UNETLoader": {"unet_name": "leanlora_tiny_qwen_image.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_2.5_vl_7b.safetensors", "type": "qwen_image"},
+        "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},
+    },
+}
+_FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "clip_name1": "text_encoders",
+            "clip_name2": "text_encoders", "vae_name": "vae"}
+
+
+# --- tensors -------------------------------------------------------------------------------------------------
+
+def _init_tensor(module: torch.nn.Module, pname: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """Fan-in scaled normals for matrices and convs, 0.02 normals for embeddings and pad tokens, ones/zeros for
+    norm scales/shifts and biases: every forward pass is finite and depends on its inputs."""
+    if isinstance(module, torch.nn.Embedding) or pname.endswith("pad_token"):
+        return torch.randn(shape, generator=gen) * 0.02
+    if pname in ("bias", "beta"):
+        return torch.zeros(shape)
+    if pname in ("scale", "gamma") or (pname == "weight" and len(shape) == 1):
+        return torch.ones(shape)  # RMSNorm / LayerNorm / GroupNorm scales (Wan's RMS_norm gamma is (C, 1, 1[, 1]))
+    if pname == "weight" and len(shape) >= 2:
+        return torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
+    raise TypeError(f"no init rule for {type(module).__name__}.{pname} {tuple(shape)}")
+
+
+def _state_dict(root: torch.nn.Module, seed: int, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for mname, module in root.named_modules():  # construction order: deterministic
+        for pname, p in module.named_parameters(recurse=False):
+            key = f"{mname + '.' if mname else ''}{pname}"
+            if skip and key.startswith(skip):
+                continue
+            sd[key] = _init_tensor(module, pname, p.shape, gen).to(dtype).contiguous()
+    return sd
+
+
+def _on_meta(build):
+    comfy = _import_comfy()
+    import comfy.ops
+
+    with torch.device("meta"):
+        return build(comfy, comfy.ops.disable_weight_init)  # no init: every value is ours
+
+
+def _write(path: Path, tag: str, make_sd) -> Path:
+    """Write make_sd() to path unless a file of this tag/version is there already; atomic (temp file + rename)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    stamp = f"{tag}-v{FORMAT_VERSION}"
+    if path.exists():
+        with safe_open(path, "pt") as f:
+            if (f.metadata() or {}).get("leanlora_tiny") == stamp:
+                return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(make_sd(), tmp, metadata={"leanlora_tiny": stamp})  # one entry: byte-identical rebuilds
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# --- single files ----------------------------------------------------------------------------------------------
+
+def build_flux_dev_model(path: str | Path, seed: int = 0) -> Path:
+    """FLUX.1-dev diffusion model (comfy.ldm.flux.model.Flux, guidance_embed): 2 double + 2 single blocks, bf16."""
+    def make():
+        cfg = {k: v for k, v in FLUX_DEV.items() if k != "image_model"}
+        def build(comfy, ops):
+            import comfy.ldm.flux.model
+            return comfy.ldm.flux.model.Flux(image_model="flux", dtype=torch.float32, device="meta",
+                                             operations=ops, **cfg)
+        net = _on_meta(build)
+        return _state_dict(net, seed, torch.bfloat16)
+    return _write(path, f"flux_dev-seed{seed}", make)
+
+
+def build_z_image_model(path: str | Path, seed: int = 0) -> Path:
+    """Z-Image diffusion model (Lumina 2 NextDiT with z_image_modulation): 2 layers + 2 noise/context refiners."""
+    def make():
+        cfg = {k: v for k, v in Z_IMAGE.items() if k != "image_model"}
+        def build(comfy, ops):
+            import comfy.ldm.lumina.model
+            return comfy.ldm.lumina.model.NextDiT(dtype=torch.float32, device="meta", operations=ops, **cfg)
+        net = _on_meta(build)
+        return _state_dict(net, seed, torch.bfloat16)
+    return _write(path, f"z_image-seed{seed}", make)
+
+
+def build_qwen_image_model(path: str | Path, seed: int = 0) -> Path:
+    """Qwen-Image diffusion model (QwenImageTransformer2DModel): 2 transformer blocks, 256 wide, bf16."""
+    def make():
+        cfg = {k: v for k, v in QWEN_IMAGE.items() if k != "image_model"}
+        def build(comfy, ops):
+            import comfy.ldm.qwen_image.model
+            return comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(dtype=torch.float32, device="meta",
+                                                                          operations=ops, **cfg)
+        net = _on_meta(build)
+        return _state_dict(net, seed, torch.bfloat16)
+    return _write(path, f"qwen_image-seed{seed}", make)
+
+
+def build_clip_l(path: str | Path, seed: int = 0) -> Path:
+    """CLIP-L text encoder (comfy.clip_model.CLIPTextModel, the layout of clip_l.safetensors), fp16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.sd1_clip
+            with open(Path(comfy.sd1_clip.__file__).parent / "sd1_clip_config.json") as f:
+                config = {**json.load(f), **CLIP_L}
+            return comfy.clip_model.CLIPTextModel(config, torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.float16)
+    return _write(path, f"clip_l-seed{seed}", make)
+
+
+def build_t5xxl(path: str | Path, seed: int = 0) -> Path:
+    """T5 v1.1 XXL encoder (comfy.text_encoders.t5.T5, the layout of t5xxl_fp16.safetensors), fp16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.t5
+            with open(Path(comfy.text_encoders.t5.__file__).parent / "t5_config_xxl.json") as f:
+                config = {**json.load(f), **T5XXL}
+            return comfy.text_encoders.t5.T5(config, torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.float16)
+    return _write(path, f"t5xxl-seed{seed}", make)
+
+
+def build_qwen3_4b(path: str | Path, seed: int = 0) -> Path:
+    """Z-Image's text encoder (comfy.text_encoders.llama.Qwen3_4B, keys model.*), bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.llama
+            return comfy.text_encoders.llama.Qwen3_4B(dict(QWEN3_4B), torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"qwen3_4b-seed{seed}", make)
+
+
+def build_qwen25_vl_7b(path: str | Path, seed: int = 0) -> Path:
+    """Qwen-Image's text encoder (comfy.text_encoders.llama.Qwen25_7BVLI), language model only: its vision tower
+    (visual.*, pinned at full size in ComfyUI) serves only image inputs (Qwen-Image-Edit), so it is left out."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.llama
+            return comfy.text_encoders.llama.Qwen25_7BVLI(dict(QWEN25_7B), torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16, skip=("visual.",))
+    return _write(path, f"qwen25_7b-seed{seed}", make)
+
+
+def build_flux_ae(path: str | Path, seed: int = 0) -> Path:
+    """The FLUX.1 / Z-Image VAE "ae" (AutoencoderKL, 16 latent channels) at its real, pinned size, bf16."""
+    def make():
+        def build(comfy, ops):
+            from comfy.ldm.models.autoencoder import AutoencodingEngine
+            params = {"params": FLUX_AE}
+            return AutoencodingEngine(
+                regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", **params},
+                decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", **params})
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"flux_ae-seed{seed}", make)
+
+
+def build_wan21_vae(path: str | Path, seed: int = 0) -> Path:
+    """Qwen-Image's VAE (the Wan 2.1 causal 3-D VAE, comfy.ldm.wan.vae.WanVAE), 16 wide instead of 96, bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.ldm.wan.vae
+            return comfy.ldm.wan.vae.WanVAE(**WAN21_VAE)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"wan21_vae-seed{seed}", make)
+
+
+# --- file sets -----------------------------------------------------------------------------------------------
+
+_BUILDERS = {
+    "leanlora_tiny_z_image.safetensors": build_z_image_model,
+    "leanlora_tiny_flux1_dev.safetensors": build_flux_dev_model,
+    "leanlora_tiny_qwen_image.safetensors": build_qwen_image_model,
+    "leanlora_tiny_qwen_3_4b.safetensors": build_qwen3_4b,
+    "leanlora_tiny_clip_l.safetensors": build_clip_l,
+    "leanlora_tiny_t5xxl.safetensors": build_t5xxl,
+    "leanlora_tiny_qwen_2.5_vl_7b.safetensors": build_qwen25_vl_7b,
+    "leanlora_tiny_ae.safetensors": build_flux_ae,
+    "leanlora_tiny_qwen_image_vae.safetensors": build_wan21_vae,
+}
+
+
+def build_family(base_dir: str | Path, family: str, seed: int = 0) -> dict[str, Path]:
+    """Write one family's files under base_dir/models/<folder>/ (names in WORKFLOW); {input name: path}."""
+    out = {}
+    for inputs in WORKFLOW[family].values():
+        for key, name in inputs.items():
+            if key in _FOLDERS:
+                out[key] = _BUILDERS[name](Path(base_dir) / "models" / _FOLDERS[key] / name, seed=seed)
+    return out
+
+
+def build_z_image_set(base_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    return build_family(base_dir, "z_image", seed)
+
+
+def build_flux_dev_set(base_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    return build_family(base_dir, "flux_dev", seed)
+
+
+def build_qwen_image_set(base_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    return build_family(base_dir, "qwen_image", seed)
+
+
+def build_all(base_dir: str | Path, seed: int = 0) -> dict[str, dict[str, Path]]:
+    return {family: build_family(base_dir, family, seed) for family in WORKFLOW}
+
+
+# --- verification --------------------------------------------------------------------------------------------
+
+def import_tiny_configs():
+    """Import tests/tiny_dit_configs in this process (a test server loads it as a custom-node package)."""
+    if "tiny_dit_configs" not in sys.modules:
+        _import_comfy()
+        spec = importlib.util.spec_from_file_location("tiny_dit_configs", TINY_CONFIGS_PACKAGE / "__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["tiny_dit_configs"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["tiny_dit_configs"]
+
+
+def _shapes(d: dict) -> dict:
+    return {k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in d.items()}
+
+
+def verify_family(base_dir: str | Path, family: str) -> dict:
+    """Load a family's files with the functions the stock loader nodes call, encode "a photo", run the diffusion
+    model once on a 64x64-pixel latent and the VAE once each way; print and return the shapes."""
+    import_tiny_configs()
+    import comfy.sd
+
+    files = build_family(base_dir, family)
+    loaders = WORKFLOW[family]
+    model = comfy.sd.load_diffusion_model(str(files["unet_name"]))
+    if "DualCLIPLoader" in loaders:
+        clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],
+                                  clip_type=getattr(comfy.sd.CLIPType, loaders["DualCLIPLoader"]["type"].upper()))
+    else:
+        clip = comfy.sd.load_clip([str(files["clip_name"])],
+                                  clip_type=getattr(comfy.sd.CLIPType, loaders["CLIPLoader"]["type"].upper()))
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae_name"])))
+
+    with torch.inference_mode():
+        out = clip.encode_from_tokens(clip.tokenize("a photo"), return_pooled=True, return_dict=True)
+        cond, pooled = out.pop("cond"), out.pop("pooled_output")
+        pixels = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+        latent = vae.encode(pixels)
+        decoded = vae.decode(latent)
+        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(1))
+        base = model.model
+        conds = base.extra_conds(cross_attn=cond, pooled_output=pooled, noise=noise, device=torch.device("cpu"),
+                                 **out)
+        kwargs = {k: v.cond for k, v in conds.items()}
+        sigma = torch.tensor([0.5])
+        pred = base.apply_model(noise, sigma, **kwargs)
+    report = {
+        "family": family, "model_config": type(base.model_config).__name__, "model": type(base).__name__,
+        "diffusion_model": type(base.diffusion_model).__name__,
+        "params": sum(p.numel() for p in base.diffusion_model.parameters()),
+        "clip": type(clip.cond_stage_model).__name__, "cond": tuple(cond.shape),
+        "pooled": None if pooled is None else tuple(pooled.shape), "clip_extra": _shapes(out),
+        "vae": type(vae.first_stage_model).__name__, "latent": tuple(latent.shape), "decoded": tuple(decoded.shape),
+        "extra_conds": _shapes(kwargs), "apply_model": tuple(pred.shape),
+        "finite": bool(torch.isfinite(pred).all() and torch.isfinite(decoded).all()),
+        "shift": getattr(base.model_sampling, "shift", None),
+    }
+    for k, v in report.items():
+        print(f"  {k}: {v}")
+    return report
+
+
+def verify_all(base_dir: str | Path) -> dict[str, dict]:
+    """verify_family for every family (see there); raises if anything does not load or is not finite."""
+    reports = {}
+    for family in WORKFLOW:
+        print(family)
+        reports[family] = verify_family(base_dir, family)
+        assert reports[family]["finite"], family
+    return reports
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base_dir", type=Path, help="ComfyUI base directory: files go to its models/ subfolders")
+    parser.add_argument("--family", choices=(*WORKFLOW, "all"), default="all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify", action="store_true", help="load and run them in-process (imports ComfyUI)")
+    args = parser.parse_args(argv)
+    for family in WORKFLOW if args.family == "all" else (args.family,):
+        t = time.perf_counter()
+        files = build_family(args.base_dir, family, seed=args.seed)
+        size = sum(p.stat().st_size for p in set(files.values())) / 2**20
+        print(f"{family}: {size:.1f} MiB in {time.perf_counter() - t:.1f} s")
+        for key, p in files.items():
+            print(f"  {key}: {p}")
+    if args.verify:
+        verify_all(args.base_dir)
+
+
+if __name__ == "__main__":
+    main()

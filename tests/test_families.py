@@ -1,0 +1,439 @@
+"""One conformance test over the model families (bridge/families/FAMILIES): each family's tiny model, loaded by the
+functions ComfyUI's stock loaders call (in process) and by the stock loader nodes themselves (a real server), trains a
+LoRA whose units cover the model's blocks, whose targets exist, whose file ComfyUI applies key for key and
+`continue_from` reads back, whose exact resume equals the uninterrupted run, and which leaves the base model as it
+was. The tiny DiT files come from scripts/tiny_dit_assets.py (their widths need tests/tiny_dit_configs)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import tiny_assets
+import tiny_dit_assets
+from comfy_headless import execution_error
+from trainer.dataset import scan_folder
+from trainer.settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from trainer.train_lora import train_lora
+from trainer.training_state import STATE_SUFFIX
+
+DIT = {"z_image": "ZImage", "flux_dev": "Flux", "qwen_image": "QwenImage"}  # tiny set -> family class
+FAMILIES = {"sd15": "SdUnet", **DIT}
+FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible; checkpointing recomputes blocks
+LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
+PROMPT = "lnlr, a red circle on a blue background"
+
+
+@pytest.fixture(scope="session")
+def dit_files(comfy_base) -> dict[str, dict[str, Path]]:
+    """The tiny DiT sets in the session's ComfyUI folders (models/diffusion_models, text_encoders, vae)."""
+    return {family: tiny_dit_assets.build_family(comfy_base, family) for family in DIT}
+
+
+@pytest.fixture(scope="session")
+def family_objects(dit_files, comfy_objects):
+    """MODEL, CLIP and VAE per family, loaded the way the stock loader nodes load them."""
+    tiny_dit_assets.import_tiny_configs()
+    import comfy.sd
+    import comfy.utils
+    loaded = {"sd15": comfy_objects}
+    for family, files in dit_files.items():
+        loaders = tiny_dit_assets.WORKFLOW[family]
+        with torch.inference_mode():
+            model = comfy.sd.load_diffusion_model(str(files["unet_name"]))
+            if "DualCLIPLoader" in loaders:
+                clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],
+                                          clip_type=comfy.sd.CLIPType[loaders["DualCLIPLoader"]["type"].upper()])
+            else:
+                clip = comfy.sd.load_clip([str(files["clip_name"])],
+                                          clip_type=comfy.sd.CLIPType[loaders["CLIPLoader"]["type"].upper()])
+            vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae_name"])))
+        loaded[family] = (model, clip, vae)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def two_images(tmp_path_factory):
+    return scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("family_ds"), n=2), 64)
+
+
+def _adapter(objects):
+    from bridge.comfy_adapter import ComfyAdapter
+    return ComfyAdapter(*objects)
+
+
+def test_the_family_list_is_ordered_with_the_generic_path_last():
+    from bridge.families import FAMILIES as LIST
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "QwenImage", "Generic"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_model_is_trained_by_its_family(family_objects, family):
+    adapter = _adapter(family_objects[family])
+    assert type(adapter.family).__name__ == FAMILIES[family]
+    identity = adapter.identity()
+    assert identity.prediction == ("epsilon" if family == "sd15" else "flow")
+    assert identity.recognises(identity.base_model_version) and identity.recognises(identity.architecture)
+
+
+def test_a_model_no_family_knows_is_refused_naming_it_and_the_families():
+    from bridge.families import family_for
+    from trainer.errors import LeanLoRAError
+
+    class Pixels(torch.nn.Module):  # no repeated blocks of Linear layers
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3)
+
+    class AudioModel:
+        diffusion_model = Pixels()
+    with pytest.raises(LeanLoRAError, match=r"cannot train this MODEL \(AudioModel, diffusion model Pixels\).*"
+                                            r"SD1.x/SD2.x/SDXL UNet.*Z-Image.*FLUX.1.*Qwen-Image.*generic"):
+        family_for(AudioModel())
+
+
+def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_graph():
+    from bridge.families.generic import Generic
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.Module()
+            self.attn.qkv, self.attn.proj = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 8)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+    class Base:
+        diffusion_model = Net()
+    generic, net = Generic(), Base.diffusion_model
+    assert generic.matches(Base()) and generic.graph_blocker
+    assert generic.checkpoint_units(net) == list(net.blocks)
+    assert generic.lora_targets(net, LoraTargets.ATTENTION) == tuple(
+        f"blocks.{i}.attn.{name}" for i in range(3) for name in ("qkv", "proj"))
+    assert len(generic.lora_targets(net, LoraTargets.ATTENTION_FEED_FORWARD)) == 12  # not the embedding
+    assert set(generic.checkpoint_units(net, latent_size=(8, 8))) == set(net.blocks)
+
+
+def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, two_images, tmp_path, monkeypatch,
+                                                                 caplog):
+    """Qwen-Image as if no family knew it: ComfyUI core's approach (LoRA on the Linear layers of the repeated
+    blocks, the loss through model_sampling) trains it, and ComfyUI applies every key of the file."""
+    import comfy.sd
+    import bridge.families as families
+    monkeypatch.setattr(families, "FAMILIES", [families.Generic()])
+    model = family_objects["qwen_image"][0]
+    adapter = _adapter(family_objects["qwen_image"])
+    assert type(adapter.family).__name__ == "Generic" and "via the generic path" in adapter.describe()
+    assert adapter.graph_blocker and adapter.identity().name == "QwenImage (generic)"
+    outcome = train_lora(adapter, two_images, FP32_CHECKPOINTED, LORA, TrainSettings(2, 1e-3, 0, "generic"), tmp_path,
+                         lambda **event: None, lambda: False)
+    assert "via the generic path" in outcome.report and all(np.isfinite(outcome.losses))
+    saved = load_file(str(outcome.lora_path))
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
+        assert "lora key not loaded" not in caplog.text
+    assert len(patched.patches) == len({k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
+    adapter = _adapter(family_objects[family])
+    unet = adapter.training_unet()
+    units = adapter.checkpoint_blocks(unet)
+    assert units and len({id(u) for u in units}) == len(units)
+    ordered = adapter.checkpoint_blocks(unet, latent_size=(8, 8))
+    assert {id(u) for u in ordered} == {id(u) for u in units}  # partial checkpointing orders, never drops
+    if family in DIT:
+        assert [id(b) for b in units] == [id(b) for b in adapter.family.blocks(unet)]
+        assert {id(b) for b in adapter.prepare_compile_units(unet)} == {id(b) for b in units}
+    linears = [path for path, m in unet.named_modules() if isinstance(m, torch.nn.Linear)]
+    inside = {path for path, m in unet.named_modules() for unit in units if m is unit}
+    for targets in LoraTargets:
+        suffixes = adapter.lora_targets(unet, targets)
+        for suffix in suffixes:
+            hits = [p for p in linears if p == suffix or p.endswith(f".{suffix}")]
+            assert hits, f"{family}: target {suffix!r} matches no Linear layer"
+            assert all(any(p.startswith(f"{unit}.") for unit in inside) for p in hits), suffix
+
+
+def _fingerprint(model) -> str:
+    """The base diffusion model's weights, every byte."""
+    digest = hashlib.sha256()
+    with torch.inference_mode():
+        for name, tensor in model.model.diffusion_model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _base_output(model, latent_shape) -> bytes:
+    """The base model's prediction on fixed inputs, as ComfyUI's sampler calls it (its MODEL, its conditioning)."""
+    with torch.inference_mode():
+        noise = torch.randn(latent_shape, generator=torch.Generator().manual_seed(3))
+        context = torch.randn(1, 8, model.model.diffusion_model.state_dict()[_context_key(model)].shape[-1],
+                              generator=torch.Generator().manual_seed(4))
+        return model.model.apply_model(noise, torch.tensor([0.6]), c_crossattn=context,
+                                       **_extra_inputs(model)).numpy().tobytes()
+
+
+def _context_key(model) -> str:
+    state = model.model.diffusion_model.state_dict()
+    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight") if k in state)
+
+
+def _extra_inputs(model) -> dict:
+    name = type(model.model).__name__
+    if name == "Flux":
+        return {"y": torch.zeros(1, model.model.diffusion_model.params.vec_in_dim), "guidance": torch.tensor([3.5])}
+    if name == "Lumina2":
+        return {"num_tokens": 8}
+    return {}
+
+
+def _train(objects, dataset, folder, steps, name, **train):
+    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, LORA if "continue_from" not in train else
+                      LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward",
+                                   continue_from=train.pop("continue_from")),
+                      TrainSettings(steps, 1e-3, 0, name, "cosine", 1, **train), folder,
+                      lambda **event: None, lambda: False)
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_a_family_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_the_model(
+        family_objects, two_images, family, tmp_path, caplog):
+    import comfy.lora
+    import comfy.sd
+    model, clip, _ = family_objects[family]
+    latent_shape = (1, 16, 1, 8, 8) if family == "qwen_image" else (1, 16, 8, 8)
+    weights_before, output_before = _fingerprint(model), _base_output(model, latent_shape)
+
+    straight = _train(family_objects[family], two_images, tmp_path / "straight", 4, family, save_every_steps=2)
+    assert straight.lora_path.is_file() and not straight.partial and len(straight.losses) == 4
+    assert all(np.isfinite(straight.losses))
+    state = tmp_path / "straight" / f"{family}_step2{STATE_SUFFIX}"
+    resumed = _train(family_objects[family], two_images, tmp_path / "resumed", 4, family, resume_from=state)
+    assert resumed.losses == straight.losses
+    assert resumed.lora_path.read_bytes() == straight.lora_path.read_bytes()
+
+    saved = load_file(str(straight.lora_path))
+    with safe_open(str(straight.lora_path), "pt") as file:
+        metadata = file.metadata()
+    identity = _adapter(family_objects[family]).identity()
+    assert metadata["ss_base_model_version"] == identity.base_model_version
+    assert metadata["modelspec.architecture"] == f"{identity.architecture}/lora"
+    modules = {k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")}
+    assert modules and all(k.startswith("lora_unet_") for k in saved)
+    # what the stock LoraLoader runs: every key applied, none "not loaded"
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
+        assert "lora key not loaded" not in caplog.text
+    assert len(comfy.lora.load_lora(saved, comfy.lora.model_lora_keys_unet(model.model, {}))) == len(modules)
+    assert len(patched.patches) == len(modules)
+
+    continued = _train(family_objects[family], two_images, tmp_path / "continued", 2, f"{family}_more",
+                       continue_from=str(straight.lora_path))
+    assert f"{len(modules)} modules loaded" in continued.report and "4 steps recorded" in continued.report
+
+    assert _fingerprint(model) == weights_before
+    assert _base_output(model, latent_shape) == output_before
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_fp8_weights_as_loaded_train_without_a_16_bit_copy(dit_files, family_objects, two_images, family, tmp_path):
+    """UNETLoader's weight_dtype fp8_e4m3fn: the training copy keeps the fp8 weights (ComfyUI's per-call cast
+    upcasts one layer at a time) instead of storing the model again in the compute dtype."""
+    import comfy.sd
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(dit_files[family]["unet_name"]),
+                                              model_options={"dtype": torch.float8_e4m3fn})
+    _, clip, vae = family_objects[family]
+    adapter = _adapter((model, clip, vae))
+    unet = adapter.training_unet()
+    adapter.set_compute_dtype(unet, torch.bfloat16)
+    weights = [p for name, p in unet.named_parameters() if name.endswith(".weight") and p.dim() == 2]
+    assert weights and all(p.dtype == torch.float8_e4m3fn for p in weights)
+    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA,
+                         TrainSettings(2, 1e-3, 0, f"fp8_{family}"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_a_scaled_fp8_file_trains_with_its_scales_as_stored(dit_files, family_objects, two_images, family, tmp_path):
+    """The fp8 files users download (e.g. flux1-dev-fp8): each matrix in fp8 with its `scale_weight`, and a
+    `scaled_fp8` marker; ComfyUI's loader builds scaled-fp8 ops for them. The scales stay fp32 in the copy."""
+    import comfy.sd
+    from safetensors.torch import save_file
+    plain = load_file(str(dit_files[family]["unet_name"]))
+    scaled = {}
+    for key, tensor in plain.items():
+        if key.endswith(".weight") and tensor.dim() == 2:
+            scale = tensor.float().abs().max() / 448
+            scaled[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            scaled[key[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            scaled[key] = tensor
+    scaled["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    file = tmp_path / f"{family}_fp8_scaled.safetensors"
+    save_file(scaled, str(file))
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(file))
+    _, clip, vae = family_objects[family]
+    adapter = _adapter((model, clip, vae))
+    unet = adapter.training_unet()
+    adapter.set_compute_dtype(unet, torch.bfloat16)
+    scales = [p for name, p in unet.named_parameters() if name.endswith("scale_weight")]
+    assert scales and all(p.dtype == torch.float32 for p in scales) and any(float(p) != 1.0 for p in scales)
+    assert any(p.dtype == torch.float8_e4m3fn for p in unet.parameters())
+    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA,
+                         TrainSettings(2, 1e-3, 0, f"fp8s_{family}"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_samples_during_training_render_with_the_familys_sampler(family_objects, family, tmp_path):
+    from bridge.samples import SampleRenderer
+    from trainer.settings import SampleSettings
+    model, clip, vae = family_objects[family]
+    adapter = _adapter(family_objects[family])
+    renderer = SampleRenderer(model, clip, vae, SampleSettings((PROMPT,), every_steps=0, size=64, steps=2, cfg=1.0,
+                                                               seed=1), tmp_path)
+    assert (renderer.sampler, renderer.scheduler) == (adapter.family.sample_defaults.sampler, "simple")
+    unet = adapter.training_unet()
+    inject = LoraSettings(rank=4, alpha=4.0)
+    from trainer.lora import inject_lora, kohya_state_dict
+    inject_lora(unet, inject, 0, adapter.lora_targets(unet, inject.targets))
+    [path] = renderer(3, kohya_state_dict(unet, inject))
+    image = Image.open(path)
+    assert path.name == "step3_0.png" and image.size == (64, 64)
+    assert "euler simple" in image.text["parameters"]
+
+
+# --- the same through a real server, with the stock loader nodes -------------------------------------------------
+
+def _defaults(info: dict, class_type: str, **overrides) -> dict:
+    """A node's required widget inputs at their defaults (as a new node in the browser), then `overrides`."""
+    inputs = {}
+    for name, spec in info[class_type]["input"]["required"].items():
+        kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+        if isinstance(kind, list):
+            inputs[name] = options.get("default", kind[0])
+        elif kind in ("INT", "FLOAT", "STRING", "BOOLEAN") and "default" in options:
+            inputs[name] = options["default"]
+    inputs.update(overrides)
+    return inputs
+
+
+def _loaders(family: str) -> dict:
+    """Node 1: the diffusion model (UNETLoader), 2: the text encoder(s), 3: the VAE, as the family's users load them."""
+    table = tiny_dit_assets.WORKFLOW[family]
+    clip_loader = "DualCLIPLoader" if "DualCLIPLoader" in table else "CLIPLoader"
+    return {"1": {"class_type": "UNETLoader", "inputs": dict(table["UNETLoader"])},
+            "2": {"class_type": clip_loader, "inputs": dict(table[clip_loader])},
+            "3": {"class_type": "VAELoader", "inputs": dict(table["VAELoader"])}}
+
+
+def _sampling(family: str, model_link, prefix: str) -> dict:
+    return {
+        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["2", 0]}},
+        "11": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "12": {"class_type": "KSampler", "inputs": {"seed": 7, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
+                                                    "scheduler": "simple", "denoise": 1.0, "model": model_link,
+                                                    "positive": ["10", 0], "negative": ["10", 0],
+                                                    "latent_image": ["11", 0]}},
+        "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["3", 0]}},
+        "14": {"class_type": "SaveImage", "inputs": {"filename_prefix": prefix, "images": ["13", 0]}},
+    }
+
+
+def _training(info: dict, family: str) -> dict:
+    mixed = "no" if "no" in info["LeanLoRAMemorySettings"]["input"]["required"]["mixed_precision"][0] else None
+    return {
+        "4": {"class_type": "LeanLoRADataset",
+              "inputs": _defaults(info, "LeanLoRADataset", folder="tiny_dataset", resolution=64, repeats=1)},
+        "5": {"class_type": "LeanLoRAMemorySettings",
+              "inputs": _defaults(info, "LeanLoRAMemorySettings", gradient_checkpointing=True,
+                                  **({"mixed_precision": mixed} if mixed else {}))},
+        "6": {"class_type": "LeanLoRALoraConfig", "inputs": _defaults(info, "LeanLoRALoraConfig", rank=4, alpha=4.0)},
+        "7": {"class_type": "LeanLoRATrain",
+              "inputs": _defaults(info, "LeanLoRATrain", steps=4, learning_rate=1e-3, output_name=f"server_{family}",
+                                  model=["1", 0], clip=["2", 0], vae=["3", 0], dataset=["4", 0], memory=["5", 0],
+                                  lora_config=["6", 0])},
+        "8": {"class_type": "PreviewAny", "inputs": {"source": ["7", 5]}},
+    }
+
+
+def _saved(server, entry, node_id) -> np.ndarray:
+    image = entry["outputs"][node_id]["images"][0]
+    return np.asarray(Image.open(server.base_dir / image["type"] / image["subfolder"] / image["filename"]))
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("family", DIT)
+def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server, dit_files, family):
+    info = comfy_server.object_info()
+    before = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_before")})
+    assert before["status"]["status_str"] == "success", execution_error(before)
+    log_start = len(comfy_server.log_text())
+    trained = comfy_server.run({**_loaders(family), **_training(info, family),
+                                **_sampling(family, ["7", 0], f"{family}_with_lora")}, timeout=900)
+    assert trained["status"]["status_str"] == "success", execution_error(trained)
+    log = comfy_server.log_text()[log_start:]
+    assert "lora key not loaded" not in log and "NOT LOADED" not in log
+    report = trained["outputs"]["8"]["text"][0]
+    assert "trained 4/4 steps" in report and f"server_{family}.safetensors" in report
+    lora = comfy_server.base_dir / "models" / "loras" / f"server_{family}.safetensors"
+    assert lora.is_file()
+    after = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_after")})
+    assert after["status"]["status_str"] == "success", execution_error(after)
+    cached = {n for event, data in after["status"]["messages"] if event == "execution_cached" for n in data["nodes"]}
+    assert "1" in cached and "12" not in cached  # the trained-on MODEL, sampled again
+    assert np.array_equal(_saved(comfy_server, before, "14"), _saved(comfy_server, after, "14"))
+
+
+# --- the shipped per-family templates -------------------------------------------------------------------------
+
+def _tiny_overrides(family: str, prompt: dict) -> dict:
+    """The template with the tiny fixtures' files and sizes: what the test runs instead of a user's files."""
+    import family_templates
+    files = {"UNETLoader": "1", "CLIPLoader": "2", "DualCLIPLoader": "2", "VAELoader": "3"}
+    overrides = {files[loader]: dict(inputs) for loader, inputs in tiny_dit_assets.WORKFLOW[family].items()}
+    overrides["1"]["weight_dtype"] = family_templates.FAMILIES[family]["loaders"]["UNETLoader"]["weight_dtype"]
+    overrides.update({"4": {"folder": "tiny_dataset", "resolution": 64}, "7": {"steps": 3},
+                      "10": {"width": 64, "height": 64}, "11": {"steps": 2}})
+    return overrides
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("family", DIT)
+def test_each_familys_template_is_current_and_trains_then_samples_on_its_models(comfy_server, dit_files, family):
+    import json
+
+    import family_templates
+    from workflow_convert import apply_overrides, ui_to_api
+    info = comfy_server.object_info()
+    shipped = json.loads(family_templates.template_path(family).read_text())
+    assert shipped == json.loads(json.dumps(family_templates.family_template(family, info))), (
+        "regenerate: python scripts/family_templates.py --object-info URL")
+    prompt = ui_to_api(shipped, info)
+    for node_id, node in family_templates.family_prompt(family).items():  # every value and link as written
+        assert prompt[node_id]["class_type"] == node["class_type"]
+        assert prompt[node_id]["inputs"] | node["inputs"] == prompt[node_id]["inputs"], node_id
+    run = apply_overrides(prompt, _tiny_overrides(family, prompt))
+    entry = comfy_server.run(run, timeout=900)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    assert entry["outputs"]["13"]["images"] and "trained 3/3 steps" in entry["outputs"]["14"]["text"][0]
+    assert (comfy_server.base_dir / "models" / "loras" / f"my_{family}_lora.safetensors").is_file()

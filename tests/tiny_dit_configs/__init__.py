@@ -1,0 +1,156 @@
+"""Test-only ComfyUI "custom node" package: lets ComfyUI's STOCK loaders load the tiny DiT test models.
+
+Loaded only into test servers, beside LeanLoRA (or imported in-process before loading); it registers no nodes.
+The files come from scripts/tiny_dit_assets.py. Why it is needed: ComfyUI 0.3.75 reads the *depths* of these
+models from tensor shapes but pins their *widths* in code, so a small file would otherwise be built at full size:
+
+- Diffusion models (comfy/model_detection.py detect_unet_config): Flux fixes num_heads=24 with 128-wide heads,
+  so hidden_size must be 3072; Qwen-Image keeps the class defaults num_attention_heads=24 and
+  joint_attention_dim=3584; Z-Image's settings (heads, RoPE axes, z_image_modulation, ...) are set only when
+  dim == 3840, and supported_models.ZImage matches only dim 3840 (any other width becomes plain Lumina 2).
+- Text encoders: T5-XXL's width comes from t5_config_xxl.json, CLIP-L's from sd1_clip_config.json, Qwen3-4B's and
+  Qwen2.5-VL-7B's from dataclasses in comfy/text_encoders/llama.py; the loaders never look at the file's shapes.
+
+What is patched, at import, and only for files narrower than the real model (a real file is never affected,
+so the SD1.5 fixture and real models load exactly as before in the same server):
+
+1. comfy.model_detection.detect_unet_config is wrapped. After ComfyUI's own detection it fills in the widths
+   ComfyUI pins, from the file's shapes, keeping the real head width (128) and RoPE axes:
+   Flux (image_model "flux", hidden_size != 3072): num_heads = hidden_size // sum(axes_dim).
+   Lumina 2 with a `cap_pad_token` (only Z-Image has one) and dim not 2304/3840: Z-Image's own settings
+   (z_image_modulation, time_scale 1000, axes [32, 48, 48], rope_theta 256, ffn 8/3, pad to 32) with
+   n_heads = n_kv_heads = dim // 128.
+   Qwen-Image (img_in width != 3072): num_attention_heads = width // 128, joint_attention_dim = txt_in width.
+2. comfy.model_detection.model_config_from_unet_config is wrapped: such a tiny Z-Image config returns
+   comfy.supported_models.ZImage(unet_config), exactly what ComfyUI returns when ZImage matches (it would
+   otherwise fall through to Lumina2, with shift 6 instead of 3).
+3. comfy.sd.load_text_encoder_state_dicts (behind CLIPLoader, DualCLIPLoader and comfy.sd.load_clip) is wrapped:
+   for a narrow CLIP-L, T5-XXL, Qwen3-4B or Qwen2.5-VL-7B state dict it adds ComfyUI's own per-encoder config
+   override, model_options["<t5xxl|qwen3_4b|qwen25_7b>_model_config"] (read by sd1_clip.SDClipModel and merged
+   into the json / dataclass config), with the widths and depths read from the file. For CLIP-L it is
+   model_options["model_config"]: ComfyUI's long-CLIP support (text_encoders/long_clipl.py) rebuilds
+   "clip_l_model_config" from that key for every CLIP-L file. ComfyUI's loaders, encoder classes, tokenizers and
+   encode code are otherwise unchanged.
+
+Not shrinkable this way: llama.py's head_dim (a class attribute, 128, so Qwen files keep 128-wide heads; the
+Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128), and Qwen2.5-VL's vision tower, built at
+full size but never loaded or touched for text (its memory stays unallocated; ComfyUI logs its keys as missing).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+NODE_CLASS_MAPPINGS: dict = {}
+NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+
+_HEAD_DIM = 128  # Flux, Z-Image, Qwen-Image and the Qwen text encoders all use 128-wide attention heads
+_log = logging.getLogger(__name__)
+
+
+def _count(sd: dict, pattern: str) -> int:
+    rx = re.compile(pattern)
+    return len({m.group(1) for k in sd if (m := rx.match(k))})
+
+
+def _tiny_unet_config(cfg: dict | None, sd: dict, prefix: str) -> dict | None:
+    if cfg is None:
+        return cfg
+    model = cfg.get("image_model")
+    if model == "flux" and cfg.get("hidden_size", 3072) != 3072:
+        cfg["num_heads"] = cfg["hidden_size"] // sum(cfg["axes_dim"])
+    elif model == "lumina2" and cfg["dim"] not in (2304, 3840) and f"{prefix}cap_pad_token" in sd:
+        cfg.update(n_heads=cfg["dim"] // _HEAD_DIM, n_kv_heads=cfg["dim"] // _HEAD_DIM, axes_dims=[32, 48, 48],
+                   axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
+                   z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
+    elif model == "qwen_image" and sd[f"{prefix}img_in.weight"].shape[0] != 3072:
+        cfg["num_attention_heads"] = sd[f"{prefix}img_in.weight"].shape[0] // _HEAD_DIM
+        cfg["joint_attention_dim"] = sd[f"{prefix}txt_in.weight"].shape[1]
+    return cfg
+
+
+def _te_overrides(sd: dict) -> dict:
+    """{"<model_name>_model_config": {...}} for a state dict narrower than the real encoder, else {}."""
+    if "model.embed_tokens.weight" in sd and "model.layers.0.self_attn.q_proj.weight" in sd:  # Qwen (llama.py)
+        vocab, hidden = sd["model.embed_tokens.weight"].shape
+        name, real = ("qwen3_4b", 2560) if "model.layers.0.self_attn.q_norm.weight" in sd else ("qwen25_7b", 3584)
+        if name == "qwen25_7b" and "model.layers.0.self_attn.k_proj.bias" not in sd:
+            return {}
+        if hidden == real:
+            return {}
+        return {f"{name}_model_config": dict(
+            vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=sd["model.layers.0.mlp.gate_proj.weight"].shape[0],
+            num_hidden_layers=_count(sd, r"model\.layers\.(\d+)\."),
+            num_attention_heads=sd["model.layers.0.self_attn.q_proj.weight"].shape[0] // _HEAD_DIM,
+            num_key_value_heads=sd["model.layers.0.self_attn.k_proj.weight"].shape[0] // _HEAD_DIM)}
+    if "shared.weight" in sd and "encoder.block.0.layer.1.DenseReluDense.wi_1.weight" in sd:  # T5 v1.1 (XXL)
+        vocab, d_model = sd["shared.weight"].shape
+        if d_model == 4096:
+            return {}
+        heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
+        return {"t5xxl_model_config": dict(
+            vocab_size=vocab, d_model=d_model, num_heads=heads,
+            d_kv=sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0] // heads,
+            d_ff=sd["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0],
+            num_layers=_count(sd, r"encoder\.block\.(\d+)\."))}
+    if "text_model.embeddings.token_embedding.weight" in sd:  # CLIP-L (sd1_clip_config.json), 64-wide heads
+        vocab, hidden = sd["text_model.embeddings.token_embedding.weight"].shape
+        if hidden >= 768:
+            return {}
+        cfg = dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
+                   intermediate_size=sd["text_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
+                   num_hidden_layers=_count(sd, r"text_model\.encoder\.layers\.(\d+)\."),
+                   max_position_embeddings=sd["text_model.embeddings.position_embedding.weight"].shape[0])
+        return {"clip_l_model_config": cfg}
+    return {}
+
+
+def _install() -> None:
+    import comfy.model_detection as md
+    import comfy.sd
+    import comfy.supported_models
+
+    if getattr(md.detect_unet_config, "_leanlora_tiny", False):
+        return  # imported twice (in-process tests and a server both importing it): patch once
+
+    detect = md.detect_unet_config
+    config_from_unet_config = md.model_config_from_unet_config
+    load_te = comfy.sd.load_text_encoder_state_dicts
+
+    @functools.wraps(detect)
+    def detect_unet_config(state_dict, key_prefix, metadata=None):
+        return _tiny_unet_config(detect(state_dict, key_prefix, metadata=metadata), state_dict, key_prefix)
+
+    @functools.wraps(config_from_unet_config)
+    def model_config_from_unet_config(unet_config, state_dict=None):
+        if (unet_config.get("image_model") == "lumina2" and unet_config.get("z_image_modulation")
+                and unet_config.get("dim") != 3840):
+            return comfy.supported_models.ZImage(unet_config)
+        return config_from_unet_config(unet_config, state_dict)
+
+    @functools.wraps(load_te)
+    def load_text_encoder_state_dicts(state_dicts=[], embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
+                                      model_options={}):
+        extra = {}
+        for sd in state_dicts:
+            extra.update(_te_overrides(sd))
+        if "clip_l_model_config" in extra:
+            # comfy/text_encoders/long_clipl.py replaces "clip_l_model_config" with model_options["model_config"]
+            # plus the file's max_position_embeddings (its long-CLIP support), so CLIP-L's goes in there.
+            extra["model_config"] = extra.pop("clip_l_model_config")
+        if extra:
+            _log.info("tiny_dit_configs: tiny text encoder config %s", extra)
+            model_options = {**model_options, **extra}
+        return load_te(state_dicts, embedding_directory=embedding_directory, clip_type=clip_type,
+                       model_options=model_options)
+
+    for f in (detect_unet_config, model_config_from_unet_config, load_text_encoder_state_dicts):
+        f._leanlora_tiny = True
+    md.detect_unet_config = detect_unet_config
+    md.model_config_from_unet_config = model_config_from_unet_config
+    comfy.sd.load_text_encoder_state_dicts = load_text_encoder_state_dicts
+
+
+_install()

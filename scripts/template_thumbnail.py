@@ -40,6 +40,10 @@ TEMPLATES = {
     "leanlora_continue_training": ("LeanLoRA: continue a LoRA",
                                    ("your checkpoint", "new images\n+ captions", "your LoRA\n(continue from)"),
                                    ("LoRA, more\nsteps", "with LoRA")),
+    **{f"leanlora_{family}_train_then_generate": (f"LeanLoRA: {title}, train + generate",
+                                                  (f"your {title}\nfiles", "your images\n+ captions",
+                                                   "card: auto\n+ LoRA shape"), ("with LoRA", "models/loras"))
+       for family, title in (("z_image", "Z-Image"), ("flux_dev", "FLUX.1-dev"), ("qwen_image", "Qwen-Image"))},
 }
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = sorted((REPO / "example_workflows").glob("*.json"))
 TWIN = REPO / "workflows" / "api" / "train_then_generate.json"
-TRAIN_ID = "5"  # the Train node's id in the template and its API twin
+TRAIN_ID = "5"  # the Train node's id in the templates and the API twin
+PANEL_TEMPLATE = "leanlora_train_with_samples"  # the runs' panel: the template whose Train node has room for samples
 TITLE_HEIGHT = 30
 
 
@@ -114,8 +115,11 @@ class Page:
             const node = app.graph.getNodeById(id) ?? app.graph.getNodeById(Number(id));
             const root = node?.leanloraPanel?.root;
             const text = cls => root?.querySelector(cls)?.textContent ?? null;
+            const gallery = [...(root?.querySelectorAll('.ll-gallery figure') ?? [])].map(f => ({
+                caption: f.querySelector('figcaption')?.textContent, title: f.querySelector('img')?.title,
+                loaded: (f.querySelector('img')?.naturalWidth ?? 0) > 0}));
             return {state, phase: text('.ll-phase'), stats: text('.ll-stats'), final: text('.ll-final'),
-                    plan: text('.ll-plan')}; }""", node_id)
+                    plan: text('.ll-plan'), gallery}; }""", node_id)
 
     def wait_panel(self, predicate, timeout_s: float = 300, node_id: str = TRAIN_ID) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -126,6 +130,12 @@ class Page:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the panel never got there: {json.dumps(panel)[:2000]}")
             self.page.wait_for_timeout(100)
+
+    def chart_pixels(self, node_id: str = TRAIN_ID) -> int:
+        """Pixels of the panel's chart in the smoothed loss line's blue: 0 when no line was drawn."""
+        return self.evaluate("""id => { const c = app.graph.getNodeById(id).leanloraPanel.parts.chart;
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let lit = 0;
+            for (let i = 0; i < d.length; i += 4) if (d[i + 2] > 200 && d[i] < 120) lit++; return lit; }""", node_id)
 
     def screenshot(self, path: Path) -> None:
         self.close_dialogs()
@@ -162,6 +172,11 @@ def overlapping(nodes: list[dict]) -> list[tuple]:
     return found
 
 
+# two tiny samples at steps 15 and 30: the panel's gallery by step and prompt
+SAMPLES = dict(sample_prompts="lnlr, a red circle\nlnlr, a blue square", sample_every_n_steps=15, sample_size=64,
+               sample_steps=2, sample_cfg=5.0, sample_seed=1)
+
+
 def train_prompt(**train_inputs) -> dict:
     """The twin's training half (checkpoint -> Dataset / Memory / LoRA Config -> Train) with these Train inputs."""
     api = json.loads(TWIN.read_text())
@@ -173,22 +188,30 @@ def train_prompt(**train_inputs) -> dict:
 def training_states(page: Page, out: Path | None, output_name: str = "browser_run") -> dict:
     """One run to its end and one cancelled run on the template's Train node, screenshots of each state."""
     shots = {}
-    page.load_template("leanlora_train_then_generate")
-    page.view(-80, 330)
-    page.queue(train_prompt(steps=30, output_name=output_name, warmup_steps=0))
+    page.load_template(PANEL_TEMPLATE)
+    page.view(-80, 390)
+    page.queue(train_prompt(steps=30, output_name=output_name, warmup_steps=0, **SAMPLES))
     training = page.wait_panel(lambda p: p["state"]["step"] >= 12)
     if out:
         page.screenshot(out / "train_panel_training.jpg")
-    done = page.wait_panel(lambda p: bool(p["final"]))
+    # the final samples come after the saved message: wait for both, and for the images to load
+    done = page.wait_panel(lambda p: bool(p["final"]) and len(p["gallery"]) == 4 and all(g["loaded"] for g in p["gallery"]))
     if out:
         page.screenshot(out / "train_panel_saved.jpg")
-    shots["training"], shots["done"] = training, done
+    shots["training"], shots["done"], shots["chart_pixels"] = training, done, page.chart_pixels()
+    shots["overlapping_after"] = overlapping(page.nodes())  # the gallery grew the panel: still inside its room
     page.queue(train_prompt(steps=100000, output_name=f"{output_name}_cancel"))
     page.wait_panel(lambda p: p["state"]["step"] >= 3 and not p["final"])
     page.interrupt()
     shots["cancelled"] = page.wait_panel(lambda p: bool(p["final"]))
     if out:
         page.screenshot(out / "train_panel_stopped.jpg")
+    # a reloaded page draws the panel again from the last state (kept in the browser's localStorage)
+    page.page.reload()
+    page.page.wait_for_function("window.app && window.app.graph && window.LeanLoRA", timeout=180_000)
+    page.close_dialogs()
+    page.load_template(PANEL_TEMPLATE)
+    shots["reloaded"] = page.panel()
     return shots
 
 

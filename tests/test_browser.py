@@ -48,8 +48,9 @@ def test_an_old_memory_settings_node_loads_as_manual_with_its_values(page):
 
 
 def test_the_train_panel_shows_phases_progress_the_saved_file_and_a_stop(page, comfy_server):
-    """One page, the template's Train node: the phase before step 1, step/loss/pace with a chart, "Saved to
-    models/loras/<file>" at the end; then a run stopped with Cancel: "stopped; partial saved ...; set resume"."""
+    """One page, the template's Train node: the phase before step 1, step/loss/pace with a chart, samples by step
+    and prompt, "Saved to models/loras/<file>" at the end; then a run stopped with Cancel: "stopped; partial saved
+    ...; set resume"; after a page reload the panel shows that last state again."""
     states = browser_ui.training_states(page, SCREENSHOTS, output_name="browser_panel")
     training, done, cancelled = states["training"], states["done"], states["cancelled"]
     assert "caching latents and text embeddings" in training["state"]["phases"]  # before step 1
@@ -64,8 +65,10 @@ def test_the_train_panel_shows_phases_progress_the_saved_file_and_a_stop(page, c
     assert re.fullmatch(r"stopped; partial saved to models/loras/browser_panel_cancel(_\d+)?_partial_step\d+"
                         r"\.safetensors; set resume to continue", final), final
     assert (comfy_server.base_dir / final.split(" to ", 1)[1].split(";")[0]).is_file()
-    chart = page.evaluate("""() => { const c = app.graph.getNodeById(5).leanloraPanel.parts.chart;
-        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let lit = 0;
-        for (let i = 0; i < d.length; i += 4) if (d[i + 2] > 200 && d[i] < 120) lit++; return lit; }""")
-    assert chart > 50, "the loss chart drew no line"  # blue pixels of the smoothed loss
+    assert states["chart_pixels"] > 50, "the loss chart drew no line"  # blue pixels of the smoothed loss
+    # samples by step and prompt, newest first, each image served by ComfyUI's /view
+    assert [g["caption"] for g in done["gallery"]] == ["step 30 · lnlr, a red circle", "step 30 · lnlr, a blue square",
+                                                       "step 15 · lnlr, a red circle", "step 15 · lnlr, a blue square"]
+    assert not states["overlapping_after"], states["overlapping_after"]
+    assert states["reloaded"]["final"] == final and states["reloaded"]["state"]["step"] == cancelled["state"]["step"]
     assert not page.unknown_messages(), page.unknown_messages()

@@ -83,12 +83,15 @@ function stateOf(id) {
   return panels.get(id);
 }
 
-let saveTimer = null;
-function persist(id) {
-  clearTimeout(saveTimer);
-  saveTimer = setTimeout(() => {
+const saveTimers = new Map();
+function persist(id, now = false) {
+  // steps come many a second: kept at most every 500 ms; a start or an end at once
+  clearTimeout(saveTimers.get(id));
+  const save = () => {
     try { localStorage.setItem(STORE_KEY + id, JSON.stringify(stateOf(id))); } catch { /* storage full: skip */ }
-  }, 500);
+  };
+  if (now) save();
+  else saveTimers.set(id, setTimeout(save, 500));
 }
 
 function duration(seconds) {
@@ -145,7 +148,7 @@ function onProgress(event) {
       break;
   }
   s.updated = Date.now();
-  redraw(id);
+  redraw(id, e.kind === "start");
 }
 
 function onFinished(stopped) {
@@ -158,7 +161,7 @@ function onFinished(stopped) {
     s.stopped = stopped;
     s.phase = stopped ? "stopped" : "done";
     s.updated = Date.now();
-    redraw(String(e.node));
+    redraw(String(e.node), true);
   };
 }
 
@@ -285,8 +288,8 @@ function render(node) {
   node.setDirtyCanvas(true, true);
 }
 
-function redraw(id) {
-  persist(id);
+function redraw(id, now = false) {
+  persist(id, now);
   const node = app.graph?.getNodeById?.(id) ?? app.graph?.getNodeById?.(Number(id));
   if (node?.leanloraPanel) render(node);
 }

@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   >/dev/null 2>&1 || echo "[dit_gpu] pip install failed"
 tar xzf .gpu/comfyui.tgz -C .cache && tar xzf .gpu/dit_tokenizers.tgz -C .cache/comfyui
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-case "$PLAN" in z_image) FAMILY=z_image ;; *) FAMILY=flux_dev ;; esac
+case "$PLAN" in z_image|cards24) FAMILY=z_image ;; *) FAMILY=flux_dev ;; esac
 ASSETS=/tmp/dit_assets
 if [ -f "$ASSETS/assets.json" ] && ! grep -q "\"$FAMILY\"" "$ASSETS/assets.json"; then rm -rf "$ASSETS"; fi
 { nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader

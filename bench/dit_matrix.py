@@ -79,7 +79,12 @@ def plan_smoke() -> list[Server]:
                                                            **tiny)], est_start_s=15)]
 
 
-PLANS = {"z_image": plan_z_image, "flux_dev": plan_flux_dev, "flux_peer": plan_flux_peer, "smoke": plan_smoke,
+def plan_cards24() -> list[Server]:
+    """The two 24 GiB rows again, with the NVML timeline (where in the job the process peak falls)."""
+    return [s for s in plan_flux_dev() + plan_z_image() if s.card_gib == 24]
+
+
+PLANS = {"cards24": plan_cards24, "z_image": plan_z_image, "flux_dev": plan_flux_dev, "flux_peer": plan_flux_peer, "smoke": plan_smoke,
          "flux_all": lambda: plan_flux_dev() + plan_flux_peer()}
 
 
@@ -127,8 +132,8 @@ def _status_kib(pid: int, field: str) -> int | None:
 class RssSampler:
     """The server process's VmRSS every `period` s in a thread: (monotonic time, bytes)."""
 
-    def __init__(self, pid: int | None, period: float = 0.1):
-        self.pid, self.period, self.samples = pid, period, []
+    def __init__(self, pid: int | None, period: float = 0.1, nvml=None):
+        self.pid, self.period, self.samples, self.nvml, self.device = pid, period, [], nvml, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rss")
         if pid is not None:
@@ -139,6 +144,11 @@ class RssSampler:
             kib = _status_kib(self.pid, "VmRSS")
             if kib is not None:
                 self.samples.append((time.monotonic(), kib * 1024))
+            if self.nvml is not None and self.nvml.available:  # device-level used memory: a timeline beside the peaks
+                try:
+                    self.device.append((time.monotonic(), self.nvml.used()))
+                except Exception:
+                    pass
             time.sleep(self.period)
 
     def stop(self) -> None:
@@ -146,8 +156,8 @@ class RssSampler:
         if self._thread.is_alive():
             self._thread.join(2)
 
-    def peak(self, since: float | None = None) -> int | None:
-        values = [b for t, b in self.samples if since is None or t >= since]
+    def peak(self, since: float | None = None, series=None) -> int | None:
+        values = [b for t, b in (self.samples if series is None else series) if since is None or t >= since]
         return max(values) if values else None
 
 
@@ -156,7 +166,7 @@ _base_run_job = sm.run_job
 
 def run_job(server, job, assets, run_tag, timeout_s, sampler_steps, cfg):
     pid = server.proc.pid if server.proc else None
-    rss = RssSampler(pid)
+    rss = RssSampler(pid, nvml=server.nvml)
     started = time.monotonic()
     try:
         row = _base_run_job(server, job, assets, run_tag, timeout_s, sampler_steps, cfg)
@@ -167,12 +177,24 @@ def run_job(server, job, assets, run_tag, timeout_s, sampler_steps, cfg):
     if row.get("first_step_after_s") is not None:
         training = rss.peak(started + row["first_step_after_s"])
         row["host_rss_from_first_step_peak_gib"] = round(training / GIB, 3) if training else None
+    if rss.device:  # NVML over the server's baseline: before the first reported step (setup, probes, capture) / after
+        base = server.nvml_baseline
+        first = started + row["first_step_after_s"] if row.get("first_step_after_s") is not None else None
+        before = [b for t, b in rss.device if first is None or t < first]
+        row["nvml_before_first_step_peak_over_baseline_gib"] = round((max(before) - base) / GIB, 3) if before else None
+        if first is not None:
+            after = rss.peak(first, rss.device)
+            row["nvml_from_first_step_peak_over_baseline_gib"] = round((after - base) / GIB, 3) if after else None
+        row["nvml_timeline_over_baseline"] = [(round(t - started, 1), round((b - base) / GIB, 2))
+                                              for t, b in rss.device[::5]]
     hwm = _status_kib(pid, "VmHWM") if pid else None
     row["host_vmhwm_gib"] = round(hwm * 1024 / GIB, 3) if hwm else None
     if rss.samples:  # a coarse timeline: one sample per second, seconds since the job was queued
         row["host_rss_timeline"] = [(round(t - started, 1), round(b / GIB, 2)) for t, b in rss.samples[::10]]
     print(f"[dit] {server.spec.name}/{job.name}: host RSS job peak {row['host_rss_job_peak_gib']} GiB, from the "
-          f"first step {row.get('host_rss_from_first_step_peak_gib')}, VmHWM {row['host_vmhwm_gib']}", flush=True)
+          f"first step {row.get('host_rss_from_first_step_peak_gib')}, VmHWM {row['host_vmhwm_gib']}; NVML over baseline "
+          f"before the first step {row.get('nvml_before_first_step_peak_over_baseline_gib')}, from it "
+          f"{row.get('nvml_from_first_step_peak_over_baseline_gib')}", flush=True)
     return row
 
 

@@ -24,11 +24,13 @@ if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.errors import LeanLoRAError
     from ..trainer.frozen_weights import cast_frozen_weights
     from ..trainer.model import FamilyIdentity
+    from ..trainer.vram import available_ram_bytes
     from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
     from trainer.frozen_weights import cast_frozen_weights
     from trainer.model import FamilyIdentity
+    from trainer.vram import available_ram_bytes
     from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 
 
@@ -188,6 +190,7 @@ class ComfyAdapter:
         (which cannot be saved for backward) into normal ones. LoRAs already patched onto the MODEL are baked in."""
         with torch.inference_mode():  # see encode_image
             comfy.model_management.unload_all_models()  # weights back to their unpatched, offloaded state
+        self._check_ram_for_copy()
         unet = _plain_copy(self.base.diffusion_model)
         for key, patches in self.patcher.patches.items():
             if key.startswith("diffusion_model."):
@@ -200,6 +203,19 @@ class ComfyAdapter:
 
     def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:
         return self.family.lora_targets(unet, targets)
+
+    def _check_ram_for_copy(self) -> None:
+        """The private copy is made in host RAM: a machine without the room gets an error naming the numbers
+        instead of swapping to a halt or being killed by the system (a 12B FLUX in bf16 is a 22 GiB copy)."""
+        need = sum(t.numel() * t.element_size() for t in self.base.diffusion_model.state_dict().values())
+        available = available_ram_bytes()
+        if available is not None and need > available:
+            gib = 2 ** 30
+            raise LeanLoRAError(
+                f"LeanLoRA Train: its private copy of the diffusion model ({type(self.base).__name__}) needs "
+                f"{need / gib:.2f} GiB of free RAM, and this machine has {available / gib:.2f} GiB available. Load the "
+                "model with weight_dtype fp8_e4m3fn in Load Diffusion Model (or an fp8 file) to halve that, or free "
+                "RAM (close programs, unload other models)")
 
     def checkpoint_blocks(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
                           latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:

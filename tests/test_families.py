@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import tiny_assets
 import tiny_dit_assets
 from comfy_headless import execution_error
 from trainer.dataset import scan_folder
-from trainer.settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX
 
@@ -126,6 +127,19 @@ def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_g
     assert set(generic.checkpoint_units(net, latent_size=(8, 8))) == set(net.blocks)
 
 
+def test_a_machine_without_the_ram_for_the_private_copy_gets_the_numbers_before_training(family_objects, monkeypatch):
+    import bridge.comfy_adapter as comfy_adapter
+    from trainer.errors import LeanLoRAError
+    adapter = _adapter(family_objects["flux_dev"])
+    monkeypatch.setattr(comfy_adapter, "available_ram_bytes", lambda: 1024 ** 2)  # 1 MiB free
+    with pytest.raises(LeanLoRAError, match=r"private copy of the diffusion model \(Flux\) needs 0\.0\d GiB of free "
+                                            r"RAM, and this machine has 0\.00 GiB available\. Load the model with "
+                                            r"weight_dtype fp8_e4m3fn"):
+        adapter.training_unet()
+    monkeypatch.setattr(comfy_adapter, "available_ram_bytes", lambda: None)  # unknown: no check
+    assert adapter.training_unet() is not None
+
+
 def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, two_images, tmp_path, monkeypatch,
                                                                  caplog):
     """Qwen-Image as if no family knew it: ComfyUI core's approach (LoRA on the Linear layers of the repeated
@@ -140,6 +154,7 @@ def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, 
     outcome = train_lora(adapter, two_images, FP32_CHECKPOINTED, LORA, TrainSettings(2, 1e-3, 0, "generic"), tmp_path,
                          lambda **event: None, lambda: False)
     assert "via the generic path" in outcome.report and all(np.isfinite(outcome.losses))
+    assert re.search(r"host RAM: this process's peak since it started \d+\.\d\d GiB", outcome.report)
     saved = load_file(str(outcome.lora_path))
     with caplog.at_level(logging.WARNING):
         caplog.clear()
@@ -320,6 +335,23 @@ def test_samples_during_training_render_with_the_familys_sampler(family_objects,
     image = Image.open(path)
     assert path.name == "step3_0.png" and image.size == (64, 64)
     assert "euler simple" in image.text["parameters"]
+
+
+_OFFLOADED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8, checkpoint_share=0.5, activation_offload=True)
+_STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.5, batch_size=2,
+                           optimizer="AdamW8bit")
+
+
+@pytest.mark.parametrize("family, memory", [("flux_dev", _OFFLOADED), ("z_image", _STREAMED), ("qwen_image", _OFFLOADED),
+                                            ("flux_dev", _STREAMED)],
+                         ids=["flux-fp8-half-checkpointed-offloaded", "z_image-streamed-batch2-8bit",
+                              "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit"])
+def test_every_memory_technique_runs_on_each_family(family_objects, two_images, family, memory, tmp_path):
+    lora = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # step-seeded LoRA dropout through the recompute
+    outcome = train_lora(_adapter(family_objects[family]), two_images, memory, lora,
+                         TrainSettings(2, 1e-3, 0, f"memory_{family}"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and not outcome.run.recoveries
+    assert "frozen weights stored as fp8" in outcome.report and outcome.lora_path.is_file()
 
 
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------

@@ -32,7 +32,7 @@ from .settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from .training_state import (TrainingState, check_resumable, dataset_fingerprint, load_training_state,
                              lora_fingerprint, model_fingerprint, save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
-from .vram import GIB, DevicePeak, Timeline, device_memory_gib, reset_peak
+from .vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
@@ -351,6 +351,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     report.append(f"trained {trained}/{train.steps - first_step} steps"
                   + (f" (steps {first_step + 1}-{steps_done} of {train.steps})" if first_step else "")
                   + f" in {seconds:.1f} s ({seconds / trained:.3f} s/step)")
+    ram_peak = process_ram_peak_gib()
+    if ram_peak is not None:
+        report.append(f"host RAM: this process's peak since it started {ram_peak:.2f} GiB")
     if recoveries:
         report.append(f"memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
         report += [f"  {recovery.describe()}" for recovery in recoveries]

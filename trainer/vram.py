@@ -157,6 +157,38 @@ def system_ram_gib() -> tuple[float, float]:
         return (memory.total - memory.available) / GIB, memory.total / GIB
 
 
+def available_ram_bytes() -> int | None:
+    """Host RAM a new allocation can get without swapping (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def process_ram_peak_gib() -> float | None:
+    """The host process's peak resident memory since it started (the whole ComfyUI server), or None."""
+    try:
+        import resource
+        import sys
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        try:
+            import psutil
+            info = psutil.Process().memory_info()
+            return getattr(info, "peak_wset", info.rss) / GIB  # Windows keeps the peak working set
+        except ImportError:
+            return None
+
+
 def snapshot() -> dict:
     devices, why = nvml_devices()
     torch_devices = []

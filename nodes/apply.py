@@ -1,6 +1,5 @@
 import math
 
-from ..bridge.comfy_adapter import apply_lora
 from ..trainer.errors import LeanLoRAError
 from ..trainer.files import non_finite_tensors
 from .common import CATEGORY
@@ -35,4 +34,5 @@ class LeanLoRAApplyLoRA:
         if bad:
             raise LeanLoRAError(f"LeanLoRA Apply LoRA: the LoRA holds NaN/inf weights ({len(bad)} tensors, e.g. "
                                 f"{bad[0]}); it would render black. Train it again with a lower learning rate")
+        from ..bridge.comfy_adapter import apply_lora  # imports peft: when it runs, not at pack load
         return apply_lora(model, clip, lora, strength_model, strength_clip)

@@ -7,6 +7,12 @@ from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, Allocator, Att
                                 CheckpointDepth, FastPath, LatentCache, LoraTargets, LoraWeights)
 
 CARD_SIZES_GIB = (2, 3, 4, 6, 8, 10, 12, 16, 24)
+# Memory Settings' first widget: the card memory is planned for. "auto" (the card as it is, less ComfyUI's reserve) or
+# a size sets auto-fit's budget and the auto_fit widget is not read; "manual" takes every widget as given, auto_fit
+# included: what a workflow saved before this widget existed meant (it has no card value: see card_to_auto_fit).
+CARD_AUTO, CARD_MANUAL = "auto (this GPU)", "manual"
+CARDS = {CARD_AUTO: AUTO_FIT_FREE_VRAM, **{f"{gib} GiB": AutoFit(card_gib=gib) for gib in CARD_SIZES_GIB},
+         CARD_MANUAL: None}
 # Train's resume dropdown: these two, then the training states found in the loras folders
 RESUME_OFF, RESUME_LATEST = "off", "latest state of this output name"
 
@@ -47,4 +53,17 @@ def values_of(inputs: dict) -> dict:
             if label not in table:
                 raise LeanLoRAError(f"{field}: got {label!r}; choose one of {', '.join(table)}")
             values[field] = table[label]
+    return values
+
+
+def memory_values(inputs: dict) -> dict:
+    """Memory Settings' inputs as MemorySettings fields: the card (absent in workflows saved before it: manual)
+    decides auto_fit unless it is manual, then every labelled field becomes its value."""
+    inputs = dict(inputs)
+    card = inputs.pop("card", CARD_MANUAL)
+    if card not in CARDS:
+        raise LeanLoRAError(f"card: got {card!r}; choose one of {', '.join(CARDS)}")
+    values = values_of(inputs)
+    if CARDS[card] is not None:
+        values["auto_fit"] = CARDS[card]
     return values

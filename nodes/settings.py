@@ -1,114 +1,95 @@
 import os
 
 from ..trainer.errors import LeanLoRAError
-from ..trainer.lora_import import check_file
 from ..trainer.settings import MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
 from .common import CATEGORY
-from .labels import choices, values_of
+from .labels import CARD_AUTO, CARDS, choices, memory_values, values_of
 
 NO_LORA = "none"  # continue_from: start a new LoRA
+
+
+# Widgets behind the node's "Show Advanced" (web/leanlora.js marks them): with a card set, the plan picks them.
+ADVANCED = {"advanced": True}
 
 
 class LeanLoRAMemorySettings:
     @classmethod
     def INPUT_TYPES(cls):
+        # A UI workflow stores widget values by position: `card` leads, then the widgets in the order workflows
+        # saved before it have them (web/leanlora.js puts "manual" in front of such a workflow's values). All are
+        # optional so that an API prompt without `card` (or any newer widget) still runs as it always did.
         return {
-            "required": {
-                "mixed_precision": (list(MIXED_PRECISION), {"default": "bf16", "tooltip":
-                    "bf16: half the activation memory, no loss scaling needed (RTX 30xx and newer). fp16: for older "
-                    "GPUs, with dynamic loss scaling (overflowed steps are skipped and counted). no: full fp32."}),
-                "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip":
-                    "Recompute activations during backward instead of storing them: much less VRAM (SDXL 1024: 5.7 instead "
-                    "of 10.5 GiB), ~35% slower steps (the forward pass runs twice)."}),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip":
-                    "Images per forward pass. More is faster per image but needs more VRAM."}),
-                "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256, "tooltip":
-                    "Add up gradients of this many batches before each optimizer step: effective batch = "
-                    "batch_size x gradient_accumulation at the VRAM cost of batch_size."}),
-                "optimizer": (list(OPTIMIZERS), {"default": "AdamW", "tooltip":
-                    "AdamW: the reference. AdamW8bit / Lion8bit (bitsandbytes): optimizer state in 8 bits, ~4x "
-                    "smaller. PagedAdamW8bit: state can spill to CPU RAM. Lion: one moment instead of two (use a "
-                    "3-10x lower learning rate). Adafactor: factored state, smallest. Without bitsandbytes the "
-                    "8-bit choices fall back to AdamW/Lion and the report says so."}),
-                "base_weights": (choices("base_weights"), {"default": "as loaded", "tooltip":
-                    "fp8: store the frozen checkpoint weights of the training copy in fp8 (half of fp16), upcast "
-                    "layer by layer while computing. fp8 streamed from CPU: also keep those weights in CPU RAM "
-                    "and copy each layer to the GPU just before it runs (least VRAM, slower; CUDA only)."}),
-                "auto_fit": (choices("auto_fit"), {"default": "off", "tooltip":
-                    "Before step 1, measure the memory these settings need and, if it exceeds the budget, take "
-                    "the next memory saver (batch -> accumulation, bf16, checkpointing, 8-bit optimizer, fp8, activation offload, "
-                    "streaming) until it fits. 'free VRAM' = what the GPU has free now. The report says what "
-                    "was chosen and why."}),
-                "latent_cache": (choices("latent_cache"), {"default": "RAM", "tooltip":
-                    "Keep image latents and caption embeddings between runs, keyed by file content, crop and "
-                    "encoder: re-queuing with other settings skips the VAE/CLIP, and only changed images are "
-                    "re-encoded. RAM: up to 2 GiB in this ComfyUI process. RAM + disk: also in "
-                    "models/leanlora_cache (survives restarts). off: encode every run."}),
-                "attention": (choices("attention"), {"default": "auto", "tooltip":
-                    "Attention kernel used while training. auto: what ComfyUI picked at start-up. pytorch SDPA: "
-                    "flash / memory-efficient kernels where the GPU has them. xformers: only if installed for "
-                    "your torch on an NVIDIA GPU. chunked: sub-quadratic attention in slices, least memory, slowest."}),
-            },
-            # Optional so workflows saved before these existed still load with the defaults; a new one goes last (a
-            # UI workflow stores its widget values by position).
+            "required": {},
             "optional": {
-                "checkpoint_depth": (choices("checkpoint_depth"), {"default": "per layer", "tooltip":
-                    "With gradient checkpointing: recompute each ResBlock and each single transformer layer (per "
-                    "layer: least memory during backward on SDXL, whose deep blocks stack 10 layers) or each whole "
-                    "transformer block (per block: fewer stored block inputs, more memory while one block is "
-                    "recomputed). Same compute either way."}),
-                "checkpoint_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, "tooltip":
-                    "With gradient checkpointing: the fraction of blocks recomputed. 1 = all (least memory). Lower "
-                    "keeps more activations in VRAM and runs faster: the blocks that free the most memory per "
-                    "recomputed FLOP go first (SDXL 1024, estimated: 0.4 frees about half the activation memory for 42% of "
-                    "the extra compute). With checkpointing off, auto_fit and out-of-memory recovery try 0.2, 0.4, 0.6 "
-                    "and 0.8 before all blocks."}),
-                "fast_path": (choices("fast_path"), {"default": "CUDA graphs", "tooltip":
-                    "CUDA graphs: record each step's GPU work once per image size and replay it, removing the "
-                    "Python overhead that dominates small batches (often 3-6x faster steps). Falls back to normal "
-                    "steps, saying why, where capture is not possible. off: plain PyTorch steps."}),
-                "activation_offload": ("BOOLEAN", {"default": False, "tooltip":
-                    "Keep what the forward pass saves for backward (with checkpointing: each block's input) in "
-                    "pinned CPU RAM instead of VRAM. Saves ~0.5 GiB on SDXL at 1024; the copies run beside the "
-                    "compute (~6 ms per SDXL step on an H200)."}),
-                "compile": ("BOOLEAN", {"default": False, "tooltip":
-                    "torch.compile the diffusion model (fused kernels; needs a C++ compiler, and Triton on the "
-                    "GPU). Each repeated block (transformer layer; ResBlock, except at the deepest levels' widest "
-                    "channel count, where compiling costs more time than it saves) is compiled once per batch shape and shared by its twins, before step 1, and the report says how long it "
-                    "took; another image size (bucket) or a smaller last batch compiles once more when it first "
-                    "comes. Where compiling fails the report says why and training runs uncompiled. Measured on "
-                    "SDXL 1024 (H200): 33-62 s of compiling the first time (about 9 s after a restart, 2 s when "
-                    "re-queued), then at batch 8 14% faster steps and 7 GiB less memory; with fp8 weights, "
-                    "checkpointing and offload (lean) 15-24% faster steps."}),
-                "lora_weights": (choices("lora_weights"), {"default": "fp32", "tooltip":
-                    "fp32: the usual master weights. bf16 + stochastic rounding: LoRA weights and gradients in half "
-                    "the memory (matters at high ranks: ~0.7 GiB at SDXL rank 128); each update is rounded up or "
-                    "down at random so small steps still add up; ~10% faster steps. The optimizer steps fp32 "
-                    "copies of a few million weights at a time. Needs mixed_precision bf16."}),
-                "allocator": (choices("allocator"), {"default": "expandable segments", "tooltip":
-                    "expandable segments: PyTorch's allocator grows one mapping instead of many fixed blocks, so "
-                    "reserved VRAM stays close to what is used (less fragmentation), for this run only. Needs "
-                    "PyTorch's native allocator (start ComfyUI with --disable-cuda-malloc); otherwise the report "
-                    "says it was not applied. as started: leave the allocator as it is."}),
-                "stream_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, "tooltip":
-                    "With base weights 'fp8 streamed from CPU': the share of the fp8 weights kept in CPU RAM and "
-                    "copied in layer by layer, the largest layers first; the rest stays in VRAM. 1 = all (least "
-                    "VRAM). Each streamed weight crosses PCIe twice per step, so a lower share is faster. auto_fit "
-                    "and out-of-memory recovery stream 0.2, 0.4, 0.6 and 0.8 before all of them."}),
+                "card": (list(CARDS), {"default": CARD_AUTO, "tooltip":
+                    "The GPU to plan memory for. auto: this GPU; a size: plan for that card (to leave room for "
+                    "other apps). manual: use every setting below exactly as set."}),
+                "mixed_precision": (list(MIXED_PRECISION), {"default": "bf16", **ADVANCED, "tooltip":
+                    "bf16 for RTX 30xx and newer; fp16 (with loss scaling) for older GPUs; no: fp32, the most "
+                    "memory. A GPU without bf16 gets fp16 by itself."}),
+                "gradient_checkpointing": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "Recompute activations in backward: much less VRAM, about 35% slower. With a card set it is "
+                    "turned on only for the blocks the card needs."}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip":
+                    "Images per step: faster per image, more VRAM. With a card set, a batch that does not fit "
+                    "becomes gradient accumulation (same effective batch)."}),
+                "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256, "tooltip":
+                    "Batches added up per optimizer step: effective batch = batch_size x this, at the VRAM of "
+                    "batch_size."}),
+                "optimizer": (list(OPTIMIZERS), {"default": "AdamW", **ADVANCED, "tooltip":
+                    "AdamW is the reference. The 8bit ones keep optimizer state 4x smaller (a card setting picks "
+                    "AdamW8bit when needed); Lion wants a 3-10x lower learning rate."}),
+                "base_weights": (choices("base_weights"), {"default": "as loaded", **ADVANCED, "tooltip":
+                    "fp8 halves the frozen weights' VRAM; streamed from CPU keeps them in RAM (least VRAM, "
+                    "slower). With a card set they are chosen only where needed."}),
+                "auto_fit": (choices("auto_fit"), {"default": "off", **ADVANCED, "tooltip":
+                    "Read only when card is manual (older workflows). off: settings as given. A size or free "
+                    "VRAM: trade speed for memory until the estimate fits."}),
+                "latent_cache": (choices("latent_cache"), {"default": "RAM", "tooltip":
+                    "Keep encoded images and captions between runs, so a re-queue skips the VAE and CLIP. RAM + "
+                    "disk also survives restarts (models/leanlora_cache)."}),
+                "attention": (choices("attention"), {"default": "auto", **ADVANCED, "tooltip":
+                    "Leave on auto (ComfyUI's choice). chunked takes the least memory and is the slowest; "
+                    "xformers only if it is installed."}),
+                "checkpoint_depth": (choices("checkpoint_depth"), {"default": "per layer", **ADVANCED, "tooltip":
+                    "With checkpointing: per layer takes the least memory on SDXL; per block stores fewer block "
+                    "inputs. Same compute either way."}),
+                "checkpoint_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, **ADVANCED,
+                    "tooltip": "With checkpointing: the share of blocks recomputed, those freeing the most memory "
+                               "first. 1 = all (least memory); lower is faster."}),
+                "fast_path": (choices("fast_path"), {"default": "CUDA graphs", **ADVANCED, "tooltip":
+                    "CUDA graphs replay each step's GPU work: often 3-6x faster at batch 1. Where that is not "
+                    "possible it says why and runs plain steps (off)."}),
+                "activation_offload": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "Keep saved activations in CPU RAM instead of VRAM (about 0.5 GiB less on SDXL 1024). A card "
+                    "setting turns it on when needed."}),
+                "compile": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "torch.compile the repeated blocks: faster steps after about a minute of compiling per image "
+                    "size. Needs a C++ compiler and Triton."}),
+                "lora_weights": (choices("lora_weights"), {"default": "fp32", **ADVANCED, "tooltip":
+                    "bf16 + stochastic rounding halves the LoRA's weight and gradient memory (matters at high "
+                    "ranks). Needs mixed_precision bf16."}),
+                "allocator": (choices("allocator"), {"default": "expandable segments", **ADVANCED, "tooltip":
+                    "expandable segments: less fragmentation for this run (needs ComfyUI started with "
+                    "--disable-cuda-malloc). as started: leave it."}),
+                "stream_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, **ADVANCED,
+                    "tooltip": "With fp8 streamed from CPU: the share of the weights kept in CPU RAM, largest "
+                               "first. 1 = all (least VRAM); lower is faster."}),
             },
         }
 
     RETURN_TYPES = ("MEMORY",)
     FUNCTION = "execute"
     CATEGORY = CATEGORY
-    DESCRIPTION = ("If a step runs out of memory anyway, training frees memory, takes the next memory saver "
-                   "(batch -> accumulation, mixed precision, checkpointing, 8-bit optimizer, fp8 weights, activation "
-                   "offload, streamed weights) and "
-                   "repeats that step; the report lists each recovery.")
+    DESCRIPTION = ("Pick your card (auto: this GPU) and leave the rest: before step 1 the plan gives up speed for "
+                   "memory (checkpointing, 8-bit optimizer, fp8 weights, offload, streaming) only as far as the card "
+                   "needs, and the report says what it chose. The other widgets are where the plan starts (right-click "
+                   "> Show Advanced); manual takes them as given. A step that still runs out of memory takes the next "
+                   "saver and is repeated.")
 
     def execute(self, **settings):
-        # input names are MemorySettings' fields; omitted optionals default
-        return (MemorySettings(**values_of(settings)),)
+        # input names are MemorySettings' fields (and card); omitted optionals default
+        return (MemorySettings(**memory_values(settings)),)
 
 
 class LeanLoRALoraConfig:
@@ -157,6 +138,7 @@ class LeanLoRALoraConfig:
                                     "another LoRA (refresh the list with R) or none")
         settings = LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"], path)
         if path is not None:
+            from ..trainer.lora_import import check_file  # imports peft: only when a file is checked
             check_file(settings)  # unreadable, not a LoRA, other rank/alpha: fails here, before any encoding
         return (settings,)
 

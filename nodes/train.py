@@ -7,12 +7,9 @@ import comfy.utils
 import folder_paths
 
 from ..trainer.cache_store import LatentTextStore
-from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
-from ..bridge.samples import SampleRenderer
 from ..trainer.errors import LeanLoRAError, TrainingCancelled
 from ..trainer.files import check_writable, sanitize_name
 from ..trainer.settings import LR_SCHEDULES, LatentCache, SampleSettings, TrainSettings
-from ..trainer.train_lora import format_duration, train_lora
 from ..trainer.training_state import STATE_SUFFIX, find_latest_state
 from .common import CATEGORY, pil_to_image
 from .jobs import JOBS, Job
@@ -26,7 +23,10 @@ FALLBACK_FOLDER = "leanlora_unsaved_loras"  # inside ComfyUI's output folder, wh
 SAMPLES_FOLDER = "leanlora_samples"  # inside ComfyUI's output folder: <output_name>/step<N>_<i>.png
 SAMPLE_PREVIEW_PIXELS = 1024  # the preview's longest side at most (ComfyUI's own max_size would also enlarge)
 SAMPLE_PREVIEW_HOLD_S = 10.0  # a step's samples stay on the node this long before the loss chart comes back
+VRAM_EVERY_S = 1.0  # the live panel's VRAM readout: the device as the driver sees it, at most this often
 _partial_runs = 0  # runs that ended with a partial LoRA: IS_CHANGED then makes a re-queue train again
+# bridge/ and trainer.train_lora import peft (and through it bitsandbytes, which prints on a CPU): both load when
+# a training starts, not when ComfyUI loads the pack (tests/test_imports.py).
 
 
 def _send(event: str, data: dict) -> None:
@@ -37,33 +37,53 @@ def _send(event: str, data: dict) -> None:
         pass
 
 
-def _show_on_node(node_id: str | None, text: str) -> None:
-    """Text drawn on the node in the browser (ComfyUI's progress text)."""
-    try:
-        from server import PromptServer
-        PromptServer.instance.send_progress_text(text, node_id, PromptServer.instance.client_id)
-    except Exception:  # no server, or a ComfyUI without progress text
-        pass
-
-
 def progress_line(event: dict) -> str:
     """step 120/500, loss 0.1043, 0.162 s/step, 1:01 left"""
+    from ..trainer.train_lora import format_duration
     line = f"step {event['step']}/{event['total']}, loss {event['loss']:.4f}"
     if event.get("s_per_step"):
         line += f", {event['s_per_step']:.3f} s/step, {format_duration(event['eta_s'])} left"
     return line
 
 
-def wait_for(job: Job, total: int, node_id: str | None = None):
-    """Runs in ComfyUI's worker thread: forwards progress and loss previews, turns Cancel into job.cancel()."""
+def device_vram(device) -> dict | None:
+    """{used_gib, total_gib} of the training device as the driver sees it (every process), None off CUDA."""
+    try:
+        import torch
+        if device is None or torch.device(device).type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return {"used_gib": (total - free) / 2 ** 30, "total_gib": total / 2 ** 30}
+    except Exception:  # a readout only: never a reason to stop
+        return None
+
+
+def output_reference(path: str) -> dict | None:
+    """A file in ComfyUI's output folder as /view's query ({filename, subfolder, type}); None elsewhere."""
+    try:
+        relative = Path(path).resolve().relative_to(Path(folder_paths.get_output_directory()).resolve())
+    except ValueError:
+        return None
+    subfolder = "" if relative.parent == Path(".") else relative.parent.as_posix()
+    return {"filename": relative.name, "subfolder": subfolder, "type": "output"}
+
+
+def wait_for(job: Job, total: int, node_id: str | None = None, device=None):
+    """Runs in ComfyUI's worker thread: forwards progress (to the browser panel, web/leanlora.js, with the node's
+    id and the device's VRAM) and loss previews, turns Cancel into job.cancel()."""
     progress = comfy.utils.ProgressBar(total)
-    losses, last_preview, last_step = [], 0.0, 0
+    losses, last_preview, last_step, last_vram = [], 0.0, 0, 0.0
     validation = []  # (step of this run, held-out loss)
     try:
         while True:
             finished = job.done.wait(0.1)
             for event in job.drain():
-                _send("leanlora.progress", event)
+                message = {**event, "node": node_id}
+                if event["kind"] == "step" and time.monotonic() - last_vram > VRAM_EVERY_S:
+                    message["vram"], last_vram = device_vram(device), time.monotonic()
+                if event["kind"] == "sample":  # as ComfyUI's /view serves them to the panel's gallery
+                    message["images"] = [output_reference(path) for path in event["paths"]]
+                _send("leanlora.progress", message)
                 if event["kind"] == "phase":
                     logging.info("LeanLoRA: %s", event["text"])
                 if event["kind"] == "saved":
@@ -84,13 +104,21 @@ def wait_for(job: Job, total: int, node_id: str | None = None):
                         logging.info("LeanLoRA %s", line)
                     preview = None
                     if time.monotonic() - last_preview > PREVIEW_EVERY_S or event["step"] == total:
+                        # the chart as the node's preview, for frontends without web/leanlora.js (which draws its
+                        # own panel and hides it); the step line is on that panel, not drawn under the node
                         preview, last_preview = ("PNG", loss_chart(losses, validation=validation), 512), time.monotonic()
-                        _show_on_node(node_id, line)
                     progress.update_absolute(event["step"], total, preview)  # raises if Cancel was pressed
             if finished:
                 break
             if comfy.model_management.processing_interrupted():
                 job.cancel()
+    except comfy.model_management.InterruptProcessingException:
+        # Cancel seen by the progress bar before this loop saw it: the job saves what it learned, and the node
+        # reports that partial LoRA like any Cancel (execute), instead of ending without a word
+        job.cancel()
+        job.done.wait()
+        if job.result is None:
+            raise
     except BaseException:
         job.cancel()  # the job saves what it learned before it ends
         job.done.wait()
@@ -164,6 +192,16 @@ def latent_store(choice: LatentCache) -> LatentTextStore | None:
     if choice is LatentCache.RAM_AND_DISK:  # a folder that cannot be written is reported and skipped by train_lora
         return LatentTextStore(Path(folder_paths.models_dir) / "leanlora_cache")
     return LatentTextStore()
+
+
+def saved_as(path: Path, loras_dir: Path) -> str:
+    """The saved file as a user finds it: models/loras/<file> inside ComfyUI's loras folder, else its full path
+    (another loras folder from extra_model_paths, or the fallback folder in output/)."""
+    try:
+        return f"models/loras/{path.relative_to(loras_dir).as_posix()}" \
+            if loras_dir.resolve() == (Path(folder_paths.models_dir) / "loras").resolve() else str(path)
+    except ValueError:
+        return str(path)
 
 
 class LeanLoRATrain:
@@ -261,11 +299,17 @@ class LeanLoRATrain:
                 sample_every_n_steps=0, sample_size=512, sample_steps=20, sample_cfg=7.0, sample_seed=0,
                 validation_fraction=0.0, validation_every_n_steps=50, unique_id=None):
         global _partial_runs
+        from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
+        from ..bridge.samples import SampleRenderer
+        from ..trainer.train_lora import train_lora
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
                                  save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name),
                                  validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps)
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
                                                   sample_cfg, sample_seed, output_name)
+        # a new run on the panel: its total, and the prompts its sample images belong to
+        _send("leanlora.progress", {"kind": "start", "node": unique_id, "total": steps, "output_name": output_name,
+                                    "prompts": list(samples.prompts) if samples.on else []})
         adapter = ComfyAdapter(model, clip, vae)
         renderer = SampleRenderer(model, clip, vae, samples, samples_folder) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
@@ -274,7 +318,7 @@ class LeanLoRATrain:
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
                                                 job.emit, lambda: job.cancelled, store, fallback_dir,
                                                 LATEST_TRAINING, samples.every_steps, renderer))
-        outcome = wait_for(job, steps, unique_id)
+        outcome = wait_for(job, steps, unique_id, adapter.device)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:
             logging.warning("LeanLoRA: %s", outcome.save_note)
@@ -282,14 +326,19 @@ class LeanLoRATrain:
         lora_name = saved.relative_to(loras_dir).as_posix() if saved.is_relative_to(loras_dir) else str(saved)
         result = (*apply_lora(model, clip, outcome.lora_state_dict, 1.0, 1.0), outcome.lora_state_dict, lora_name,
                   pil_to_image(loss_chart(outcome.losses, validation=outcome.validation_losses)), outcome.report)
+        shown = saved_as(saved, loras_dir)
         if outcome.partial:
             # Cancel pressed: this node ends with the partial LoRA (its name in the node's output, the history and
             # on the node), then the rest of the graph stops like any interrupted graph. The flag is set again
             # because ComfyUI's ops in the training thread may have consumed it.
             _partial_runs += 1
-            message = f"LeanLoRA: cancelled; the partial LoRA is saved as {lora_name}"
-            logging.warning(message)
-            _send("leanlora.partial_saved", {"node": unique_id, "lora_name": lora_name, "path": str(saved)})
-            _show_on_node(unique_id, message)
+            message = f"stopped; partial saved to {shown}; set resume to continue"
+            logging.warning("LeanLoRA: %s", message)
+            _send("leanlora.partial_saved", {"node": unique_id, "lora_name": lora_name, "path": str(saved),
+                                             "shown": shown, "steps": len(outcome.losses), "text": message})
             comfy.model_management.interrupt_current_processing(True)
+        else:
+            message = f"Saved to {shown}"
+            _send("leanlora.saved", {"node": unique_id, "lora_name": lora_name, "path": str(saved), "shown": shown,
+                                     "steps": len(outcome.losses), "text": message})
         return {"ui": {"text": [outcome.report]}, "result": result}

@@ -1,7 +1,7 @@
 """End-to-end demo: train a LoRA on a tiny generated dataset and generate with it, in a real headless ComfyUI.
 
 Builds a tiny random SD1.5 checkpoint and a captioned dataset in the base directory, starts ComfyUI with this
-pack, runs workflows/api/train_then_generate.json (the shipped template example_workflows/train_then_generate.json
+pack, runs workflows/api/train_then_generate.json (the shipped template example_workflows/leanlora_train_then_generate.json
 with the tiny fixture's names, see its .overrides.json) and prints what came out. Run through scripts/demo.sh.
 """
 from __future__ import annotations

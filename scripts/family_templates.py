@@ -68,7 +68,7 @@ def family_prompt(family: str) -> dict:
         "3": {"class_type": "VAELoader", "inputs": dict(spec["loaders"]["VAELoader"])},
         "4": {"class_type": "LeanLoRADataset", "inputs": {"folder": "my_photos", "resolution": 1024, "repeats": 1,
                                                          "trigger_word": TRIGGER}},
-        "5": {"class_type": "LeanLoRAMemorySettings", "inputs": {"auto_fit": "free VRAM"}},
+        "5": {"class_type": "LeanLoRAMemorySettings", "inputs": {"card": "auto (this GPU)"}},
         "6": {"class_type": "LeanLoRALoraConfig", "inputs": {"rank": 16, "alpha": 16.0}},
         "7": {"class_type": "LeanLoRATrain",
               "inputs": {"steps": 1000, "learning_rate": 1e-4, "output_name": f"my_{family}_lora",
@@ -89,9 +89,9 @@ def family_prompt(family: str) -> dict:
 
 
 # columns: loaders | LeanLoRA inputs | Train | sampling | outputs
-LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 290), "6": (400, 820),
+LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 290), "6": (400, 900),
           "7": (780, 40), "8": (1160, 40), "9": (1160, 250), "10": (1160, 460), "11": (1540, 40), "12": (1540, 420),
-          "13": (1920, 40), "14": (780, 620), "15": (780, 900)}
+          "13": (1920, 40), "14": (780, 960), "15": (780, 1240)}  # 14, 15: below Train with its panel (web/leanlora.js)
 
 
 def family_template(family: str, object_info: dict) -> dict:
@@ -101,7 +101,7 @@ def family_template(family: str, object_info: dict) -> dict:
          "text": f"{spec['title']} LoRA, trained inside ComfyUI. 1) Pick your model files in the three loaders "
                  f"(left): {spec['files']}. 2) Put your images (and optional <image>.txt captions) in "
                  f"ComfyUI/input/<a folder> and type that folder's name in LeanLoRA Dataset. 3) Queue: Memory "
-                 "Settings' auto-fit plans for your GPU; the LoRA is saved to models/loras and used by the "
+                 "Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and used by the "
                  "sampler on the right in the same run."},
         {"pos": (1160, 680), "size": (340, 140),
          "text": f"The trigger word ({TRIGGER}) is added to every caption; keep it in your prompts. The sampler "

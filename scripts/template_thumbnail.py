@@ -1,6 +1,6 @@
-"""Draw the template browser's thumbnail for example_workflows/train_then_generate.json (a small JPEG).
+"""Draw the template browser's thumbnails, one small JPEG beside each example_workflows/leanlora_*.json.
 
-    .venv/bin/python scripts/template_thumbnail.py      # writes example_workflows/train_then_generate.jpg
+    .venv/bin/python scripts/template_thumbnail.py      # writes example_workflows/leanlora_*.jpg
 
 ComfyUI's frontend shows a custom node's template with /api/workflow_templates/<pack>/<name>.jpg beside it.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-OUT = Path(__file__).resolve().parents[1] / "example_workflows" / "train_then_generate.jpg"
+FOLDER = Path(__file__).resolve().parents[1] / "example_workflows"
 SIZE = (512, 384)
 BACKGROUND, BOX, ACCENT, TEXT = (24, 26, 32), (52, 58, 72), (120, 200, 120), (230, 232, 236)
 
@@ -29,17 +29,36 @@ def _arrow(draw: ImageDraw.ImageDraw, start: tuple[int, int], end: tuple[int, in
     draw.polygon([end, *head], fill=ACCENT)
 
 
-def render() -> Image.Image:
+# template name -> (title, the three input boxes, the two output boxes)
+TEMPLATES = {
+    "leanlora_train_then_generate": ("LeanLoRA: train, then generate",
+                                     ("your checkpoint", "your images\n+ captions", "card: auto\n+ LoRA shape"),
+                                     ("with LoRA", "without")),
+    "leanlora_train_with_samples": ("LeanLoRA: train with samples",
+                                    ("your checkpoint", "your images\n+ captions", "sample prompts\nevery N steps"),
+                                    ("samples\nby step", "with LoRA")),
+    "leanlora_continue_training": ("LeanLoRA: continue a LoRA",
+                                   ("your checkpoint", "new images\n+ captions", "your LoRA\n(continue from)"),
+                                   ("LoRA, more\nsteps", "with LoRA")),
+    **{f"leanlora_{family}_train_then_generate": (f"LeanLoRA: {title}, train + generate",
+                                                  (f"your {title}\nfiles", "your images\n+ captions",
+                                                   "card: auto\n+ LoRA shape"), ("with LoRA", "models/loras"))
+       for family, title in (("z_image", "Z-Image"), ("flux_dev", "FLUX.1-dev"), ("qwen_image", "Qwen-Image"))},
+}
+
+
+def render(title_text: str = "LeanLoRA: train, then generate",
+           inputs=("your checkpoint", "your images\n+ captions", "card: auto\n+ LoRA shape"),
+           outputs=("with LoRA", "without")) -> Image.Image:
     image = Image.new("RGB", SIZE, BACKGROUND)
     draw = ImageDraw.Draw(image)
     title, body = ImageFont.load_default(28), ImageFont.load_default(17)
-    draw.text((24, 20), "LeanLoRA: train, then generate", fill=TEXT, font=title)
-    _box(draw, (24, 80, 184, 140), "your checkpoint", body)
-    _box(draw, (24, 160, 184, 220), "your images\n+ captions", body)
-    _box(draw, (24, 240, 184, 300), "memory + LoRA\nsettings", body)
+    draw.text((24, 20), title_text, fill=TEXT, font=title)
+    for y, label in zip((80, 160, 240), inputs):
+        _box(draw, (24, y, 184, y + 60), label, body)
     _box(draw, (230, 150, 350, 230), "LeanLoRA\nTrain", body, colour=(60, 110, 70))
-    _box(draw, (392, 90, 496, 150), "with LoRA", body)
-    _box(draw, (392, 230, 496, 290), "without", body)
+    _box(draw, (392, 90, 496, 150), outputs[0], body)
+    _box(draw, (392, 230, 496, 290), outputs[1], body)
     for y in (110, 190, 270):
         _arrow(draw, (184, y), (228, 190))
     _arrow(draw, (350, 180), (390, 120))
@@ -53,8 +72,10 @@ def render() -> Image.Image:
 
 
 def main() -> None:
-    render().save(OUT, quality=85, optimize=True)
-    print(f"{OUT} ({OUT.stat().st_size} bytes)")
+    for name, (title, inputs, outputs) in TEMPLATES.items():
+        out = FOLDER / f"{name}.jpg"
+        render(title, inputs, outputs).save(out, quality=85, optimize=True)
+        print(f"{out} ({out.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

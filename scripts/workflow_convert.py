@@ -2,7 +2,7 @@
 takes), the way the frontend's graphToPrompt does, using a server's /object_info for input names and order.
 
     python scripts/workflow_convert.py UI.json --object-info http://127.0.0.1:8188   # or a saved object_info.json
-    python scripts/workflow_convert.py example_workflows/train_then_generate.json --object-info URL \
+    python scripts/workflow_convert.py example_workflows/leanlora_train_then_generate.json --object-info URL \
         --overrides workflows/api/train_then_generate.overrides.json > workflows/api/train_then_generate.json
 
 --overrides replaces widget values after conversion ({"node id": {"input": value}}): the shipped template names

@@ -421,7 +421,9 @@ def _sampling(family: str, model_link, prefix: str) -> dict:
 
 
 def _training(info: dict, family: str) -> dict:
-    mixed = "no" if "no" in info["LeanLoRAMemorySettings"]["input"]["required"]["mixed_precision"][0] else None
+    memory = {**info["LeanLoRAMemorySettings"]["input"].get("required", {}),
+              **info["LeanLoRAMemorySettings"]["input"].get("optional", {})}  # all optional since `card` leads
+    mixed = "no" if "no" in memory["mixed_precision"][0] else None
     return {
         "4": {"class_type": "LeanLoRADataset",
               "inputs": _defaults(info, "LeanLoRADataset", folder="tiny_dataset", resolution=64, repeats=1)},

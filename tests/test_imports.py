@@ -93,3 +93,22 @@ def test_the_attribute_scan_sees_the_patches_it_must_refuse():
               "    trainer.session.FIT_HEADROOM = 1\n    ok = object(); ok.x = 1\n")
     assert sorted(_trainer_attribute_writes(sample, "s")) == ["s:5: ActivationOffload.?",
                                                               "s:6: compiled_blocks.INDUCTOR_OPTIONS", "s:7: trainer.session"]
+
+
+def test_loading_the_pack_imports_neither_peft_nor_bitsandbytes():
+    """Quiet start (issue 33 item 5): ComfyUI loading the pack imports no peft and no bitsandbytes (bitsandbytes
+    prints a warning on CPU machines and peft takes seconds); both load when a training starts. The pack is loaded
+    as ComfyUI loads it: a package from its folder, with ComfyUI's own modules importable."""
+    from comfy_headless import comfyui_path
+    code = ("import sys, importlib.util\n"
+            f"sys.path.insert(0, {str(comfyui_path())!r})\n"
+            "import comfy.cli_args\ncomfy.cli_args.args.cpu = True\n"
+            f"spec = importlib.util.spec_from_file_location('LeanLoRA', {str(REPO / '__init__.py')!r}, "
+            f"submodule_search_locations=[{str(REPO)!r}])\n"
+            "pack = importlib.util.module_from_spec(spec)\nsys.modules['LeanLoRA'] = pack\n"
+            "spec.loader.exec_module(pack)\n"
+            "assert len(pack.NODE_CLASS_MAPPINGS) == 6 and pack.WEB_DIRECTORY == './web'\n"
+            "loaded = sorted({n.split('.')[0] for n in sys.modules} & {'peft', 'bitsandbytes'})\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

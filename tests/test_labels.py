@@ -69,3 +69,50 @@ def test_the_trainer_holds_no_ui_label(labels):
         for constant in _string_constants(ast.parse(path.read_text(), str(path))) & wording_only:
             found.setdefault(constant, []).append(path.relative_to(REPO).as_posix())
     assert not found, found
+
+
+def test_the_card_leads_memory_settings_and_decides_auto_fit_unless_manual(labels):
+    """Issue 33 item 1: `card` is the first widget, auto by default; a card sets auto-fit's budget whatever the
+    auto_fit widget says; manual takes auto_fit as given, and so does a workflow saved before the card existed."""
+    node_settings = _node_module("settings")
+    s = importlib.import_module(f"{PACK}.trainer.settings")
+    inputs = node_settings.LeanLoRAMemorySettings.INPUT_TYPES()
+    order = [*inputs["required"], *inputs["optional"]]  # the frontend's widget order
+    assert order[0] == "card" and inputs["optional"]["card"][1]["default"] == labels.CARD_AUTO
+    assert inputs["optional"]["card"][0] == [labels.CARD_AUTO, *(f"{g} GiB" for g in labels.CARD_SIZES_GIB),
+                                             labels.CARD_MANUAL]
+    # after the card, the widgets in the order a workflow saved before it holds their values
+    assert order[1:] == ["mixed_precision", "gradient_checkpointing", "batch_size", "gradient_accumulation",
+                         "optimizer", "base_weights", "auto_fit", "latent_cache", "attention", "checkpoint_depth",
+                         "checkpoint_share", "fast_path", "activation_offload", "compile", "lora_weights", "allocator",
+                         "stream_share"]
+    run = lambda **given: node_settings.LeanLoRAMemorySettings().execute(**given)[0]  # noqa: E731
+    assert run(card=labels.CARD_AUTO, auto_fit="off").auto_fit == s.AUTO_FIT_FREE_VRAM
+    assert run(card="8 GiB", auto_fit="free VRAM").auto_fit == s.AutoFit(card_gib=8)
+    assert run(card="2 GiB").auto_fit == s.AutoFit(card_gib=2)
+    assert run(card=labels.CARD_MANUAL, auto_fit="off").auto_fit == s.AUTO_FIT_OFF
+    assert run(card=labels.CARD_MANUAL, auto_fit="6 GiB").auto_fit == s.AutoFit(card_gib=6)
+    assert run(auto_fit="4 GiB").auto_fit == s.AutoFit(card_gib=4)  # no card: an older workflow, as it meant
+    assert run().auto_fit == s.AUTO_FIT_OFF
+    # the other widgets are taken as given in every mode (the plan starts from them)
+    memory = run(card="8 GiB", mixed_precision="fp16", batch_size=3, base_weights="fp8")
+    assert (memory.mixed_precision, memory.batch_size, memory.base_weights) == ("fp16", 3, s.BaseWeights.FP8)
+    errors = importlib.import_module(f"{PACK}.trainer.errors")
+    with pytest.raises(errors.LeanLoRAError, match=r"card: got '5 GiB'; choose one of auto \(this GPU\), 2 GiB"):
+        run(card="5 GiB")
+
+
+def test_memory_settings_tooltips_are_short_and_the_simple_set_is_small():
+    node_settings = _node_module("settings")
+    inputs = node_settings.LeanLoRAMemorySettings.INPUT_TYPES()["optional"]
+    long = {name: len(spec[1]["tooltip"]) for name, spec in inputs.items() if len(spec[1]["tooltip"]) > 200}
+    assert not long, long
+    simple = [name for name, spec in inputs.items() if not spec[1].get("advanced")]
+    assert simple == ["card", "batch_size", "gradient_accumulation", "latent_cache"]
+
+
+def test_the_trainer_holds_no_card_label(labels):
+    wording = set(labels.CARDS)
+    found = [path.name for path in (REPO / "trainer").rglob("*.py")
+             if _string_constants(ast.parse(path.read_text(), str(path))) & wording]
+    assert not found, found

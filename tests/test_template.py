@@ -12,7 +12,8 @@ from comfy_headless import PromptRejected, execution_error
 from workflow_convert import apply_overrides, ui_to_api
 
 REPO = Path(__file__).resolve().parents[1]
-TEMPLATE = REPO / "example_workflows" / "train_then_generate.json"
+TEMPLATE = REPO / "example_workflows" / "leanlora_train_then_generate.json"
+TEMPLATES = sorted((REPO / "example_workflows").glob("*.json"))
 THUMBNAIL = TEMPLATE.with_suffix(".jpg")
 TWIN = REPO / "workflows" / "api" / "train_then_generate.json"
 TWIN_OVERRIDES = REPO / "workflows" / "api" / "train_then_generate.overrides.json"
@@ -26,7 +27,7 @@ def notes_of_a_shipped_workflow(ui: dict) -> str:
         values = node.get("widgets_values") or []
         assert not FIXTURE_VALUES & {v for v in values if isinstance(v, str)}, (node["id"], node["type"], values)
     return " ".join(n["widgets_values"][0] for n in ui["nodes"] if n["type"] in ("Note", "MarkdownNote"))
-REGENERATE = ("regenerate the twin: scripts/workflow_convert.py example_workflows/train_then_generate.json "
+REGENERATE = ("regenerate the twin: scripts/workflow_convert.py example_workflows/leanlora_train_then_generate.json "
               "--object-info URL --overrides workflows/api/train_then_generate.overrides.json")
 
 
@@ -43,9 +44,37 @@ def test_template_and_thumbnail_are_where_comfyui_looks():
     # would be listed twice); the frontend shows /api/workflow_templates/<pack>/<name>.jpg as its thumbnail.
     assert TEMPLATE.is_file() and THUMBNAIL.is_file()
     assert not list((REPO / "workflows").glob("*.json")), "a UI workflow in workflows/ is listed as a second template"
-    with Image.open(THUMBNAIL) as image:
-        assert image.format == "JPEG" and image.width >= 256 and image.height >= 192
-    assert THUMBNAIL.stat().st_size < 100_000
+    names = [t.stem for t in TEMPLATES]
+    assert {"leanlora_continue_training", "leanlora_train_then_generate", "leanlora_train_with_samples"} <= set(names)
+    assert all(name.startswith("leanlora_") for name in names), names
+    for template in TEMPLATES:  # each with its own thumbnail (a missing one is a 404 in the template browser)
+        thumbnail = template.with_suffix(".jpg")
+        with Image.open(thumbnail) as image:
+            assert image.format == "JPEG" and image.width >= 256 and image.height >= 192, thumbnail
+        assert thumbnail.stat().st_size < 100_000
+
+
+TITLE_HEIGHT = 30  # the frontend draws a node's title above its pos
+
+
+def _rect(node: dict) -> tuple[float, float, float, float]:
+    x, y = node["pos"]
+    width, height = node["size"]
+    return x, y - TITLE_HEIGHT, x + width, y + height
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda t: t.stem)
+def test_templates_open_clean_with_the_card_on_auto(template):
+    """No two nodes overlap at their saved sizes (the browser test checks the sizes the frontend gives them), and
+    Memory Settings leads with card = auto: a user with any GPU leaves memory alone."""
+    ui = json.loads(template.read_text())
+    rects = {node["id"]: _rect(node) for node in ui["nodes"]}
+    overlapping = [(a, b) for a in rects for b in rects if a < b
+                   and rects[a][0] < rects[b][2] and rects[b][0] < rects[a][2]
+                   and rects[a][1] < rects[b][3] and rects[b][1] < rects[a][3]]
+    assert not overlapping, overlapping
+    [memory] = [node for node in ui["nodes"] if node["type"] == "LeanLoRAMemorySettings"]
+    assert memory["widgets_values"][0] == "auto (this GPU)" and len(memory["widgets_values"]) == 18
 
 
 def test_template_has_no_fixture_value_and_tells_the_user_what_to_pick():
@@ -126,9 +155,8 @@ def test_template_runs_once_the_user_picks_a_checkpoint_and_a_folder(comfy_serve
 @pytest.mark.comfy
 def test_template_is_served_to_the_template_browser(comfy_server):
     templates = requests.get(f"{comfy_server.url}/workflow_templates", timeout=10).json()
-    assert sorted(templates.get("LeanLoRA", [])) == ["leanlora_continue_training", "leanlora_train_with_samples",
-                                                        "train_then_generate"]
-    base = f"{comfy_server.url}/api/workflow_templates/LeanLoRA/train_then_generate"
+    assert sorted(templates.get("LeanLoRA", [])) == [t.stem for t in TEMPLATES]
+    base = f"{comfy_server.url}/api/workflow_templates/LeanLoRA/leanlora_train_then_generate"
     served = requests.get(base + ".json", timeout=10)
     assert served.ok and served.json() == json.loads(TEMPLATE.read_text())
     thumbnail = requests.get(base + ".jpg", timeout=10)

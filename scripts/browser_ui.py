@@ -1,0 +1,245 @@
+"""Drive ComfyUI's own web frontend in a real browser: Debian's Chromium through Playwright, which is told to
+use that system browser (nothing downloads a browser build). Used by tests/test_browser.py and, as a script,
+to refresh the screenshots in docs/screenshots/:
+
+    .venv/bin/python scripts/browser_ui.py --screenshots docs/screenshots
+
+(starts a headless CPU ComfyUI with only this pack, the tiny checkpoint and dataset; scripts/setup_browser.sh
+installs chromium and playwright.)"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATES = sorted((REPO / "example_workflows").glob("*.json"))
+TWIN = REPO / "workflows" / "api" / "train_then_generate.json"
+TRAIN_ID = "5"  # the Train node's id in the templates and the API twin
+PANEL_TEMPLATE = "leanlora_train_with_samples"  # the runs' panel: the template whose Train node has room for samples
+TITLE_HEIGHT = 30
+
+
+def chromium_path() -> str | None:
+    """The system Chromium (Debian's `chromium` package), or LEANLORA_CHROMIUM."""
+    for candidate in (os.environ.get("LEANLORA_CHROMIUM"), "/usr/bin/chromium", "/usr/bin/chromium-browser"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return shutil.which("chromium")
+
+
+def missing() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (bash scripts/setup_browser.sh)"
+    if chromium_path() is None:
+        return "no system chromium (bash scripts/setup_browser.sh: apt-get install chromium)"
+    return None
+
+
+class Page:
+    """One browser tab on a ComfyUI server, with the console kept."""
+
+    def __init__(self, page, url: str):
+        self.page, self.url, self.console = page, url, []
+        page.on("console", lambda message: self.console.append(f"{message.type}: {message.text}"))
+        page.on("pageerror", lambda error: self.console.append(f"pageerror: {error}"))
+
+    def open(self, timeout_s: float = 180) -> None:
+        self.page.goto(self.url)
+        self.page.wait_for_function("window.app && window.app.graph && window.LeanLoRA", timeout=timeout_s * 1000)
+        self.page.wait_for_timeout(1000)
+        # a fresh user gets the template browser on first start: closed, as a returning user has it
+        self.evaluate("""async () => { try { await app.extensionManager.setting.set('Comfy.TutorialCompleted', true); }
+                                       catch (error) { console.log('setting: ' + error); } }""")
+        self.close_dialogs()
+
+    def evaluate(self, script: str, arg=None):
+        return self.page.evaluate(script, arg)
+
+    def load_template(self, name: str) -> list[dict]:
+        """Opens a shipped template as the template browser does (its JSON from the server) and returns every
+        node's bounds on the canvas [x, y, width, height], title included, as the frontend sized it."""
+        self.evaluate("""async name => {
+            const response = await fetch(`/api/workflow_templates/LeanLoRA/${name}.json`);
+            await app.loadGraphData(await response.json(), true, true, name);
+        }""", name)
+        self.page.wait_for_timeout(1500)
+        self.close_dialogs()
+        return self.nodes()
+
+    def nodes(self) -> list[dict]:
+        return self.evaluate("""() => app.graph._nodes.map(n => ({
+            id: n.id, type: n.type, title: n.title, bounds: [...n.boundingRect],
+            registered: !!LiteGraph.registered_node_types[n.type], errors: !!n.has_errors}))""")
+
+    def close_dialogs(self) -> None:
+        """Dialogs over the canvas: "missing models" (a template names a checkpoint the user must pick) and the
+        template browser a fresh user gets."""
+        for _ in range(3):
+            closed = self.evaluate("""() => { const buttons = [...document.querySelectorAll('.p-dialog')]
+                .map(d => d.querySelector('button[aria-label="Close"], .p-dialog-close-button')
+                          ?? d.querySelector('i.pi-times')?.closest('button')).filter(Boolean);
+                buttons.forEach(b => b.click()); return buttons.length; }""")
+            if not closed:
+                return
+            self.page.wait_for_timeout(400)
+
+    def view(self, x: float, y: float, scale: float = 1.0) -> None:
+        """Canvas at `scale` with graph point (x, y) at the top left."""
+        self.evaluate("""([x, y, scale]) => { const ds = app.canvas.ds; ds.scale = scale;
+            ds.offset = [-x, -y]; app.canvas.setDirty(true, true); }""", [x, y, scale])
+        self.page.wait_for_timeout(400)
+
+    def queue(self, prompt: dict) -> str:
+        """Queues an API prompt as this tab's client, so the pack's messages come to this tab."""
+        return self.evaluate("""async prompt => {
+            const response = await window.comfyAPI.api.api.queuePrompt(0, {output: prompt, workflow: {}});
+            return response.prompt_id; }""", prompt)
+
+    def interrupt(self) -> None:
+        self.evaluate("() => window.comfyAPI.api.api.interrupt()")
+
+    def panel(self, node_id: str = TRAIN_ID) -> dict:
+        """The Train node's panel: its state (from the messages) and the text it shows."""
+        return self.evaluate("""id => {
+            const state = window.LeanLoRA.stateOf(id);
+            const node = app.graph.getNodeById(id) ?? app.graph.getNodeById(Number(id));
+            const root = node?.leanloraPanel?.root;
+            const text = cls => root?.querySelector(cls)?.textContent ?? null;
+            const gallery = [...(root?.querySelectorAll('.ll-gallery figure') ?? [])].map(f => ({
+                caption: f.querySelector('figcaption')?.textContent, title: f.querySelector('img')?.title,
+                loaded: (f.querySelector('img')?.naturalWidth ?? 0) > 0}));
+            return {state, phase: text('.ll-phase'), stats: text('.ll-stats'), final: text('.ll-final'),
+                    plan: text('.ll-plan'), gallery}; }""", node_id)
+
+    def wait_panel(self, predicate, timeout_s: float = 300, node_id: str = TRAIN_ID) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            panel = self.panel(node_id)
+            if predicate(panel):
+                return panel
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the panel never got there: {json.dumps(panel)[:2000]}")
+            self.page.wait_for_timeout(100)
+
+    def chart_pixels(self, node_id: str = TRAIN_ID) -> int:
+        """Pixels of the panel's chart in the smoothed loss line's blue: 0 when no line was drawn."""
+        return self.evaluate("""id => { const c = app.graph.getNodeById(id).leanloraPanel.parts.chart;
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let lit = 0;
+            for (let i = 0; i < d.length; i += 4) if (d[i + 2] > 200 && d[i] < 120) lit++; return lit; }""", node_id)
+
+    def screenshot(self, path: Path) -> None:
+        self.close_dialogs()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(path), type="jpeg", quality=70)  # small enough to keep in the repo
+
+    def unknown_messages(self) -> list[str]:
+        return [line for line in self.console if "Unknown message type" in line]
+
+
+@contextmanager
+def browser_page(url: str, width: int = 1600, height: int = 1000):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        try:
+            page = Page(browser.new_page(viewport={"width": width, "height": height}), url)
+            page.open()
+            yield page
+        finally:
+            browser.close()
+
+
+def overlapping(nodes: list[dict]) -> list[tuple]:
+    """Pairs of nodes whose bounds (title included) overlap."""
+    found = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            ax, ay, aw, ah = a["bounds"]
+            bx, by, bw, bh = b["bounds"]
+            if ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah:
+                found.append((a["id"], a["title"], b["id"], b["title"]))
+    return found
+
+
+# two tiny samples at steps 15 and 30: the panel's gallery by step and prompt
+SAMPLES = dict(sample_prompts="lnlr, a red circle\nlnlr, a blue square", sample_every_n_steps=15, sample_size=64,
+               sample_steps=2, sample_cfg=5.0, sample_seed=1)
+
+
+def train_prompt(**train_inputs) -> dict:
+    """The twin's training half (checkpoint -> Dataset / Memory / LoRA Config -> Train) with these Train inputs."""
+    api = json.loads(TWIN.read_text())
+    prompt = {key: api[key] for key in ("1", "2", "3", "4", TRAIN_ID)}
+    prompt[TRAIN_ID]["inputs"].update(train_inputs)
+    return prompt
+
+
+def training_states(page: Page, out: Path | None, output_name: str = "browser_run") -> dict:
+    """One run to its end and one cancelled run on the template's Train node, screenshots of each state."""
+    shots = {}
+    page.load_template(PANEL_TEMPLATE)
+    page.view(-80, 390)
+    page.queue(train_prompt(steps=30, output_name=output_name, warmup_steps=0, **SAMPLES))
+    training = page.wait_panel(lambda p: p["state"]["step"] >= 12)
+    if out:
+        page.screenshot(out / "train_panel_training.jpg")
+    # the final samples come after the saved message: wait for both, and for the images to load
+    done = page.wait_panel(lambda p: bool(p["final"]) and len(p["gallery"]) == 4 and all(g["loaded"] for g in p["gallery"]))
+    if out:
+        page.screenshot(out / "train_panel_saved.jpg")
+    shots["training"], shots["done"], shots["chart_pixels"] = training, done, page.chart_pixels()
+    shots["overlapping_after"] = overlapping(page.nodes())  # the gallery grew the panel: still inside its room
+    page.queue(train_prompt(steps=100000, output_name=f"{output_name}_cancel"))
+    page.wait_panel(lambda p: p["state"]["step"] >= 3 and not p["final"])
+    page.interrupt()
+    shots["cancelled"] = page.wait_panel(lambda p: bool(p["final"]))
+    if out:
+        page.screenshot(out / "train_panel_stopped.jpg")
+    # a reloaded page draws the panel again from the last state (kept in the browser's localStorage)
+    page.page.reload()
+    page.page.wait_for_function("window.app && window.app.graph && window.LeanLoRA", timeout=180_000)
+    page.close_dialogs()
+    page.load_template(PANEL_TEMPLATE)
+    shots["reloaded"] = page.panel()
+    return shots
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--screenshots", type=Path, default=REPO / "docs" / "screenshots")
+    args = parser.parse_args(argv)
+    if missing():
+        print(missing(), file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO / "scripts"))
+    import tiny_assets
+    from comfy_headless import ComfyServer
+    with tempfile.TemporaryDirectory(prefix="leanlora_browser_") as base:
+        base = Path(base)
+        tiny_assets.build_tiny_sd15_checkpoint(base / "models/checkpoints/leanlora_tiny_sd15.safetensors")
+        tiny_assets.build_tiny_dataset(base / "input/tiny_dataset")
+        with ComfyServer(base) as server, browser_page(server.url) as page:
+            for template in TEMPLATES:
+                nodes = page.load_template(template.stem)
+                page.view(-360, -20, 0.8)
+                page.screenshot(args.screenshots / f"template_{template.stem}.jpg")
+                print(template.stem, "overlaps:", overlapping(nodes) or "none")
+            training_states(page, args.screenshots)
+            print("unknown messages:", page.unknown_messages() or "none")
+    print(f"screenshots in {args.screenshots}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+// LeanLoRA's browser side (plain JS, no build step; ComfyUI serves it from WEB_DIRECTORY):
+// - Memory Settings: `card` leads; the widgets the card plans are "advanced" (right-click > Show Advanced, shown by
+//   themselves with card = manual); a workflow saved before `card` existed loads as manual with its values.
+// - Train: a live panel drawn from the pack's websocket messages (leanlora.progress / .saved / .partial_saved):
+//   the phase before step 1, step / loss / s/step / time left / VRAM, a loss chart, samples by step and prompt,
+//   and where the file went. The last state is kept in localStorage, so a page reloaded mid-run redraws it.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const LiteGraph = window.LiteGraph;
+
+const MEMORY = "LeanLoRAMemorySettings";
+const TRAIN = "LeanLoRATrain";
+const OLD_FIRST_VALUES = ["bf16", "fp16", "no"]; // mixed_precision led Memory Settings before `card`
+const PANEL_HEIGHT = 270; // px at 100% zoom; a gallery adds GALLERY_HEIGHT
+const GALLERY_HEIGHT = 120;
+const STORE_KEY = "leanlora.panel.";
+const SMOOTHING = 0.9; // exponential moving average of the loss, as the server's chart draws it
+
+// ---- Memory Settings -------------------------------------------------------------------------------------------
+
+function setupMemoryNode(node) {
+  for (const widget of node.widgets ?? []) {
+    if (!widget.options?.advanced) continue;
+    widget.advanced = true; // litegraph draws it only with showAdvanced (right-click > Show Advanced)
+    // ...but frontend 1.32's widget layout still counts hidden widgets: take no room while hidden
+    const computeSize = widget.computeSize;
+    widget.computeSize = function (width) {
+      if (!node.showAdvanced) return [0, -4];
+      return computeSize ? computeSize.call(this, width) : [width, LiteGraph.NODE_WIDGET_HEIGHT];
+    };
+  }
+  const toggle = node.toggleAdvanced;
+  node.toggleAdvanced = function () {
+    const result = toggle?.apply(this, arguments);
+    fitHeight(this);
+    return result;
+  };
+  fitHeight(node);
+  const card = node.widgets?.find((w) => w.name === "card");
+  if (!card) return;
+  const callback = card.callback;
+  card.callback = function (value, ...rest) {
+    if (value === "manual" && !node.showAdvanced) node.toggleAdvanced?.();
+    return callback?.apply(this, [value, ...rest]);
+  };
+}
+
+function fitHeight(node) {
+  // the node's height for the widgets shown (hidden advanced ones take no room)
+  const size = node.computeSize();
+  node.setSize([Math.max(node.size[0], size[0]), size[1]]);
+}
+
+function migrateMemoryValues(node, info) {
+  // Positions are how a UI workflow stores widget values: an old one's first value is mixed_precision.
+  const values = info?.widgets_values;
+  if (!Array.isArray(values) || !OLD_FIRST_VALUES.includes(values[0])) return;
+  const widgets = (node.widgets ?? []).filter((w) => w.serialize !== false);
+  if (widgets[0]?.name !== "card") return;
+  widgets[0].value = "manual"; // what the old workflow meant: every widget as given, auto_fit included
+  for (let i = 0; i < values.length && i + 1 < widgets.length; i++) widgets[i + 1].value = values[i];
+  node.showAdvanced = true; // manual: the widgets it set are its settings, so they stay in view
+}
+
+// ---- Train: the live panel -------------------------------------------------------------------------------------
+
+const panels = new Map(); // node id (string) -> state
+
+function emptyState() {
+  return { phase: "idle: press Queue to train", phases: [], step: 0, total: 0, losses: [], validation: [], sPerStep: null,
+           etaS: null, vram: null, plan: [], samples: [], prompts: [], final: null, stopped: false, lastSave: null,
+           updated: Date.now() };
+}
+
+function stateOf(id) {
+  id = String(id);
+  if (!panels.has(id)) {
+    let state = null;
+    try { state = JSON.parse(localStorage.getItem(STORE_KEY + id) ?? "null"); } catch { state = null; }
+    panels.set(id, state ?? emptyState());
+  }
+  return panels.get(id);
+}
+
+const saveTimers = new Map();
+function persist(id, now = false) {
+  // steps come many a second: kept at most every 500 ms; a start or an end at once
+  clearTimeout(saveTimers.get(id));
+  const save = () => {
+    try { localStorage.setItem(STORE_KEY + id, JSON.stringify(stateOf(id))); } catch { /* storage full: skip */ }
+  };
+  if (now) save();
+  else saveTimers.set(id, setTimeout(save, 500));
+}
+
+function duration(seconds) {
+  seconds = Math.max(0, Math.round(seconds));
+  const h = Math.floor(seconds / 3600), m = Math.floor((seconds % 3600) / 60), s = seconds % 60;
+  return h ? `${h}:${String(m).padStart(2, "0")}:${String(s).padStart(2, "0")}` : `${m}:${String(s).padStart(2, "0")}`;
+}
+
+function smoothed(values) {
+  const out = [];
+  let ema = null;
+  for (const v of values) { ema = ema === null ? v : SMOOTHING * ema + (1 - SMOOTHING) * v; out.push(ema); }
+  return out;
+}
+
+function onProgress(event) {
+  const e = event.detail ?? {};
+  if (e.node === undefined || e.node === null) return;
+  const id = String(e.node);
+  let s = stateOf(id);
+  switch (e.kind) {
+    case "start":
+      s = emptyState();
+      s.total = e.total; s.prompts = e.prompts ?? []; s.phase = "starting";
+      panels.set(id, s);
+      break;
+    case "phase":
+      s.phase = e.text;
+      s.phases = [...(s.phases ?? []), e.text].slice(-30);
+      if (/^(auto-fit|recovered)/.test(e.text)) s.plan.push(e.text);
+      break;
+    case "cache":
+      s.phase = `caching latents and text ${e.done}/${e.total}`;
+      break;
+    case "estimate":
+      s.plan.push(String(e.text).split("\n")[0]);
+      break;
+    case "step":
+      s.step = e.step; s.total = e.total; s.sPerStep = e.s_per_step; s.etaS = e.eta_s;
+      s.losses.push(e.loss);
+      if (s.losses.length > 5000) s.losses = s.losses.filter((_, i) => i % 2 === 0); // keeps the shape, bounded
+      if (e.vram) s.vram = e.vram;
+      s.phase = "training";
+      break;
+    case "validation":
+      s.validation.push([e.step, e.loss]);
+      break;
+    case "saved":
+      s.lastSave = e.path;
+      break;
+    case "sample":
+      s.samples.push({ step: e.step, images: e.images ?? [] });
+      if (s.samples.length > 12) s.samples.shift();
+      break;
+  }
+  s.updated = Date.now();
+  redraw(id, e.kind === "start");
+}
+
+function onFinished(stopped) {
+  return (event) => {
+    const e = event.detail ?? {};
+    if (e.node === undefined || e.node === null) return;
+    const s = stateOf(e.node);
+    s.final = e.text ?? (stopped ? `stopped; partial saved to ${e.shown ?? e.lora_name}; set resume to continue`
+                                 : `Saved to ${e.shown ?? e.lora_name}`);
+    s.stopped = stopped;
+    s.phase = stopped ? "stopped" : "done";
+    s.updated = Date.now();
+    redraw(String(e.node), true);
+  };
+}
+
+function el(tag, className, parent) {
+  const e = document.createElement(tag);
+  if (className) e.className = className;
+  parent?.appendChild(e);
+  return e;
+}
+
+const STYLE = `
+.leanlora-panel { box-sizing: border-box; width: 100%; height: 100%; padding: 6px 8px; overflow: hidden;
+  font: 13px/1.35 system-ui, sans-serif; color: #ddd; background: #1b1b1f; border-radius: 6px; }
+.leanlora-panel .ll-phase { font-weight: 600; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.leanlora-panel .ll-bar { height: 6px; background: #333; border-radius: 3px; margin: 4px 0; }
+.leanlora-panel .ll-bar > div { height: 100%; background: #4a9eff; border-radius: 3px; width: 0; }
+.leanlora-panel .ll-stats { color: #ccc; min-height: 2.7em; }
+.leanlora-panel canvas { width: 100%; height: 100px; display: block; margin-top: 4px; }
+.leanlora-panel .ll-plan { color: #aaa; font-size: 12px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.leanlora-panel .ll-final { font-weight: 600; color: #7fd37f; word-break: break-all; }
+.leanlora-panel .ll-final.stopped { color: #f0c060; }
+.leanlora-panel .ll-gallery { display: flex; gap: 6px; overflow-x: auto; margin-top: 4px; }
+.leanlora-panel .ll-gallery figure { margin: 0; flex: none; text-align: center; font-size: 11px; color: #aaa; }
+.leanlora-panel .ll-gallery img { height: 84px; display: block; border-radius: 3px; }
+`;
+
+function ensureStyle() {
+  if (document.getElementById("leanlora-style")) return;
+  const style = el("style", null, document.head);
+  style.id = "leanlora-style";
+  style.textContent = STYLE;
+}
+
+function drawChart(canvas, s) {
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 300, height = canvas.clientHeight || 100;
+  canvas.width = Math.round(width * ratio); canvas.height = Math.round(height * ratio);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.fillStyle = "#111"; ctx.fillRect(0, 0, width, height);
+  const losses = s.losses;
+  ctx.font = "12px system-ui, sans-serif";
+  if (losses.length < 2) {
+    ctx.fillStyle = "#888"; ctx.fillText("the loss chart starts at step 2", 8, height / 2);
+    return;
+  }
+  const left = 44, right = 6, top = 6, bottom = 18;
+  const finite = losses.filter(Number.isFinite).concat(s.validation.map((v) => v[1]).filter(Number.isFinite));
+  let lo = Math.min(...finite), hi = Math.max(...finite);
+  if (hi - lo < 1e-9) { hi += 1e-3; lo -= 1e-3; }
+  const firstStep = Math.max(1, s.step - losses.length + 1);
+  const x = (i) => left + (i / (losses.length - 1)) * (width - left - right);
+  const y = (v) => top + (1 - (v - lo) / (hi - lo)) * (height - top - bottom);
+  ctx.fillStyle = "#aaa"; ctx.textAlign = "right";
+  ctx.fillText(hi.toPrecision(3), left - 4, top + 10);
+  ctx.fillText(lo.toPrecision(3), left - 4, height - bottom);
+  ctx.textAlign = "left"; ctx.fillText(`step ${firstStep}`, left, height - 4);
+  ctx.textAlign = "right"; ctx.fillText(`step ${s.step}`, width - right, height - 4);
+  const line = (values, color, widthPx) => {
+    ctx.strokeStyle = color; ctx.lineWidth = widthPx; ctx.beginPath();
+    values.forEach((v, i) => (i ? ctx.lineTo(x(i), y(v)) : ctx.moveTo(x(i), y(v))));
+    ctx.stroke();
+  };
+  line(losses, "rgba(74,158,255,0.35)", 1);
+  line(smoothed(losses), "#4a9eff", 2);
+  if (s.validation.length) {
+    ctx.fillStyle = "#5fd35f";
+    for (const [step, value] of s.validation) {
+      const i = Math.min(losses.length - 1, Math.max(0, step - firstStep));
+      ctx.beginPath(); ctx.arc(x(i), y(value), 3, 0, 2 * Math.PI); ctx.fill();
+    }
+  }
+}
+
+function viewUrl(image) {
+  const query = new URLSearchParams({ filename: image.filename, subfolder: image.subfolder ?? "", type: image.type ?? "output" });
+  return api.apiURL(`/view?${query}`);
+}
+
+function render(node) {
+  const panel = node.leanloraPanel;
+  if (!panel) return;
+  const s = stateOf(node.id);
+  const p = panel.parts;
+  p.phase.textContent = s.final ? (s.stopped ? "stopped" : "finished") : s.phase;
+  p.bar.style.width = s.total ? `${(100 * s.step) / s.total}%` : "0";
+  const stats = [];
+  if (s.step) {
+    const last = s.losses[s.losses.length - 1];
+    const smooth = smoothed(s.losses).pop();
+    stats.push(`step ${s.step}/${s.total}`, `loss ${last.toFixed(4)} (smoothed ${smooth.toFixed(4)})`);
+    if (s.validation.length) stats.push(`validation ${s.validation[s.validation.length - 1][1].toFixed(4)}`);
+    if (s.sPerStep) stats.push(`${s.sPerStep.toFixed(3)} s/step`, `${duration(s.etaS)} left`);
+  }
+  if (s.vram) stats.push(`VRAM ${s.vram.used_gib.toFixed(1)}/${s.vram.total_gib.toFixed(1)} GiB`);
+  p.stats.textContent = stats.join(" · ") || " ";
+  p.plan.textContent = s.plan.length ? s.plan[s.plan.length - 1] : "";
+  p.plan.title = s.plan.join("\n");
+  p.final.textContent = s.final ?? "";
+  p.final.className = "ll-final" + (s.stopped ? " stopped" : "");
+  drawChart(p.chart, s);
+  const shown = p.gallery.dataset.count ?? "0";
+  if (String(s.samples.length) !== shown) {
+    p.gallery.replaceChildren();
+    for (const sample of [...s.samples].reverse()) {
+      sample.images.forEach((image, i) => {
+        if (!image) return;
+        const figure = el("figure", null, p.gallery);
+        const img = el("img", null, figure);
+        img.src = viewUrl(image);
+        const prompt = s.prompts[i] ?? "";
+        img.title = `step ${sample.step}: ${prompt}`;
+        el("figcaption", null, figure).textContent = `step ${sample.step} · ${prompt.slice(0, 24)}`;
+      });
+    }
+    p.gallery.dataset.count = String(s.samples.length);
+    const wanted = s.samples.length ? PANEL_HEIGHT + GALLERY_HEIGHT : PANEL_HEIGHT;
+    if (panel.height !== wanted) {
+      panel.height = wanted;
+      const size = node.computeSize();
+      node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
+    }
+  }
+  node.setDirtyCanvas(true, true);
+}
+
+function redraw(id, now = false) {
+  persist(id, now);
+  const node = app.graph?.getNodeById?.(id) ?? app.graph?.getNodeById?.(Number(id));
+  if (node?.leanloraPanel) render(node);
+}
+
+function setupTrainNode(node) {
+  ensureStyle();
+  const root = el("div", "leanlora-panel");
+  const parts = {
+    phase: el("div", "ll-phase", root), bar: el("div", null, el("div", "ll-bar", root)),
+    stats: el("div", "ll-stats", root), chart: el("canvas", null, root), plan: el("div", "ll-plan", root),
+    final: el("div", "ll-final", root), gallery: el("div", "ll-gallery", root),
+  };
+  const panel = { root, parts, height: PANEL_HEIGHT };
+  const widget = node.addDOMWidget("leanlora_panel", "leanlora_panel", root, {
+    serialize: false, hideOnZoom: false, getValue: () => "", setValue: () => {},
+    getMinHeight: () => panel.height, getMaxHeight: () => panel.height,
+  });
+  widget.serialize = false; // not a widget value: a saved workflow's positions stay the inputs'
+  node.leanloraPanel = panel;
+  // the panel draws the loss chart and the samples: the server's PNG previews (for frontends without this file)
+  // would only grow the node over its neighbours
+  Object.defineProperty(node, "imgs", { configurable: true, get: () => undefined, set: () => {} });
+  const size = node.computeSize();
+  node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
+  requestAnimationFrame(() => render(node));
+}
+
+// for the browser tests (tests/test_browser.py) and the console: the panels' states by node id
+window.LeanLoRA = { panels, stateOf };
+
+app.registerExtension({
+  name: "LeanLoRA.panel",
+  async setup() {
+    api.addEventListener("leanlora.progress", onProgress);
+    api.addEventListener("leanlora.saved", onFinished(false));
+    api.addEventListener("leanlora.partial_saved", onFinished(true));
+  },
+  loadedGraphNode(node) {
+    // after a workflow loads: a saved Memory Settings node shows only its simple widgets unless opened
+    if (node.type === MEMORY && !node.showAdvanced) fitHeight(node);
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name === MEMORY) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const result = created?.apply(this, arguments);
+        setupMemoryNode(this);
+        return result;
+      };
+      const configure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function (info) {
+        const result = configure?.apply(this, arguments);
+        migrateMemoryValues(this, info);
+        return result;
+      };
+    }
+    if (nodeData.name === TRAIN) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const result = created?.apply(this, arguments);
+        setupTrainNode(this);
+        return result;
+      };
+      const configure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function () {
+        const result = configure?.apply(this, arguments);
+        requestAnimationFrame(() => render(this)); // a reloaded page: the panel from the last state kept
+        return result;
+      };
+    }
+  },
+});

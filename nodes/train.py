@@ -119,9 +119,10 @@ def sample_strip(paths: list[str]):
 def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name) -> tuple[SampleSettings, Path]:
     """Train's sample_* inputs, checked (with their folder) before anything runs."""
     settings = SampleSettings.from_text(prompts, every_steps=every_n_steps, size=size, steps=steps, cfg=cfg, seed=seed)
+    settings.check_within()  # today's families' limits (SD1.x/SDXL)
     folder = Path(folder_paths.get_output_directory()) / SAMPLES_FOLDER / sanitize_name(output_name)
-    if settings.on:
-        check_writable(folder, 0, "samples folder")
+    if settings.on:  # the run's own folder (<name>, else <name>_2, ...) is made at its first sample
+        check_writable(folder.parent, 0, "samples folder")
     return settings, folder
 
 
@@ -267,13 +268,15 @@ class LeanLoRATrain:
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
                                                   sample_cfg, sample_seed, output_name)
         adapter = ComfyAdapter(model, clip, vae)
-        renderer = SampleRenderer(model, clip, vae, samples, samples_folder) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
+
+        def renderer(job):  # asks the job, between sampler steps, whether Cancel was pressed
+            return SampleRenderer(model, clip, vae, samples, samples_folder, lambda: job.cancelled) if samples.on else None
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
                                                 job.emit, lambda: job.cancelled, store, fallback_dir,
-                                                LATEST_TRAINING, samples.every_steps, renderer))
+                                                LATEST_TRAINING, samples.every_steps, renderer(job)))
         outcome = wait_for(job, steps, unique_id)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:

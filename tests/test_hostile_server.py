@@ -921,6 +921,51 @@ def test_continue_from_a_lora_with_nan_values_names_the_file_and_the_tensor(host
     assert "caching latents" not in result.log, result.log[-2000:]
 
 
+# --- samples: bounded, never overwritten (issue 34, items 2 and 3) --------------------------------------------
+
+SAMPLE_VALUES = {"5.sample_prompts": "lnlr, a red circle", "5.sample_every_n_steps": 1, "5.sample_size": 64,
+                 "5.sample_steps": 2}
+
+
+@pytest.mark.parametrize("case, links, name", [("sample_size_4096", {"5.sample_size": 4096}, "sample_size"),
+                                               ("sample_steps_1000", {"5.sample_steps": 1000}, "sample_steps")])
+def test_a_sample_beyond_the_familys_range_fails_before_training(hostile, invariants, case, links, name):
+    """Before: sample_size 4096 on a CPU server ran minutes at 7 GB and Cancel did not stop it."""
+    folder = hostile.dataset(f"smp_{case}")
+    values = {key: value for key, value in SAMPLE_VALUES.items() if key not in links}
+    result = run(hostile, case, train_prompt(folder.name, f"smp_{case}", links=links, **values))
+    expect_error(result, [name])
+    assert "caching latents" not in result.log
+
+
+def _sample_folder(result: Result) -> Path | None:
+    found = re.search(r"images rendered in (.+?) \(", result.report)
+    return Path(found.group(1)) if found else None
+
+
+def test_two_runs_with_one_output_name_keep_both_runs_samples(hostile, invariants):
+    """Before: the second run wrote output/leanlora_samples/<name>/step1_0.png over the first run's."""
+    folder = hostile.dataset("smp_twice")
+    first = run(hostile, "samples_twice_first", train_prompt(folder.name, "smp_twice", **SAMPLE_VALUES))
+    assert first.status == "success", first.message
+    first_folder = _sample_folder(first)
+    assert first_folder is not None and first_folder.is_dir(), first.report
+    before = {path.name: sha256(path) for path in first_folder.iterdir()}
+    second = run(hostile, "samples_twice_second", train_prompt(folder.name, "smp_twice", **SAMPLE_VALUES,
+                                                               **{"5.seed": 7, "5.sample_seed": 7}))
+
+    def check(result):
+        second_folder = _sample_folder(result)
+        if second_folder is None or second_folder == first_folder or not second_folder.is_dir():
+            return f"the second run's samples went to {second_folder}, the first's to {first_folder}"
+        after = {path.name: sha256(path) for path in first_folder.iterdir()}
+        if after != before:
+            return f"the first run's samples changed: {before} -> {after}"
+        if not list(second_folder.glob("step*.png")):
+            return f"no samples in {second_folder}"
+    expect_success(second, check)
+
+
 # --- read-only and full folders ----------------------------------------------------------------------------
 
 

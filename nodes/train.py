@@ -268,15 +268,13 @@ class LeanLoRATrain:
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
                                                   sample_cfg, sample_seed, output_name)
         adapter = ComfyAdapter(model, clip, vae)
+        renderer = SampleRenderer(model, clip, vae, samples, samples_folder, JOBS.cancelled) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
-
-        def renderer(job):  # asks the job, between sampler steps, whether Cancel was pressed
-            return SampleRenderer(model, clip, vae, samples, samples_folder, lambda: job.cancelled) if samples.on else None
         job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
                                                 job.emit, lambda: job.cancelled, store, fallback_dir,
-                                                LATEST_TRAINING, samples.every_steps, renderer(job)))
+                                                LATEST_TRAINING, samples.every_steps, renderer))
         outcome = wait_for(job, steps, unique_id)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:

@@ -215,3 +215,17 @@ def test_two_runs_with_one_name_get_their_own_sample_folders(comfy_objects, tmp_
     assert first == [tmp_path / "my_lora" / "step1_0.png"]
     assert second == [tmp_path / "my_lora_2" / "step1_0.png"] and later == [tmp_path / "my_lora_2" / "step2_0.png"]
     assert {path: path.read_bytes() for path in first} == before
+
+
+def test_the_job_manager_says_whether_the_running_job_was_cancelled():
+    """What the Train node hands its sample renderer as should_stop."""
+    from helpers import node_module
+    import threading
+    manager, release = node_module("jobs").JobManager(), threading.Event()
+    assert not manager.cancelled()  # no job yet
+    job = manager.start(lambda job: release.wait(30))
+    assert not manager.cancelled()
+    job.cancel()
+    assert manager.cancelled()
+    release.set()
+    job.done.wait(30)

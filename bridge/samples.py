@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -24,19 +25,25 @@ from .comfy_adapter import apply_lora
 from .families import family_for
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.files import write_atomic
+    from ..trainer.files import new_folder, write_atomic
     from ..trainer.settings import SampleSettings
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.files import write_atomic
+    from trainer.files import new_folder, write_atomic
     from trainer.settings import SampleSettings
 
 
 class SampleRenderer:
     """`renderer(step, lora_state_dict)` renders one image per prompt and writes `step<N>_<i>.png` (i from 0, in
-    prompt order) into `folder`; returns the paths. The prompts are encoded once, at the first call."""
+    prompt order) into this run's own folder; returns the paths. The folder is `folder`, or `folder_2`, `_3`, ...
+    where an earlier run has one (created at the first image: a run never overwrites another run's samples).
+    The prompts are encoded once, at the first call. `should_stop()` (Cancel) is asked after every sampler step
+    and before each image and decode: Cancel stops a sample within one sampler step."""
 
-    def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path):
-        self.model, self.clip, self.vae, self.settings, self.folder = model, clip, vae, settings, Path(folder)
+    def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path,
+                 should_stop: Callable[[], bool] = lambda: False):
+        self.model, self.clip, self.vae, self.settings = model, clip, vae, settings
+        self.requested, self.folder = Path(folder), None  # self.folder: this run's, once claimed
+        self.should_stop = should_stop
         defaults = family_for(model.model).sample_defaults
         self.sampler, self.scheduler = defaults.sampler, defaults.scheduler
         self._conds = None  # (positive per prompt, the empty negative), ComfyUI's conditioning lists
@@ -50,7 +57,14 @@ class SampleRenderer:
             finally:  # also after an out-of-memory part-way: nothing of sampling stays loaded beside training
                 comfy.model_management.unload_all_models()
                 comfy.model_management.soft_empty_cache()
+        if self.folder is None:
+            self.folder = new_folder(self.requested)
         return [self._write(image, step, index) for index, image in enumerate(images)]
+
+    def _stop_if_cancelled(self, *_) -> None:
+        """Between sampler steps (ComfyUI's sampler callback) and images: Cancel, from the job or the queue."""
+        if self.should_stop() or comfy.model_management.processing_interrupted():
+            raise comfy.model_management.InterruptProcessingException()
 
     def _render(self, lora_state_dict: dict[str, torch.Tensor]) -> list[np.ndarray]:
         settings = self.settings
@@ -62,10 +76,13 @@ class SampleRenderer:
         latent_size = settings.size // 8
         images = []
         for positive in positives:
+            self._stop_if_cancelled()
             latent = comfy.sample.fix_empty_latent_channels(patched, torch.zeros(1, 4, latent_size, latent_size))
             noise = comfy.sample.prepare_noise(latent, settings.seed)
             samples = comfy.sample.sample(patched, noise, settings.steps, settings.cfg, self.sampler, self.scheduler,
-                                          positive, negative, latent, disable_pbar=True, seed=settings.seed)
+                                          positive, negative, latent, disable_pbar=True, seed=settings.seed,
+                                          callback=self._stop_if_cancelled)
+            self._stop_if_cancelled()
             decoded = self.vae.decode(samples)
             if decoded.dim() == 5:  # a video VAE's frames (Qwen-Image's Wan VAE): one frame here, as VAEDecode does
                 decoded = decoded.reshape(-1, *decoded.shape[-3:])

@@ -1,5 +1,6 @@
 import folder_paths
 
+from ..bridge.folder_policy import folder_confinement
 from ..trainer.dataset import MAX_REPEATS, MAX_RESOLUTION, folder_fingerprint, resolve_folder, scan_folder
 from ..trainer.errors import LeanLoRAError
 from .common import CATEGORY
@@ -44,10 +45,10 @@ class LeanLoRADataset:
         if not isinstance(folder, str):  # fed through a link: unknown until run, so always re-scan
             return float("nan")
         try:
-            return folder_fingerprint(resolve_folder(folder, folder_paths.get_input_directory()))
+            return folder_fingerprint(resolve_folder(folder, folder_paths.get_input_directory(), folder_confinement()))
         except LeanLoRAError:
             return float("nan")  # execute raises the clear error
 
     def execute(self, folder, resolution, repeats, trigger_word, framing):
-        path = resolve_folder(folder, folder_paths.get_input_directory())
+        path = resolve_folder(folder, folder_paths.get_input_directory(), folder_confinement())
         return (scan_folder(path, resolution, repeats, trigger_word, buckets=FRAMING[framing]),)

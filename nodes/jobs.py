@@ -60,5 +60,10 @@ class JobManager:
             self._current.thread.start()
             return self._current
 
+    def cancelled(self) -> bool:
+        """Whether the running job's Cancel was pressed (asked between sampler steps by its sample renderer)."""
+        job = self._current
+        return job is not None and job.cancelled
+
 
 JOBS = JobManager()

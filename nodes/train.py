@@ -147,9 +147,10 @@ def sample_strip(paths: list[str]):
 def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name) -> tuple[SampleSettings, Path]:
     """Train's sample_* inputs, checked (with their folder) before anything runs."""
     settings = SampleSettings.from_text(prompts, every_steps=every_n_steps, size=size, steps=steps, cfg=cfg, seed=seed)
+    settings.check_within()  # today's families' limits (SD1.x/SDXL)
     folder = Path(folder_paths.get_output_directory()) / SAMPLES_FOLDER / sanitize_name(output_name)
-    if settings.on:
-        check_writable(folder, 0, "samples folder")
+    if settings.on:  # the run's own folder (<name>, else <name>_2, ...) is made at its first sample
+        check_writable(folder.parent, 0, "samples folder")
     return settings, folder
 
 
@@ -311,7 +312,7 @@ class LeanLoRATrain:
         _send("leanlora.progress", {"kind": "start", "node": unique_id, "total": steps, "output_name": output_name,
                                     "prompts": list(samples.prompts) if samples.on else []})
         adapter = ComfyAdapter(model, clip, vae)
-        renderer = SampleRenderer(model, clip, vae, samples, samples_folder) if samples.on else None
+        renderer = SampleRenderer(model, clip, vae, samples, samples_folder, JOBS.cancelled) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)

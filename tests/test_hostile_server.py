@@ -852,6 +852,120 @@ def test_absolute_dataset_folder_trains(hostile, invariants):
     expect_success(run(hostile, "folder_absolute", train_prompt(str(folder), "folder_absolute")), used(2))
 
 
+# --- files that lie: training states and continue_from LoRAs with impossible values (issue 34, item 1) ---------
+
+_LOADED: dict[str, Path] = {}
+
+
+def _run_with_state(h: Hostile) -> tuple[Path, Path]:
+    """One tiny run saving every step: its final LoRA and its step-1 training state (the cases below edit copies)."""
+    if not _LOADED:
+        folder = h.dataset("loaded_base")
+        result = run(h, "loaded_base", train_prompt(folder.name, "loaded_base", steps=2,
+                                                    **{"5.save_every_n_steps": 1}))
+        assert result.status == "success", result.message
+        _LOADED.update(folder=folder, lora=saved_lora(h, result), state=h.loras / "loaded_base_step1.leanlora-state")
+    return _LOADED["lora"], _LOADED["state"]
+
+
+def _nan_first_lora_tensor(state) -> None:
+    state.lora[0].view(-1)[0] = math.nan
+
+
+STATE_EDITS = {  # case -> (edit of the loaded state, what the error must name besides the file)
+    "state_nan_lora": (_nan_first_lora_tensor, ["NaN", "LoRA tensor 0"]),
+    "state_step_minus_3": (lambda state: setattr(state, "step", -3), ["step is -3"]),
+    "state_position_past_the_epoch": (lambda state: state.data.update(position=10**6), ["data position"]),
+}
+
+
+@pytest.mark.parametrize("case", list(STATE_EDITS))
+def test_resume_from_a_state_with_impossible_values_names_the_file_and_the_value(hostile, invariants, case):
+    """Before: NaN LoRA tensors ended as 'training diverged ... lower the learning rate'; step -3 trained 'from step
+    -3', saved a LoRA claiming 6 steps and failed with a bare ZeroDivisionError."""
+    from trainer.training_state import load_training_state, save_training_state
+    _, state_file = _run_with_state(hostile)
+    state = load_training_state(state_file)
+    STATE_EDITS[case][0](state)
+    edited = save_training_state(hostile.loras / f"{case}.leanlora-state", state)
+    result = run(hostile, case, train_prompt(_LOADED["folder"].name, case, steps=3, **{"5.resume": edited.name}))
+    expect_error(result, [edited.name, *STATE_EDITS[case][1]])
+    assert "training diverged" not in result.message and "learning rate" not in result.message, result.message
+    assert "caching latents" not in result.log, result.log[-2000:]
+    assert not list(hostile.loras.glob(f"{case}*.safetensors"))
+
+
+def _edited_lora(h: Hostile, name: str, suffix: str) -> str:
+    """A copy of the base run's LoRA whose first tensor ending in `suffix` holds a NaN; returns that key."""
+    lora, _ = _run_with_state(h)
+    tensors = load_file(lora)
+    with safe_open(str(lora), "pt") as f:
+        metadata = f.metadata()
+    key = sorted(k for k in tensors if k.endswith(suffix))[0]
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] = math.nan
+    save_file(tensors, h.loras / name, metadata=metadata)
+    return key
+
+
+@pytest.mark.parametrize("case, suffix, says", [
+    ("continue_nan_up", ".lora_up.weight", "NaN/inf values in"),  # before: 'training diverged ... learning rate'
+    ("continue_nan_alpha", ".alpha", "NaN/inf values in"),  # before: RuntimeError: coroutine raised StopIteration
+])
+def test_continue_from_a_lora_with_nan_values_names_the_file_and_the_tensor(hostile, invariants, case, suffix, says):
+    key = _edited_lora(hostile, f"{case}.safetensors", suffix)
+    result = run(hostile, case, train_prompt(_LOADED["folder"].name, case, steps=2,
+                                             **{"4.continue_from": f"{case}.safetensors"}))
+    expect_error(result, [f"{case}.safetensors", key, says])
+    assert "training diverged" not in result.message and "learning rate" not in result.message, result.message
+    assert "caching latents" not in result.log, result.log[-2000:]
+
+
+# --- samples: bounded, never overwritten (issue 34, items 2 and 3) --------------------------------------------
+
+SAMPLE_VALUES = {"5.sample_prompts": "lnlr, a red circle", "5.sample_every_n_steps": 1, "5.sample_size": 64,
+                 "5.sample_steps": 2}
+
+
+@pytest.mark.parametrize("case, links, name", [("sample_size_4096", {"5.sample_size": 4096}, "sample_size"),
+                                               ("sample_steps_1000", {"5.sample_steps": 1000}, "sample_steps")])
+def test_a_sample_beyond_the_familys_range_fails_before_training(hostile, invariants, case, links, name):
+    """Before: sample_size 4096 on a CPU server ran minutes at 7 GB and Cancel did not stop it."""
+    folder = hostile.dataset(f"smp_{case}")
+    values = {key: value for key, value in SAMPLE_VALUES.items() if key not in links}
+    result = run(hostile, case, train_prompt(folder.name, f"smp_{case}", links=links, **values))
+    expect_error(result, [name])
+    assert "caching latents" not in result.log
+
+
+def _sample_folder(result: Result) -> Path | None:
+    found = re.search(r"images rendered in (.+?) \(", result.report)
+    return Path(found.group(1)) if found else None
+
+
+def test_two_runs_with_one_output_name_keep_both_runs_samples(hostile, invariants):
+    """Before: the second run wrote output/leanlora_samples/<name>/step1_0.png over the first run's."""
+    folder = hostile.dataset("smp_twice")
+    first = run(hostile, "samples_twice_first", train_prompt(folder.name, "smp_twice", **SAMPLE_VALUES))
+    assert first.status == "success", first.message
+    first_folder = _sample_folder(first)
+    assert first_folder is not None and first_folder.is_dir(), first.report
+    before = {path.name: sha256(path) for path in first_folder.iterdir()}
+    second = run(hostile, "samples_twice_second", train_prompt(folder.name, "smp_twice", **SAMPLE_VALUES,
+                                                               **{"5.seed": 7, "5.sample_seed": 7}))
+
+    def check(result):
+        second_folder = _sample_folder(result)
+        if second_folder is None or second_folder == first_folder or not second_folder.is_dir():
+            return f"the second run's samples went to {second_folder}, the first's to {first_folder}"
+        after = {path.name: sha256(path) for path in first_folder.iterdir()}
+        if after != before:
+            return f"the first run's samples changed: {before} -> {after}"
+        if not list(second_folder.glob("step*.png")):
+            return f"no samples in {second_folder}"
+    expect_success(second, check)
+
+
 # --- read-only and full folders ----------------------------------------------------------------------------
 
 

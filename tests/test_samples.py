@@ -159,3 +159,73 @@ def test_cancel_while_sampling_stops_the_run_and_keeps_a_partial_lora(comfy_obje
     outcome = _train(comfy_objects, dataset, tmp_path / "loras", "cancel_sampling", cancelled)
     assert outcome.partial and len(outcome.losses) == 2
     assert outcome.lora_path.name == "cancel_sampling_partial_step2.safetensors"
+
+
+# --- issue 34: bounded and cancellable sampling, a folder per run ---
+
+NO_LORA = {"lora_unet_unused.alpha": torch.tensor(1.0)}  # a LORA_MODEL that patches nothing: the base model's image
+
+
+def test_sample_size_and_steps_beyond_the_familys_range_fail_before_training():
+    from trainer.settings import SD_SAMPLE_LIMITS, SampleLimits
+    too_large = SampleSettings(("a cat",), every_steps=2, size=4096)
+    with pytest.raises(LeanLoRAError, match=r"^sample_size: got 4096; SD1.x/SDXL samples are at most 2048 px .*lower "
+                                            r"sample_size"):
+        too_large.check_within(SD_SAMPLE_LIMITS)
+    with pytest.raises(LeanLoRAError, match=r"^sample_steps: got 1000; .* at most 150 sampler steps .*lower sample_steps"):
+        SampleSettings(("a cat",), every_steps=2, steps=1000).check_within()
+    SampleSettings(("a cat",), every_steps=2, size=2048, steps=150).check_within()
+    SampleSettings(("a cat",), every_steps=0, size=4096).check_within()  # sampling off: nothing to bound
+    with pytest.raises(LeanLoRAError, match=r"^sample_size: got 1024; tiny samples are at most 512 px"):
+        SampleSettings(("a cat",), every_steps=2, size=1024).check_within(SampleLimits("tiny", 512, 10, "256"))
+    from helpers import node_module
+    node = node_module("train").LeanLoRATrain
+    errors = __import__("leanlora_nodes_under_test.trainer.errors", fromlist=["LeanLoRAError"])
+    with pytest.raises(errors.LeanLoRAError, match=r"^sample_size: got 4096"):  # the node, before any model work
+        node().execute(None, None, None, None, MEMORY, LORA, 6, 1e-3, "constant", 0, 0, "x",
+                       sample_prompts="a cat", sample_every_n_steps=2, sample_size=4096)
+
+
+def test_cancel_stops_a_sample_within_one_sampler_step(comfy_objects, tmp_path, monkeypatch):
+    real, steps_run = comfy.sample.sample, []
+
+    def counting(*args, callback=None, **kwargs):
+        def each_step(step, *rest):
+            steps_run.append(step)
+            if callback is not None:
+                callback(step, *rest)
+        return real(*args, callback=each_step, **kwargs)
+    monkeypatch.setattr(comfy.sample, "sample", counting)
+    settings = SampleSettings(("a cat",), every_steps=1, size=64, steps=150, seed=1)
+    renderer = SampleRenderer(*comfy_objects, settings, tmp_path / "samples", should_stop=lambda: len(steps_run) >= 2)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        in_a_training_thread(lambda: renderer(1, NO_LORA))
+    assert len(steps_run) == 2, f"the sampler went on for {len(steps_run)} of 150 steps after Cancel"
+    assert not (tmp_path / "samples").exists()  # no image, no folder
+    assert not comfy.model_management.current_loaded_models
+
+
+def test_two_runs_with_one_name_get_their_own_sample_folders(comfy_objects, tmp_path):
+    settings = SampleSettings(("a cat",), every_steps=1, size=64, steps=2, seed=1)
+    first = in_a_training_thread(lambda: SampleRenderer(*comfy_objects, settings, tmp_path / "my_lora")(1, NO_LORA))
+    before = {path: path.read_bytes() for path in first}
+    second_renderer = SampleRenderer(*comfy_objects, settings, tmp_path / "my_lora")
+    second = in_a_training_thread(lambda: second_renderer(1, NO_LORA))
+    later = in_a_training_thread(lambda: second_renderer(2, NO_LORA))  # a run keeps its folder
+    assert first == [tmp_path / "my_lora" / "step1_0.png"]
+    assert second == [tmp_path / "my_lora_2" / "step1_0.png"] and later == [tmp_path / "my_lora_2" / "step2_0.png"]
+    assert {path: path.read_bytes() for path in first} == before
+
+
+def test_the_job_manager_says_whether_the_running_job_was_cancelled():
+    """What the Train node hands its sample renderer as should_stop."""
+    from helpers import node_module
+    import threading
+    manager, release = node_module("jobs").JobManager(), threading.Event()
+    assert not manager.cancelled()  # no job yet
+    job = manager.start(lambda job: release.wait(30))
+    assert not manager.cancelled()
+    job.cancel()
+    assert manager.cancelled()
+    release.set()
+    job.done.wait(30)

@@ -120,10 +120,23 @@ def check_numbers(resolution: int, repeats: int) -> None:
                             "image comes up per epoch; train longer with more steps)")
 
 
-def resolve_folder(folder: str, input_dir: str | Path) -> Path:
+def resolve_folder(folder: str, input_dir: str | Path, confined: str | None = None) -> Path:
     """The Dataset node's folder: an absolute path (or ~/...) as given, a relative one inside ComfyUI's input
     folder. An empty string or a relative path that climbs out of input/ ('..') is an error, never input/
-    itself or a folder elsewhere."""
+    itself or a folder elsewhere. `confined` (the reason, for the message): the folder, symlinks resolved, must
+    be inside input/ (a server others can reach: bridge/folder_policy.py)."""
+    path = _resolve_folder(folder, input_dir)
+    if confined is not None:
+        real_input = Path(os.path.realpath(input_dir))
+        real = Path(os.path.realpath(path))
+        if real == real_input or not real.is_relative_to(real_input):
+            link = f" (a link to {real})" if real != path else ""
+            raise LeanLoRAError(f"folder {folder.strip()!r}{link} is outside ComfyUI's input folder ({input_dir}): "
+                                f"{confined}")
+    return path
+
+
+def _resolve_folder(folder: str, input_dir: str | Path) -> Path:
     text = folder.strip()
     input_dir = Path(os.path.normpath(input_dir))
     if not text:

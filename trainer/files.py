@@ -63,6 +63,19 @@ def unused_path(folder: Path, stem: str, suffix: str = ".safetensors") -> Path:
     return candidate
 
 
+def new_folder(path: Path) -> Path:
+    """Creates and returns `path`, or `path_2`, `path_3`, ...: the first that did not exist. mkdir is atomic, so
+    two runs never get the same folder and a run never writes over an earlier run's files (its samples)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 2
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            candidate, n = path.with_name(f"{path.name}_{n}"), n + 1
+
+
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> Path:
     return write_atomic(path, lambda tmp: write_safetensors(tensors, tmp, metadata))
 

@@ -110,6 +110,7 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
 
     file_targets = _file_targets(name, set(parts), lora_layers, unet, presets or {})  # before shapes: a conv LoRA is a target matter
     tensors = _read_tensors(path, {key for module_parts in parts.values() for key in module_parts.values()})
+    _check_finite(name, tensors)
     weights = {}
     for module_path, module_parts in parts.items():
         missing = {"down", "up"} - set(module_parts)
@@ -158,6 +159,7 @@ def check_file(settings: LoraSettings) -> None:
         alphas = {m: file.get_tensor(p["alpha"]) if "alpha" in p else None for m, p in modules.items()}
     if not ranks:
         return  # continue_from_file names the incomplete module
+    _check_finite(name, _read_tensors(path, {key for parts in modules.values() for key in parts.values()}))
     rank = _one_value(name, "rank", ranks)
     _rank_and_alpha(name, path, settings, rank, _file_alpha(name, metadata, rank, alphas), [], [])
 
@@ -258,7 +260,12 @@ def _file_alpha(name: str, metadata: Mapping[str, str], rank: int,
 
 
 def _one_value(name: str, what: str, per_module: dict[str, float], close: bool = False) -> float:
-    """The file's rank or alpha: every module must have the same (a LoRA Config has one of each)."""
+    """The file's rank or alpha: every module must have the same (a LoRA Config has one of each), finite and
+    positive."""
+    odd = next(((p, v) for p, v in per_module.items() if not (math.isfinite(v) and v > 0)), None)
+    if odd is not None:  # NaN never equals itself: checked before the comparison below
+        raise LeanLoRAError(f"{name} has {what} {odd[1]:g} for {odd[0]}: the file is damaged (a LoRA's {what} is a "
+                            f"positive number); pick another LoRA file")
     values = sorted(set(per_module.values()))
     first = values[0]
     other = next((v for v in values if not (math.isclose(v, first, rel_tol=1e-3) if close else v == first)), None)
@@ -268,6 +275,17 @@ def _one_value(name: str, what: str, per_module: dict[str, float], close: bool =
         raise LeanLoRAError(f"{name} has a different {what} per module ({a}: {first:g}, {b}: {other:g}); a LoRA "
                             f"Config has one {what}, so LeanLoRA cannot continue it: pick another file")
     return first
+
+
+def _check_finite(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Continuing from NaN/inf weights would end as a 'diverged' run with the wrong advice: named here instead."""
+    bad = sorted(key for key, tensor in tensors.items()
+                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()))
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise LeanLoRAError(f"{name} holds NaN/inf values in {bad[0]!r}{more}: the file is damaged or was saved "
+                            "from a diverged run, and training from it cannot work. Pick another LoRA file (an "
+                            "earlier save of that run, if it has one)")
 
 
 # --- the model ---

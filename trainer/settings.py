@@ -253,6 +253,20 @@ class TrainSettings:
 
 
 @dataclass(frozen=True)
+class SampleLimits:
+    """What a sample may cost, for one model family: sizes up to about twice its native resolution and a sampler's
+    usual steps. Checked before training (SampleSettings.check_within), so a sample cannot hold the server for
+    minutes; Cancel still stops a sample between two sampler steps."""
+    family: str = "SD1.x/SDXL"
+    max_size: int = 2048  # SD1.5 trains at 512, SDXL at 1024
+    max_steps: int = 150  # A1111's slider ends here; 20-30 is usual
+    native: str = "512 for SD1.5, 1024 for SDXL"
+
+
+SD_SAMPLE_LIMITS = SampleLimits()
+
+
+@dataclass(frozen=True)
 class SampleSettings:
     """Images rendered while training from the LoRA at its current weights (the Train node's sample_* inputs):
     every `every_steps` optimizer steps, one image per prompt at `size`² with `steps` sampler steps, `cfg` and a
@@ -291,3 +305,14 @@ class SampleSettings:
     @property
     def on(self) -> bool:
         return self.every_steps > 0
+
+    def check_within(self, limits: SampleLimits = SD_SAMPLE_LIMITS) -> None:
+        """The size and steps within what samples of `limits.family` are worth (only when sampling is on)."""
+        if not self.on:
+            return
+        _require(self.size <= limits.max_size, "sample_size",
+                 f"got {self.size}; {limits.family} samples are at most {limits.max_size} px ({limits.native}): "
+                 "lower sample_size (a larger sample takes minutes and many GiB per image)")
+        _require(self.steps <= limits.max_steps, "sample_steps",
+                 f"got {self.steps}; {limits.family} samples take at most {limits.max_steps} sampler steps (20 is "
+                 "usual): lower sample_steps")

@@ -29,8 +29,9 @@ from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
 from .settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
-from .training_state import (TrainingState, check_resumable, dataset_fingerprint, load_training_state,
-                             lora_fingerprint, model_fingerprint, save_training_state, state_path)
+from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
+                             dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
+                             save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
 from .vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
 
@@ -92,6 +93,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     dataset_id = dataset_fingerprint(dataset)
     if train.resume_from is not None:  # read and checked against the dataset before any encoding
         resumed = load_training_state(Path(train.resume_from))
+        check_state_values(resumed, Path(train.resume_from), len(dataset.samples))
         check_resumable(resumed, Path(train.resume_from), {"dataset": dataset_id}, train.steps, checks=("dataset",))
     cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
     # wall clock, for the file's metadata: a resumed run's file says when its training began
@@ -118,6 +120,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     emit(kind="phase", text="preparing the training copy")
     unet = adapter.training_unet()
+    try:
+        check_base_weights(unet)
+    except LeanLoRAError:
+        adapter.free(unet)
+        raise
     fingerprints = {"dataset": dataset_id, "model": model_fingerprint(unet)}
     presets = {targets: adapter.lora_targets(unet, targets) for targets in LoraTargets}  # before LoRA wraps layers
     params = inject_lora(unet, lora, train.seed, presets[lora.targets])
@@ -134,7 +141,12 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     if held_out:
         fingerprints["validation"] = split_fingerprint(cached_images, held_out)
     if resumed is not None:
-        check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps)
+        try:
+            check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps,
+                            lora_shapes=[tuple(p.shape) for p in params])
+        except LeanLoRAError:
+            adapter.free(unet)
+            raise
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
     check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,20 @@ def model_fingerprint(unet: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_base_weights(unet: torch.nn.Module) -> None:
+    """The base weights, sampled as model_fingerprint samples them, must be finite: a checkpoint with NaN/inf
+    weights fails here, before step 1, instead of as a divergence whose advice (learning rate, alpha) is wrong."""
+    with torch.no_grad():
+        for name, tensor in unet.state_dict().items():
+            if not tensor.is_floating_point():
+                continue
+            sample = tensor.detach().reshape(-1)[:: max(1, tensor.numel() // 64)].to("cpu", torch.float32)
+            if not bool(torch.isfinite(sample).all()):
+                raise LeanLoRAError(f"the base model's weight {name!r} holds NaN/inf values: the checkpoint is "
+                                    "damaged or was converted badly (e.g. to fp16 with overflow). Pick another "
+                                    "checkpoint or download this one again")
+
+
 def lora_fingerprint(lora, params: list[torch.nn.Parameter]) -> str:
     return _digest(lora.rank, lora.alpha, lora.targets.value, *(tuple(p.shape) for p in params))
 
@@ -181,8 +196,116 @@ def restore_rng_states(states: dict, generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(list(states["cuda"]))
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _tensors_in(value, where: str):
+    """(where, tensor) for every tensor inside nested dicts/lists/tuples, `where` naming it like state.x[3].y."""
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors_in(item, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors_in(item, f"{where}[{index}]")
+
+
+def _non_finite(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+
+
+def check_state_values(state: TrainingState, path: Path, images: int | None = None) -> None:
+    """Every value of a loaded state that a resume uses, checked before any encoding: the step, the losses so far,
+    the LoRA and optimizer tensors (finite), the loss scale, the random generators' states and the data position
+    (`images`: the dataset's image count, which bounds the batch order's indices). A hand-edited or damaged file
+    fails here with a LeanLoRAError naming the file and the value, never later as a divergence or a bare error."""
+    pick = "pick another state (every save point writes one) or set resume to 'off'"
+
+    def damaged(what: str) -> LeanLoRAError:
+        return LeanLoRAError(f"training state {path} is damaged: {what}; {pick}")
+
+    step = state.step
+    if not _is_count(step):
+        raise damaged(f"its step is {step!r}, not a count of the steps trained (0 or more)")
+    losses = state.losses
+    if not isinstance(losses, list) or len(losses) != step:
+        count = len(losses) if isinstance(losses, list) else repr(losses)
+        raise damaged(f"it records {count} losses for its {step} steps (one per step)")
+    bad_loss = next((i for i, loss in enumerate(losses) if not _is_number(loss)), None)
+    if bad_loss is not None:
+        raise damaged(f"the loss of step {bad_loss + 1} is {losses[bad_loss]!r}, not a finite number")
+    for index, (at, loss) in enumerate(_pairs(state.validation_losses)):
+        if not (_is_count(at, 1) and at <= step and _is_number(loss)):
+            raise damaged(f"validation loss {index} is {loss!r} at step {at!r} (a finite loss at a step up to {step})")
+    lora = state.lora
+    if not isinstance(lora, list) or not lora or not all(isinstance(t, torch.Tensor) for t in lora):
+        raise damaged("it holds no LoRA tensors")
+    for index, tensor in enumerate(lora):
+        if not tensor.is_floating_point():
+            raise damaged(f"its LoRA tensor {index} of {len(lora)} (state.lora[{index}]) is {tensor.dtype}, not floating point")
+        if _non_finite(tensor):
+            raise LeanLoRAError(
+                f"training state {path} holds NaN/inf values in its LoRA tensor {index} of {len(lora)} "
+                f"(state.lora[{index}], shape {tuple(tensor.shape)}): the file is damaged or was edited (LeanLoRA "
+                f"saves only weights checked finite), so resuming would train from broken weights; {pick}")
+    for where, tensor in _tensors_in(state.optimizer, "state.optimizer"):
+        if _non_finite(tensor):
+            raise LeanLoRAError(f"training state {path} holds NaN/inf values in its optimizer state ({where}, shape "
+                                f"{tuple(tensor.shape)}): the file is damaged or was edited; {pick}")
+    for group in (state.optimizer or {}).get("param_groups", []) if isinstance(state.optimizer, dict) else []:
+        for key in ("lr", "initial_lr"):
+            if key in group and not (_is_number(group[key]) and group[key] >= 0):
+                raise damaged(f"its optimizer's {key} is {group[key]!r}, not a finite rate")
+    if state.scaler and not (_is_number(state.scaler.get("scale")) and state.scaler["scale"] > 0):
+        raise damaged(f"its fp16 loss scale is {state.scaler.get('scale')!r}, not a positive finite number")
+    _check_rng(state.rng, damaged)
+    data = state.data if isinstance(state.data, dict) else {}
+    order, position, batch_size = data.get("order"), data.get("position"), data.get("batch_size")
+    if not _is_count(batch_size, 1):
+        raise damaged(f"its data batch size is {batch_size!r} (1 or more)")
+    if not isinstance(order, list) or not all(isinstance(chunk, list) and chunk and
+                                              all(_is_count(i) for i in chunk) for chunk in order):
+        raise damaged("its batch order is not a list of batches of image indices")
+    if not _is_count(position) or position > len(order):
+        raise damaged(f"its data position is {position!r}; the epoch it records has {len(order)} batches (0 to "
+                      f"{len(order)})")
+    high = max((i for chunk in order for i in chunk), default=-1)
+    if images is not None and high >= images:
+        raise damaged(f"its batch order names image {high}, but the dataset has {images} images")
+
+
+def _pairs(values):
+    try:
+        return [tuple(pair) for pair in values]
+    except TypeError:
+        return [(None, values)]
+
+
+def _check_rng(rng, damaged) -> None:
+    """The generators' states must load (into scratch generators: the run's own are set only when resuming)."""
+    if not isinstance(rng, dict):
+        raise damaged("it holds no random generator states")
+    for key in ("sampler", "torch"):
+        try:
+            torch.Generator().set_state(rng[key])
+        except (KeyError, TypeError, RuntimeError) as error:
+            raise damaged(f"its random generator state {key!r} cannot be loaded ({one_line(error)})") from None
+    try:
+        version, internal, gauss = rng["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (KeyError, TypeError, ValueError) as error:
+        raise damaged(f"its Python random state cannot be loaded ({one_line(error)})") from None
+
+
 def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, str], total_steps: int,
-                    checks: tuple[str, ...] = ("dataset", "model", "lora", "validation")) -> None:
+                    checks: tuple[str, ...] = ("dataset", "model", "lora", "validation"),
+                    lora_shapes: list[tuple[int, ...]] | None = None) -> None:
     """Raises a LeanLoRAError naming the file and what differs; a state is resumed only on its own dataset,
     base model, LoRA shape and validation split, with steps left to train. `checks`: the fingerprints to compare
     (the dataset's alone can be checked before any encoding)."""
@@ -198,6 +321,9 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
         if state.fingerprints.get(key) != fingerprints.get(key):
             why = what[key]
             raise LeanLoRAError(f"cannot resume from {path.name}: {why}")
+    if lora_shapes is not None and [tuple(t.shape) for t in state.lora] != [tuple(s) for s in lora_shapes]:
+        raise LeanLoRAError(f"cannot resume from {path.name}: its LoRA tensors do not have this LoRA's shapes (the "
+                            "file was edited or is damaged): pick another state or set resume to 'off'")
     if state.step >= total_steps:
         raise LeanLoRAError(f"cannot resume from {path.name}: it has trained {state.step} steps already, and Train "
                             f"asks for {total_steps}: raise steps above {state.step} to train further")

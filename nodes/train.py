@@ -144,10 +144,12 @@ def sample_strip(paths: list[str]):
     return strip
 
 
-def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name) -> tuple[SampleSettings, Path]:
-    """Train's sample_* inputs, checked (with their folder) before anything runs."""
+def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name,
+                    limits=None) -> tuple[SampleSettings, Path]:
+    """Train's sample_* inputs, checked (with their folder) before anything runs; `limits`: the model family's
+    (SampleLimits; None: the SD ones)."""
     settings = SampleSettings.from_text(prompts, every_steps=every_n_steps, size=size, steps=steps, cfg=cfg, seed=seed)
-    settings.check_within()  # today's families' limits (SD1.x/SDXL)
+    settings.check_within(*([limits] if limits is not None else []))
     folder = Path(folder_paths.get_output_directory()) / SAMPLES_FOLDER / sanitize_name(output_name)
     if settings.on:  # the run's own folder (<name>, else <name>_2, ...) is made at its first sample
         check_writable(folder.parent, 0, "samples folder")
@@ -306,12 +308,12 @@ class LeanLoRATrain:
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
                                  save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name),
                                  validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps)
+        adapter = ComfyAdapter(model, clip, vae)  # a model no family knows fails here, before any work
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
-                                                  sample_cfg, sample_seed, output_name)
+                                                  sample_cfg, sample_seed, output_name, adapter.family.sample_limits)
         # a new run on the panel: its total, and the prompts its sample images belong to
         _send("leanlora.progress", {"kind": "start", "node": unique_id, "total": steps, "output_name": output_name,
                                     "prompts": list(samples.prompts) if samples.on else []})
-        adapter = ComfyAdapter(model, clip, vae)
         renderer = SampleRenderer(model, clip, vae, samples, samples_folder, JOBS.cancelled) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER

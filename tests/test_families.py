@@ -335,6 +335,10 @@ def test_samples_during_training_render_with_the_familys_sampler(family_objects,
     image = Image.open(path)
     assert path.name == "step3_0.png" and image.size == (64, 64)
     assert "euler simple" in image.text["parameters"]
+    from trainer.errors import LeanLoRAError
+    with pytest.raises(LeanLoRAError, match=rf"sample_size: got 4096; {adapter.family.sample_limits.family} samples "
+                                            r"are at most 2048 px \(its native size is 1\d\d\d\)"):
+        SampleSettings((PROMPT,), every_steps=5, size=4096).check_within(adapter.family.sample_limits)
 
 
 _OFFLOADED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8, checkpoint_share=0.5, activation_offload=True)

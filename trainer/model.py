@@ -11,7 +11,7 @@ from typing import Iterable, Protocol
 import torch
 
 from .objective import TimestepSampling
-from .settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
+from .settings import Attention, BaseWeights, CheckpointDepth, LoraTargets, SampleLimits
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class ModelFamily(Protocol):
     timestep_sampling: TimestepSampling     # how training draws noise levels from the model's own schedule
     sequence_conditioning: tuple[str, ...]  # token-sequence conditioning that may be repeated to a common length
     sample_defaults: SampleDefaults
+    sample_limits: SampleLimits  # the largest sample size and step count worth their time
     # why CUDA graphs cannot capture this family's step, or None (the report says it)
     graph_blocker: str | None
     text_conditioning: dict  # what the family's conditioning gets beside the caption (Flux: its guidance)

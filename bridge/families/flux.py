@@ -15,12 +15,12 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
     from ...trainer.checkpointing import most_memory_per_flop_first
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import CheckpointDepth, LoraTargets
+    from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.checkpointing import most_memory_per_flop_first
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling
-    from trainer.settings import CheckpointDepth, LoraTargets
+    from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 
 # Module-name suffixes in ComfyUI's (= Black Forest Labs') Flux, as kohya's lora_flux names them
 LORA_TARGETS = {
@@ -36,6 +36,7 @@ class Flux:
     timestep_sampling = TimestepSampling.LOGIT_NORMAL  # kohya's and ai-toolkit's flow-model default
     sequence_conditioning = ()
     sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    sample_limits = SampleLimits("FLUX.1", 2048, 150, "its native size is 1024")  # checked before training
     graph_blocker = None
     # Train dev's distilled guidance at 1.0, as kohya's docs and ai-toolkit do (ComfyUI's default for sampling is
     # 3.5): the LoRA then learns the images, not the guidance embedding's push, and samples at any guidance

@@ -13,12 +13,12 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
     from ...trainer.checkpointing import most_memory_per_flop_first
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import CheckpointDepth, LoraTargets
+    from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.checkpointing import most_memory_per_flop_first
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling
-    from trainer.settings import CheckpointDepth, LoraTargets
+    from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 
 # Linear layers named like attention's projections in the common transformer codebases (ComfyUI's, diffusers')
 _ATTENTION = re.compile(r"(^|\.)(attn\w*|attention\w*|self_attn|cross_attn)\.|(^|\.)(to_[qkv]|to_out|qkv|q_proj|k_proj"
@@ -30,6 +30,7 @@ class Generic:
     timestep_sampling = TimestepSampling.UNIFORM
     sequence_conditioning = ()
     sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=4, size_multiple=16)
+    sample_limits = SampleLimits("this model's", 2048, 150, "twice a 1024 training size")  # checked before training
     # Its forward is unknown code: it may read a tensor's value on the host (a token count, a mask's sum), which
     # a CUDA graph cannot hold, and a failed capture costs a step. The DiT families that are known say None.
     graph_blocker = "the generic model path cannot tell whether this model's forward syncs with the host"

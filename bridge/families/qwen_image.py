@@ -13,12 +13,12 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
     from ...trainer.checkpointing import most_memory_per_flop_first
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import CheckpointDepth, LoraTargets
+    from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.checkpointing import most_memory_per_flop_first
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling
-    from trainer.settings import CheckpointDepth, LoraTargets
+    from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 
 _ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
               "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
@@ -34,6 +34,7 @@ class QwenImage:
     timestep_sampling = TimestepSampling.LOGIT_NORMAL
     sequence_conditioning = ()
     sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    sample_limits = SampleLimits("Qwen-Image", 2048, 150, "its native size is 1328")  # checked before training
     graph_blocker = None
     text_conditioning: dict = {}
 

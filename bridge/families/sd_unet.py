@@ -17,13 +17,13 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
     from ...trainer.layout import store_frozen_convs_channels_last
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import CheckpointDepth, LoraTargets
+    from ...trainer.settings import SD_SAMPLE_LIMITS, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.checkpointing import most_memory_per_flop_first
     from trainer.layout import store_frozen_convs_channels_last
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling
-    from trainer.settings import CheckpointDepth, LoraTargets
+    from trainer.settings import SD_SAMPLE_LIMITS, CheckpointDepth, LoraTargets
 
 # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
 LORA_TARGETS = {
@@ -37,6 +37,7 @@ class SdUnet:
     timestep_sampling = TimestepSampling.UNIFORM
     sequence_conditioning = ("c_crossattn",)  # captions over 75 tokens encode to longer ones (CONDCrossAttn)
     sample_defaults = SampleDefaults(sampler="euler", scheduler="normal", latent_channels=4, size_multiple=8)
+    sample_limits = SD_SAMPLE_LIMITS  # checked before training
     graph_blocker = None
     text_conditioning: dict = {}
 

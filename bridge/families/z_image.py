@@ -13,12 +13,12 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
     from ...trainer.checkpointing import most_memory_per_flop_first
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import CheckpointDepth, LoraTargets
+    from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.checkpointing import most_memory_per_flop_first
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling
-    from trainer.settings import CheckpointDepth, LoraTargets
+    from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 
 # Module-name suffixes in ComfyUI's NextDiT (JointTransformerBlock: fused qkv, SwiGLU w1/w2/w3)
 LORA_TARGETS = {
@@ -33,6 +33,7 @@ class ZImage:
     timestep_sampling = TimestepSampling.LOGIT_NORMAL
     sequence_conditioning = ()
     sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    sample_limits = SampleLimits("Z-Image", 2048, 150, "its native size is 1024")  # checked before training
     graph_blocker = None
     text_conditioning: dict = {}
 

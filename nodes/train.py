@@ -144,12 +144,10 @@ def sample_strip(paths: list[str]):
     return strip
 
 
-def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name,
-                    limits=None) -> tuple[SampleSettings, Path]:
-    """Train's sample_* inputs, checked (with their folder) before anything runs; `limits`: the model family's
-    (SampleLimits; None: the SD ones)."""
+def sample_settings(prompts, every_n_steps, size, steps, cfg, seed, output_name) -> tuple[SampleSettings, Path]:
+    """Train's sample_* inputs, checked (with their folder) before anything runs; their size and steps against
+    the model family's limits come once the MODEL's family is known (SampleSettings.check_within)."""
     settings = SampleSettings.from_text(prompts, every_steps=every_n_steps, size=size, steps=steps, cfg=cfg, seed=seed)
-    settings.check_within(*([limits] if limits is not None else []))
     folder = Path(folder_paths.get_output_directory()) / SAMPLES_FOLDER / sanitize_name(output_name)
     if settings.on:  # the run's own folder (<name>, else <name>_2, ...) is made at its first sample
         check_writable(folder.parent, 0, "samples folder")
@@ -308,9 +306,10 @@ class LeanLoRATrain:
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
                                  save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name),
                                  validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps)
-        adapter = ComfyAdapter(model, clip, vae)  # a model no family knows fails here, before any work
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
-                                                  sample_cfg, sample_seed, output_name, adapter.family.sample_limits)
+                                                  sample_cfg, sample_seed, output_name)
+        adapter = ComfyAdapter(model, clip, vae)  # a model no family knows fails here, before any work
+        samples.check_within(adapter.family.sample_limits)
         # a new run on the panel: its total, and the prompts its sample images belong to
         _send("leanlora.progress", {"kind": "start", "node": unique_id, "total": steps, "output_name": output_name,
                                     "prompts": list(samples.prompts) if samples.on else []})

@@ -166,7 +166,7 @@ def test_cancel_while_sampling_stops_the_run_and_keeps_a_partial_lora(comfy_obje
 NO_LORA = {"lora_unet_unused.alpha": torch.tensor(1.0)}  # a LORA_MODEL that patches nothing: the base model's image
 
 
-def test_sample_size_and_steps_beyond_the_familys_range_fail_before_training():
+def test_sample_size_and_steps_beyond_the_familys_range_fail_before_training(comfy_objects):
     from trainer.settings import SD_SAMPLE_LIMITS, SampleLimits
     too_large = SampleSettings(("a cat",), every_steps=2, size=4096)
     with pytest.raises(LeanLoRAError, match=r"^sample_size: got 4096; SD1.x/SDXL samples are at most 2048 px .*lower "
@@ -181,8 +181,9 @@ def test_sample_size_and_steps_beyond_the_familys_range_fail_before_training():
     from helpers import node_module
     node = node_module("train").LeanLoRATrain
     errors = __import__("leanlora_nodes_under_test.trainer.errors", fromlist=["LeanLoRAError"])
-    with pytest.raises(errors.LeanLoRAError, match=r"^sample_size: got 4096"):  # the node, before any model work
-        node().execute(None, None, None, None, MEMORY, LORA, 6, 1e-3, "constant", 0, 0, "x",
+    with pytest.raises(errors.LeanLoRAError, match=r"^sample_size: got 4096; SD1.x/SDXL samples"):
+        # the node, with the MODEL's family known and before any model work (no dataset: that would fail next)
+        node().execute(*comfy_objects, None, MEMORY, LORA, 6, 1e-3, "constant", 0, 0, "x",
                        sample_prompts="a cat", sample_every_n_steps=2, sample_size=4096)
 
 

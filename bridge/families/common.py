@@ -1,10 +1,22 @@
 """What ComfyUI's diffusion models share, for the family files: the prediction type, the repeated blocks of a
-transformer, its Linear layers, and ComfyUI's own way of calling a diffusion model with its conditioning."""
+transformer, its Linear layers, ComfyUI's own way of calling a diffusion model with its conditioning, and
+TransformerFamily, what the DiT families have in common."""
 from __future__ import annotations
 
 import torch
 
 import comfy.model_sampling
+
+if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
+    from ...trainer.checkpointing import most_memory_per_flop_first
+    from ...trainer.model import SampleDefaults
+    from ...trainer.objective import TimestepSampling
+    from ...trainer.settings import CheckpointDepth, LoraTargets
+else:  # `bridge` beside `trainer` on sys.path (tests, bench)
+    from trainer.checkpointing import most_memory_per_flop_first
+    from trainer.model import SampleDefaults
+    from trainer.objective import TimestepSampling
+    from trainer.settings import CheckpointDepth, LoraTargets
 
 
 def prediction_of(model_sampling) -> str:
@@ -55,3 +67,56 @@ def call_diffusion_model(unet: torch.nn.Module, x: torch.Tensor, timestep: torch
     context = cond.get("c_crossattn")
     return unet(x.to(dtype), timestep, context=None if context is None else context.to(dtype),
                 transformer_options=transformer_options, **extra)
+
+
+class TransformerFamily:
+    """A diffusion transformer as ComfyUI builds it: its repeated blocks (`blocks`, the subclass's) are the
+    checkpoint, compile, upcast and stream units; LoRA goes on the module-name suffixes of `LORA_TARGETS`; the
+    model is called as ComfyUI's sampler calls it; noise levels are drawn logit-normal over its flow schedule;
+    ComfyUI names its LoRA keys by the model's own paths. A family file says what differs."""
+    LORA_TARGETS: dict[LoraTargets, tuple[str, ...]] = {}
+    text_tokens = 0  # text tokens each block attends over beside the image's (the checkpointing cost model)
+    timestep_sampling = TimestepSampling.LOGIT_NORMAL  # kohya's and ai-toolkit's flow-model default
+    sequence_conditioning = ()  # captions of other lengths never share a batch (cache.stack_shape)
+    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    graph_blocker = None
+    text_conditioning: dict = {}
+
+    def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    def unsupported(self, base) -> str | None:
+        return None
+
+    def prepare(self, unet: torch.nn.Module) -> None:
+        pass  # blocks that add out of place recompute as they ran
+
+    def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:
+        return self.LORA_TARGETS[targets]
+
+    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
+                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
+        units = self.blocks(unet)
+        if latent_size is None:
+            return units
+        patch = unet.patch_size
+        tokens = (latent_size[0] // patch) * (latent_size[1] // patch) + self.text_tokens
+        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+
+    def compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
+        return self.blocks(unet)
+
+    def upcast_groups(self, unet: torch.nn.Module):
+        return self.blocks(unet)
+
+    def predict(self, unet, x, timestep, cond, transformer_options):
+        return call_diffusion_model(unet, x, timestep, cond, transformer_options)
+
+    def set_conv_layout(self, base, unet, device, compute_dtype) -> str | None:
+        return None
+
+    def kohya_module_names(self, base) -> dict[str, str] | None:
+        return None  # ComfyUI reads lora_unet_<its path> (and diffusion_model.<path>) for every model
+
+    def diffusers_module_names(self, base) -> dict[str, str] | None:
+        return None

@@ -9,35 +9,27 @@ import torch
 import comfy.ldm.flux.layers as flux_layers
 import comfy.model_base
 
-from .common import call_diffusion_model, linear_cost, prediction_of
+from .common import TransformerFamily, prediction_of
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.checkpointing import most_memory_per_flop_first
-    from ...trainer.model import FamilyIdentity, SampleDefaults
-    from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
+    from ...trainer.model import FamilyIdentity
+    from ...trainer.settings import LoraTargets, SampleLimits
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.checkpointing import most_memory_per_flop_first
-    from trainer.model import FamilyIdentity, SampleDefaults
-    from trainer.objective import TimestepSampling
-    from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
-
-# Module-name suffixes in ComfyUI's (= Black Forest Labs') Flux, as kohya's lora_flux names them
-LORA_TARGETS = {
-    LoraTargets.ATTENTION: ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj", "linear1", "linear2"),
-    LoraTargets.ATTENTION_FEED_FORWARD: ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj",
-                                         "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2", "linear1", "linear2"),
-}
-TEXT_TOKENS = 256  # ComfyUI pads T5's sequence to at least 256 tokens
+    from trainer.model import FamilyIdentity
+    from trainer.settings import LoraTargets, SampleLimits
 
 
-class Flux:
+class Flux(TransformerFamily):
     name = "FLUX.1"
-    timestep_sampling = TimestepSampling.LOGIT_NORMAL  # kohya's and ai-toolkit's flow-model default
-    sequence_conditioning = ()
-    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    # module-name suffixes in ComfyUI's (= Black Forest Labs') Flux, as kohya's lora_flux names them
+    LORA_TARGETS = {
+        LoraTargets.ATTENTION: ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj", "linear1",
+                                "linear2"),
+        LoraTargets.ATTENTION_FEED_FORWARD: ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj",
+                                             "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2", "linear1", "linear2"),
+    }
+    text_tokens = 256  # ComfyUI pads T5's sequence to at least 256 tokens
     sample_limits = SampleLimits("FLUX.1", 2048, 150, "its native size is 1024")  # checked before training
-    graph_blocker = None
     # Train dev's distilled guidance at 1.0, as kohya's docs and ai-toolkit do (ComfyUI's default for sampling is
     # 3.5): the LoRA then learns the images, not the guidance embedding's push, and samples at any guidance
     text_conditioning = {"guidance": 1.0}
@@ -74,37 +66,8 @@ class Flux:
         for block in unet.single_blocks:
             block.forward = types.MethodType(_single_block_forward, block)
 
-    def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:
-        return LORA_TARGETS[targets]
-
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return [*unet.double_blocks, *unet.single_blocks]
-
-    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
-                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        units = self.blocks(unet)
-        if latent_size is None:
-            return units
-        tokens = (latent_size[0] // unet.patch_size) * (latent_size[1] // unet.patch_size) + TEXT_TOKENS
-        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
-
-    def compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
-        return self.blocks(unet)
-
-    def upcast_groups(self, unet: torch.nn.Module):
-        return self.blocks(unet)
-
-    def predict(self, unet, x, timestep, cond, transformer_options):
-        return call_diffusion_model(unet, x, timestep, cond, transformer_options)
-
-    def set_conv_layout(self, base, unet, device, compute_dtype) -> str | None:
-        return None
-
-    def kohya_module_names(self, base) -> dict[str, str] | None:
-        return None  # kohya names Flux modules by ComfyUI's (BFL's) paths: lora_unet_double_blocks_0_img_attn_qkv
-
-    def diffusers_module_names(self, base) -> dict[str, str] | None:
-        return None
 
 
 def _double_block_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,

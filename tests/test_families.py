@@ -184,6 +184,32 @@ def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
             assert all(any(p.startswith(f"{unit}.") for unit in inside) for p in hits), suffix
 
 
+def test_fluxs_out_of_place_blocks_compute_exactly_what_comfyuis_blocks_compute(family_objects):
+    """Flux.prepare swaps the training copy's block forwards for out-of-place ones: every block's output, bit for
+    bit, is what ComfyUI's own forward gives on the same inputs."""
+    adapter = _adapter(family_objects["flux_dev"])
+    unet = adapter.training_unet()
+    calls = {}
+    hooks = [block.register_forward_hook(lambda m, args, kwargs, out: calls.setdefault(m, (args, kwargs, out)) and None,
+                                         with_kwargs=True) for block in adapter.family.blocks(unet)]
+    generator = torch.Generator().manual_seed(0)
+    config = tiny_dit_assets.FLUX_DEV
+    with torch.no_grad():
+        unet(torch.randn(1, 16, 8, 8, generator=generator), torch.tensor([0.5]),
+             context=torch.randn(1, 256, config["context_in_dim"], generator=generator),
+             y=torch.randn(1, config["vec_in_dim"], generator=generator), guidance=torch.tensor([1.0]))
+    for hook in hooks:
+        hook.remove()
+    assert len(calls) == len(adapter.family.blocks(unet)) == 4
+    copy = lambda value: value.clone() if torch.is_tensor(value) else value  # noqa: E731 - theirs add in place
+    for block, (args, kwargs, ours) in calls.items():
+        with torch.no_grad():
+            theirs = type(block).forward(block, *map(copy, args), **{k: copy(v) for k, v in kwargs.items()})
+        for mine, original in zip(ours if isinstance(ours, tuple) else (ours,),
+                                  theirs if isinstance(theirs, tuple) else (theirs,)):
+            assert torch.equal(mine, original), type(block).__name__
+
+
 def _fingerprint(model) -> str:
     """The base diffusion model's weights, every byte."""
     digest = hashlib.sha256()

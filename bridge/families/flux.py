@@ -72,7 +72,8 @@ class Flux(TransformerFamily):
 
 def _double_block_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,
                           modulation_dims_txt=None, transformer_options={}):
-    """comfy.ldm.flux.layers.DoubleStreamBlock.forward with out-of-place residual adds (see Flux.prepare)."""
+    """comfy.ldm.flux.layers.DoubleStreamBlock.forward (0.3.75 and 0.33) with out-of-place residual adds (see
+    Flux.prepare). The attention patches 0.33 added are for sampling; the training copy runs none."""
     apply_mod, attention = flux_layers.apply_mod, flux_layers.attention
     if self.modulation:
         img_mod1, img_mod2 = self.img_mod(vec)
@@ -88,11 +89,12 @@ def _double_block_forward(self, img, txt, vec, pe, attn_mask=None, modulation_di
 
     img_q, img_k, img_v = qkv(self.img_norm1, self.img_attn, img, img_mod1, modulation_dims_img)
     txt_q, txt_k, txt_v = qkv(self.txt_norm1, self.txt_attn, txt, txt_mod1, modulation_dims_txt)
-    first, second = ((img_q, img_k, img_v), (txt_q, txt_k, txt_v)) if self.flipped_img_txt else \
+    flipped = getattr(self, "flipped_img_txt", False)  # 0.3.75's option; newer ComfyUI puts the text first always
+    first, second = ((img_q, img_k, img_v), (txt_q, txt_k, txt_v)) if flipped else \
         ((txt_q, txt_k, txt_v), (img_q, img_k, img_v))
     attn = attention(*(torch.cat((a, b), dim=2) for a, b in zip(first, second)), pe=pe, mask=attn_mask,
                      transformer_options=transformer_options)
-    if self.flipped_img_txt:
+    if flipped:
         img_attn, txt_attn = attn[:, : img.shape[1]], attn[:, img.shape[1]:]
     else:
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
@@ -117,7 +119,12 @@ def _single_block_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None
     q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k = self.norm(q, k, v)
     attn = flux_layers.attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
-    output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+    if getattr(self, "yak_mlp", False):  # newer ComfyUI's gated MLP variant (0.33)
+        half = self.mlp_hidden_dim_first // 2
+        mlp = self.mlp_act(mlp[..., half:]) * mlp[..., :half]
+    else:
+        mlp = self.mlp_act(mlp)
+    output = self.linear2(torch.cat((attn, mlp), 2))
     x = x + apply_mod(output, mod.gate, None, modulation_dims)
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)

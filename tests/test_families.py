@@ -413,6 +413,22 @@ def test_qwen_image_loras_load_in_diffusers_and_diffusers_files_continue(family_
     assert f"{len(modules)} modules loaded" in continued.report and "diffusers/peft" in continued.report
 
 
+@pytest.mark.parametrize("family", ["flux_dev", "z_image"])
+def test_a_split_qkv_lora_for_a_fused_qkv_model_is_refused_saying_why(family_objects, two_images, family, tmp_path):
+    """ai-toolkit/diffusers FLUX.1 and Z-Image LoRAs put q, k and v on three layers; ComfyUI's models fuse them."""
+    from safetensors.torch import save_file
+    from trainer.errors import LeanLoRAError
+    blocks = "transformer_blocks" if family == "flux_dev" else "layers"
+    file = tmp_path / "ai_toolkit.safetensors"
+    save_file({f"transformer.{blocks}.0.attn.{p}.lora_{ab}.weight": torch.zeros(4, 8) if ab == "A" else torch.zeros(8, 4)
+               for p in ("to_q", "to_k", "to_v") for ab in "AB"}, str(file))
+    lora = LoraSettings(rank=4, alpha=4.0, continue_from=str(file))
+    with pytest.raises(LeanLoRAError, match=r"puts its LoRA on separate q, k and v projections \(diffusers/ai-toolkit "
+                                            r"naming.*one fused layer.*cannot continue this file"):
+        train_lora(_adapter(family_objects[family]), two_images, FP32_CHECKPOINTED, lora, TrainSettings(2, 1e-3, 0, "x"),
+                   tmp_path, lambda **event: None, lambda: False)
+
+
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------
 
 def _defaults(info: dict, class_type: str, **overrides) -> dict:

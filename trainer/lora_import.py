@@ -100,6 +100,13 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
             continue
         parts[hit[0]] = module_parts
         formats[hit[1]] += 1
+    if unmatched and _splits_a_fused_projection(file_modules, unet):
+        raise LeanLoRAError(
+            f"{name} puts its LoRA on separate q, k and v projections (diffusers/ai-toolkit naming, e.g. "
+            f"{unmatched[0]!r}), and this {model} model computes q, k and v in one fused layer: one LoRA of rank "
+            f"{settings.rank} there cannot hold three LoRAs of that rank, so LeanLoRA cannot continue this file. It "
+            "still works for sampling (ComfyUI's LoRA loaders slice it onto the fused layer); to train on, start a "
+            "new LoRA, or continue one saved by LeanLoRA or kohya's scripts")
     if unmatched:
         hint = (" (this model has no diffusers names: pick a kohya- or ComfyUI-named file)"
                 if diffusers_names is None and "down_blocks" in unmatched[0] else "")
@@ -325,6 +332,16 @@ def _spellings(unet: torch.nn.Module, lora_layers: Mapping[str, torch.nn.Module]
         for spelling, style in names:
             spelled.setdefault(spelling, (path, style))
     return spelled
+
+
+_SPLIT_PROJECTION = re.compile(r"(^|[._])(to_[qkv]|add_[qkv]_proj)$")
+
+
+def _splits_a_fused_projection(file_modules: Mapping[str, dict], unet: torch.nn.Module) -> bool:
+    """Whether the file names separate q/k/v projections where the model has fused ones (a `qkv` layer) only."""
+    split = any(_SPLIT_PROJECTION.search(module) for module in file_modules)
+    paths = [path for path, _ in unet.named_modules()]
+    return split and any(p.endswith("qkv") for p in paths) and not any(_SPLIT_PROJECTION.search(p) for p in paths)
 
 
 def _targets_of(paths: set[str], all_paths: list[str],

@@ -24,13 +24,13 @@ if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.errors import LeanLoRAError
     from ..trainer.frozen_weights import cast_frozen_weights
     from ..trainer.model import FamilyIdentity
-    from ..trainer.vram import available_ram_bytes
+    from ..trainer.vram import GIB, available_ram_bytes
     from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
     from trainer.frozen_weights import cast_frozen_weights
     from trainer.model import FamilyIdentity
-    from trainer.vram import available_ram_bytes
+    from trainer.vram import GIB, available_ram_bytes
     from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 
 
@@ -210,10 +210,9 @@ class ComfyAdapter:
         need = sum(t.numel() * t.element_size() for t in self.base.diffusion_model.state_dict().values())
         available = available_ram_bytes()
         if available is not None and need > available:
-            gib = 2 ** 30
             raise LeanLoRAError(
                 f"LeanLoRA Train: its private copy of the diffusion model ({type(self.base).__name__}) needs "
-                f"{need / gib:.2f} GiB of free RAM, and this machine has {available / gib:.2f} GiB available. Load the "
+                f"{need / GIB:.2f} GiB of free RAM, and this machine has {available / GIB:.2f} GiB available. Load the "
                 "model with weight_dtype fp8_e4m3fn in Load Diffusion Model (or an fp8 file) to halve that, or free "
                 "RAM (close programs, unload other models)")
 

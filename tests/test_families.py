@@ -5,6 +5,7 @@ LoRA whose units cover the model's blocks, whose targets exist, whose file Comfy
 was. The tiny DiT files come from scripts/tiny_dit_assets.py (their widths need tests/tiny_dit_configs)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -244,10 +245,9 @@ def _extra_inputs(model) -> dict:
     return {}
 
 
-def _train(objects, dataset, folder, steps, name, **train):
-    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, LORA if "continue_from" not in train else
-                      LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward",
-                                   continue_from=train.pop("continue_from")),
+def _train(objects, dataset, folder, steps, name, continue_from=None, **train):
+    lora = dataclasses.replace(LORA, continue_from=continue_from) if continue_from else LORA
+    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, lora,
                       TrainSettings(steps, 1e-3, 0, name, "cosine", 1, **train), folder,
                       lambda **event: None, lambda: False)
 

@@ -12,6 +12,8 @@ import comfy.model_sampling
 import comfy.utils
 from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
+from .common import call_diffusion_model
+
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
     from ...trainer.checkpointing import most_memory_per_flop_first
     from ...trainer.layout import store_frozen_convs_channels_last
@@ -134,10 +136,7 @@ class SdUnet:
 
     def predict(self, unet: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
                 cond: dict[str, torch.Tensor], transformer_options: dict) -> torch.Tensor:
-        dtype = unet.dtype
-        extra = {k: v.to(dtype) for k, v in cond.items() if k != "c_crossattn"}
-        return unet(x.to(dtype), timestep, context=cond["c_crossattn"].to(dtype),
-                    transformer_options=transformer_options, **extra)
+        return call_diffusion_model(unet, x, timestep, cond, transformer_options)  # SD's conds are all floating
 
     def set_conv_layout(self, base, unet: torch.nn.Module, device: torch.device,
                         compute_dtype: torch.dtype) -> str | None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from bench.run import SPECS  # importing bench.run also puts ComfyUI first on sys.path
 from bridge.cast_weights import _castable_layers
-from trainer.frozen_weights import FP8, dequantize
+from trainer.step.frozen_weights import FP8, dequantize
 
 # SDXL at 1024², batch 8: tokens per layer and GEGLU width (half the projection), and how many layers of each
 GEGLU_SHAPES = [(8 * 32 * 32, 5120, 60), (8 * 64 * 64, 2560, 10)]

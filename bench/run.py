@@ -52,8 +52,8 @@ from bench.peers import (DIFFUSERS_SD15, DIFFUSERS_SDXL, DIFFUSERS_TINY, LORA_AL
                          PeerUnavailable, StepClock, Workload, random_init_, run_comfyui_peer,
                          run_diffusers_peer)
 from trainer.errors import is_out_of_memory, one_line  # noqa: E402
-from trainer import compiled_blocks  # noqa: E402
-from trainer.compiled_blocks import compiled_graph_count, inductor_cache_counts  # noqa: E402
+from trainer.step import compiled_blocks  # noqa: E402
+from trainer.step.compiled_blocks import compiled_graph_count, inductor_cache_counts  # noqa: E402
 
 
 # --- models ---
@@ -157,7 +157,7 @@ COMPILE_VARIANTS = {"no-resblocks": "transformer layers only: fewer graphs, fast
                     "pw1": "the product's units, inductor's pointwise kernels with one config each (no autotuning)",
                     "no-combo": "the product's units without inductor's combo kernels (the product before "
                                 "campaign 10: a layer's small independent kernels launched one by one)"}
-# compile experiments: inductor options over the product's (trainer.compiled_blocks.INDUCTOR_OPTIONS) for their row,
+# compile experiments: inductor options over the product's (trainer.step.compiled_blocks.INDUCTOR_OPTIONS) for their row,
 # handed to the session (TrainingSession's inductor_settings)
 INDUCTOR_OPTIONS = {"pw1": {"triton.autotune_pointwise": False}, "no-combo": {"combo_kernels": False}}
 # offload experiments: preset -> ActivationOffload keyword arguments for that row (TrainingSession's offload_settings)

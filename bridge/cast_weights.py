@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
+    from ..trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from ..trainer.layer_patch import mix_into
     from ..trainer.settings import BaseWeights
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
+    from trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from trainer.layer_patch import mix_into
     from trainer.settings import BaseWeights
 

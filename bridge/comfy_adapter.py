@@ -22,15 +22,15 @@ from .families import family_for
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.errors import LeanLoRAError
-    from ..trainer.frozen_weights import cast_frozen_weights
+    from ..trainer.step.frozen_weights import cast_frozen_weights
     from ..trainer.model import FamilyIdentity
-    from ..trainer.vram import GIB, available_ram_bytes
+    from ..trainer.memory.vram import GIB, available_ram_bytes
     from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
-    from trainer.frozen_weights import cast_frozen_weights
+    from trainer.step.frozen_weights import cast_frozen_weights
     from trainer.model import FamilyIdentity
-    from trainer.vram import GIB, available_ram_bytes
+    from trainer.memory.vram import GIB, available_ram_bytes
     from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
 
 

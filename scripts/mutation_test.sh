@@ -9,7 +9,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MUTMUT_VENV:-/tmp/leanlora-mutvenv}"
 WORK="${MUTMUT_WORK:-/tmp/leanlora-mutation}"
-MODULES="${MUTMUT_MODULES:-files lora precision loop objective dataset cache_store memory_plan}"
+MODULES="${MUTMUT_MODULES:-files lora step/precision loop objective dataset cache_store memory/ladder}"
 TESTS="${MUTMUT_TESTS:-tests/test_trainer_units.py tests/test_cache_store.py tests/test_dataset.py tests/test_dataset_faults.py
     tests/test_train_faults.py tests/test_lr_schedules.py tests/test_lora_files.py tests/test_partial_checkpointing.py
     tests/test_mutation_kills.py}"

@@ -15,14 +15,14 @@ import torch  # noqa: E402
 
 from comfy_headless import comfyui_path  # noqa: E402  (a path; ComfyUI itself is imported only where needed)
 from helpers import TinyNet, sd_targets  # noqa: E402
-from trainer.activation_offload import ActivationOffload  # noqa: E402
-from trainer.compiled_blocks import compile_blocks  # noqa: E402
-from trainer.micro_steps import BatchStep, EagerMicroStep, allocator_backend, build_micro_step  # noqa: E402
+from trainer.step.activation_offload import ActivationOffload  # noqa: E402
+from trainer.step.compiled_blocks import compile_blocks  # noqa: E402
+from trainer.step.micro_steps import BatchStep, EagerMicroStep, allocator_backend, build_micro_step  # noqa: E402
 from trainer.loop import train_loop  # noqa: E402
-from trainer.checkpointing import checkpoint_blocks, uses_randomness  # noqa: E402
+from trainer.step.checkpointing import checkpoint_blocks, uses_randomness  # noqa: E402
 from trainer.lora import inject_lora, seed_lora_dropout  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
-from trainer.precision import Precision  # noqa: E402
+from trainer.step.precision import Precision  # noqa: E402
 from trainer.session import graphs_incompatible  # noqa: E402
 from trainer.settings import FastPath, LoraSettings  # noqa: E402
 
@@ -54,7 +54,7 @@ def _comfy_ops_net(streamed_norms_through_comfyui: bool = False, stream: bool | 
     sys.path.insert(0, str(comfyui_path()))
     import comfy.ops
     from bridge.cast_weights import group_upcasts, store_weights_fp8, stream_weights_from_cpu
-    from trainer.frozen_weights import place_on_device
+    from trainer.step.frozen_weights import place_on_device
     ops = comfy.ops.disable_weight_init
 
     class Block(torch.nn.Module):
@@ -344,7 +344,7 @@ def graph_over_budget_raises_before_capture():
     """Auto-fit's budget leaves no room for the first graph's pool (measured by the eager warm-up): the micro-step
     raises GraphDoesNotFit, which the session recovers with the next rung, before anything is captured; graphs
     then work as before in the same process (under cudaMallocAsync no captured memory was left to free)."""
-    from trainer.micro_steps import GraphDoesNotFit
+    from trainer.step.micro_steps import GraphDoesNotFit
     try:
         _train(True, budget=1)
     except GraphDoesNotFit as error:

@@ -6,8 +6,9 @@ import torch
 from helpers import TinyNet, sd_targets
 from bridge.cast_weights import projected_weight_bytes
 from trainer import session as session_module
+from trainer.memory import fit
 from trainer.errors import LeanLoRAError
-from trainer.estimate import GIB
+from trainer.memory.estimate import GIB
 from trainer.lora import inject_lora
 from trainer.settings import AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, AutoFit, BaseWeights, LoraSettings, MemorySettings
 
@@ -25,19 +26,19 @@ def card(monkeypatch):
     return state
 
 
-MARGIN = session_module.CardBudget.MARGIN
+MARGIN = fit.CardBudget.MARGIN
 
 
 def test_a_card_of_n_gib_leaves_training_what_the_cuda_context_does_not_hold(card):
     # and a margin: probes stopped at the cap peaked 0.07-0.1 GiB above 2-8 GiB cards (NVML, H200)
     assert int(0.1 * GIB) <= MARGIN <= int(0.25 * GIB)
-    assert session_module.budget_bytes(AutoFit(card_gib=4), CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
+    assert fit.budget_bytes(AutoFit(card_gib=4), CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
     card["torch_reserved"] = 2 * GIB  # what PyTorch holds is the run's own to plan, not the context's
-    assert session_module.budget_bytes(AutoFit(card_gib=4), CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
+    assert fit.budget_bytes(AutoFit(card_gib=4), CUDA) == 4 * GIB - int(0.6 * GIB) - MARGIN
 
 
 def test_the_budget_is_measured_again_as_libraries_load(card):
-    budget = session_module.card_budget(AutoFit(card_gib=6), CUDA)
+    budget = fit.card_budget(AutoFit(card_gib=6), CUDA)
     before = budget.usable()
     card["outside"] += int(0.3 * GIB)  # cuDNN/cuBLAS kernels loaded by the first probe step
     assert budget.usable() == before - int(0.3 * GIB)
@@ -45,10 +46,10 @@ def test_the_budget_is_measured_again_as_libraries_load(card):
 
 def test_free_vram_is_the_card_less_comfyuis_reserve_and_what_is_held_outside_pytorch(card):
     reserve = 137 * GIB  # ComfyUI started with --reserve-vram 137 on a 141 GiB card: a 4 GiB card
-    assert session_module.budget_bytes(AUTO_FIT_FREE_VRAM, CUDA, comfy_reserve=reserve) == \
+    assert fit.budget_bytes(AUTO_FIT_FREE_VRAM, CUDA, comfy_reserve=reserve) == \
         4 * GIB - int(0.6 * GIB) - MARGIN
-    assert session_module.budget_bytes(AUTO_FIT_OFF, CUDA) is None
-    assert session_module.budget_bytes(AutoFit(card_gib=4), torch.device("cpu")) is None
+    assert fit.budget_bytes(AUTO_FIT_OFF, CUDA) is None
+    assert fit.budget_bytes(AutoFit(card_gib=4), torch.device("cpu")) is None
 
 
 def _weight_bytes(unet):
@@ -62,9 +63,9 @@ def test_a_model_that_even_the_leanest_settings_cannot_fit_fails_before_training
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     memory = MemorySettings(auto_fit=AutoFit(card_gib=2))
     card["outside"] = 2 * GIB - 4 * 2 ** 20  # a 2 GiB card whose context leaves 4 MiB: nothing fits
-    budget = session_module.card_budget(memory.auto_fit, CUDA)
+    budget = fit.card_budget(memory.auto_fit, CUDA)
     with pytest.raises(LeanLoRAError) as failure:
-        session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
+        fit.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
     message = str(failure.value)
     assert "2.0 GiB card" in message and "smallest card it trains on is about" in message
     assert "raise auto_fit" in message
@@ -75,8 +76,8 @@ def test_a_model_that_fits_is_planned_without_an_error(card):
     unet = TinyNet(dim=64, depth=2)
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
     memory = MemorySettings(auto_fit=AutoFit(card_gib=4))
-    budget = session_module.card_budget(memory.auto_fit, CUDA)
-    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
+    budget = fit.card_budget(memory.auto_fit, CUDA)
+    planned, lines = fit.plan_static(memory, _weight_bytes(unet), params, budget.usable(), CUDA, budget.card)
     assert planned == memory and lines == []
 
 
@@ -92,7 +93,7 @@ def test_static_planning_leaves_checkpointing_to_the_probes(card):
     memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2))
     # bf16 weights 8 MiB + LoRA, gradients, AdamW 1 MiB > 75% of 10 MiB; fp8 weights (4 MiB) fit
     budget = 10 * 2 ** 20
-    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
+    planned, lines = fit.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
     assert planned.base_weights is BaseWeights.FP8, lines
     assert not planned.gradient_checkpointing, lines
     assert not any("checkpointing" in line for line in lines), lines
@@ -113,8 +114,8 @@ def test_static_planning_streams_only_the_share_of_the_weights_the_card_needs(ca
     static = {share: projected_weight_bytes(unet, torch.bfloat16, BaseWeights.FP8_STREAMED, share)
               + 2 * sum(p.numel() * 4 for p in params) + optimizer_state_bytes("AdamW8bit", params)
               for share in (0.2, 0.4, 0.6)}
-    budget = int((static[0.2] + static[0.4]) / 2 / session_module.STATIC_SHARE)  # 40% fits, 20% does not
-    planned, lines = session_module.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
+    budget = int((static[0.2] + static[0.4]) / 2 / fit.STATIC_SHARE)  # 40% fits, 20% does not
+    planned, lines = fit.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
     assert (planned.base_weights, planned.stream_share) == (BaseWeights.FP8_STREAMED, 0.4), lines
     assert lines[-1].endswith("frozen weights streamed from CPU memory 20% -> 40%"), lines
     assert "40% of them" in planned.describe()
@@ -133,11 +134,11 @@ def test_probes_are_capped_and_uncapped_where_pytorch_cannot_tell_the_cap(monkey
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 122888273.80573021)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 141 * GIB}))
-    with session_module.probes_capped_at(4 * GIB, CUDA):
+    with fit.probes_capped_at(4 * GIB, CUDA):
         assert caps == [pytest.approx(4 / 141)]
     assert caps[-1] == 1.0
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 8 / 141)
-    with session_module.probes_capped_at(4 * GIB, CUDA):
+    with fit.probes_capped_at(4 * GIB, CUDA):
         pass
     assert caps[-2:] == [pytest.approx(4 / 141), pytest.approx(8 / 141)]  # a known cap is put back
 
@@ -156,7 +157,7 @@ def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_ru
     what the next rung's probe needs, and on CUDA the graph's gradient accumulators outlived the probe."""
     import gc
     import weakref
-    from trainer.estimate import MemoryEstimate
+    from trainer.memory.estimate import MemoryEstimate
 
     held_by_failed_probe: list[weakref.ref] = []
     alive_at_next_probe: list[bool] = []
@@ -186,7 +187,7 @@ def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_ru
 
     gc.disable()
     try:
-        estimate, lines = session_module.fit_to_budget(Session(), 2 * GIB)
+        estimate, lines = fit.walk_ladder(Session(), 2 * GIB)
     finally:
         gc.enable()
     assert alive_at_next_probe == [False], "the failed probe's tensors were still alive when the next rung probed"

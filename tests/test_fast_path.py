@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from helpers import TinyNet, sd_targets
-from trainer.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
+from trainer.step.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
 from trainer.loop import train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import build_optimizer
-from trainer.precision import Precision
+from trainer.step.precision import Precision
 from trainer.settings import FastPath, LoraSettings
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")
@@ -106,7 +106,7 @@ def _deep_net(device):
 
 @cuda
 def test_activation_offload_keeps_saved_tensors_off_the_gpu_with_equal_gradients():
-    from trainer.activation_offload import ActivationOffload
+    from trainer.step.activation_offload import ActivationOffload
     device = torch.device("cuda")
     net = _deep_net(device)
     x = torch.randn(2048, 256, device=device)  # 2 MiB activations per layer
@@ -175,7 +175,7 @@ class _Recorder:
 @pytest.fixture
 def stand_in_streams(monkeypatch):
     import contextlib
-    from trainer.activation_offload import ActivationOffload
+    from trainer.step.activation_offload import ActivationOffload
     log = []
     compute, copy = _Recorder(log, "compute"), _Recorder(log, "copy")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
@@ -191,7 +191,7 @@ def test_offload_waits_for_each_copy_before_its_memory_is_reused_or_its_tensor_u
     """The compute stream must wait for a copy to the host before the saved tensor's memory can serve it again,
     and for a copy back before backward gets the tensor: without those waits the GPU races silently."""
     import weakref
-    from trainer.activation_offload import ActivationOffload, _Saved
+    from trainer.step.activation_offload import ActivationOffload, _Saved
     log = stand_in_streams
     pack, unpack = ActivationOffload.pack, ActivationOffload.unpack
 
@@ -242,7 +242,7 @@ class _FailsInBackward(torch.autograd.Function):
 def test_a_backward_that_fails_still_joins_the_copy_stream_and_drops_fetched_tensors(stand_in_streams):
     """Graph capture needs the copy stream joined even when backward raises (else CUDA's "unjoined" error hides
     the OOM or Cancel), and OOM recovery needs the tensors fetched back released."""
-    from trainer.activation_offload import ActivationOffload
+    from trainer.step.activation_offload import ActivationOffload
     x = torch.randn(64, 64, requires_grad=True)
     offload = ActivationOffload(min_bytes=1)
 
@@ -262,7 +262,7 @@ def test_a_backward_that_fails_still_joins_the_copy_stream_and_drops_fetched_ten
 @pytest.mark.parametrize("saves_per_node", [1, 2])
 def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_streams, saves_per_node, fetch_ahead,
                                                                       monkeypatch):
-    from trainer.activation_offload import ActivationOffload
+    from trainer.step.activation_offload import ActivationOffload
     fetch, in_flight = ActivationOffload._fetch, []
 
     def counted_fetch(self, saved, compute):
@@ -324,7 +324,7 @@ def test_offload_fetches_each_saved_tensor_back_once_and_mostly_ahead(stand_in_s
 
 @cuda
 def test_graphed_steps_with_activation_offload_train_like_eager_steps():
-    from trainer.activation_offload import ActivationOffload
+    from trainer.step.activation_offload import ActivationOffload
     device = torch.device("cuda")
 
     def run(graphed):
@@ -350,8 +350,8 @@ def test_graphed_steps_with_activation_offload_train_like_eager_steps():
 def test_compile_fallback_keeps_checkpointing_wrapped_around_blocks():
     """compile_now falls back after checkpointing has wrapped the compiled blocks: the blocks must run eagerly and
     stay checkpointed (each block saves its input for backward, not its activations)."""
-    from trainer.checkpointing import checkpoint_blocks
-    from trainer.compiled_blocks import CompiledBlocks
+    from trainer.step.checkpointing import checkpoint_blocks
+    from trainer.step.compiled_blocks import CompiledBlocks
 
     def saved_count(model, x):
         saved = []
@@ -377,7 +377,7 @@ def test_the_graph_pool_is_planned_next_to_what_stays_allocated_not_the_warm_ups
     """Campaign 7, SDXL auto-fit under 4 GiB: about 2.7 GiB stay allocated between steps, yet the warm-up's cached
     activations raised reserved memory to about 3.98 GiB, and counting those next to the graph's own pool
     (0.65 GiB) ran the whole run eagerly. The pool replaces the cached blocks, which are released before capture."""
-    from trainer.micro_steps import graph_pool_fits
+    from trainer.step.micro_steps import graph_pool_fits
     gib = 2 ** 30
     held, transient = int(2.71 * gib), int(0.65 * gib)
     assert graph_pool_fits(held, transient, 4 * gib)
@@ -387,7 +387,7 @@ def test_the_graph_pool_is_planned_next_to_what_stays_allocated_not_the_warm_ups
 
 def test_paused_compiled_blocks_run_eagerly_without_compiling():
     """Auto-fit's probes run uncompiled: a new shape inside `uncompiled()` compiles nothing, outside it compiles."""
-    from trainer.compiled_blocks import CompiledBlocks, compiled_graph_count
+    from trainer.step.compiled_blocks import CompiledBlocks, compiled_graph_count
     torch._dynamo.reset()
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
     compiled = CompiledBlocks([block])
@@ -404,7 +404,7 @@ def test_paused_compiled_blocks_run_eagerly_without_compiling():
 def test_compiled_blocks_compile_with_the_inductor_options_this_torch_knows(monkeypatch):
     """Combo kernels are on for the compiled blocks (campaign 10: lean with compile 7% faster); a setting this
     torch's inductor lacks is dropped instead of failing the compile, which would leave the whole model eager."""
-    from trainer import compiled_blocks
+    from trainer.step import compiled_blocks
     wanted = {**compiled_blocks.INDUCTOR_OPTIONS, "no_such_inductor_setting": 1}
     assert compiled_blocks.inductor_options(wanted) == {"combo_kernels": True}
     torch._dynamo.reset()
@@ -420,7 +420,7 @@ def test_compiled_blocks_compile_with_the_inductor_options_this_torch_knows(monk
 def test_blocks_compile_without_the_extra_inductor_options_where_those_fail(monkeypatch):
     """Combo kernels are newer than the rest of inductor: where compiling with an extra option fails, the blocks
     compile without it (and the report says so) instead of the whole model running eagerly."""
-    from trainer import compiled_blocks
+    from trainer.step import compiled_blocks
     # known to inductor, and fails while compiling a Linear: no GEMM backend to choose from
     failing = {"max_autotune": True, "max_autotune_gemm_backends": "NONE"}
     torch._dynamo.reset()
@@ -440,7 +440,7 @@ def test_blocks_compile_without_the_extra_inductor_options_where_those_fail(monk
 def test_offload_keeps_channels_last_activations_channels_last(stand_in_streams):
     """Conv activations are NHWC once conv weights are (SD1.5 on CUDA): an NCHW host buffer would transpose each
     copy, and the tensor would come back in the layout its convolution must convert again."""
-    from trainer.activation_offload import ActivationOffload
+    from trainer.step.activation_offload import ActivationOffload
     layouts_in_backward = []
 
     class _SavesInput(torch.autograd.Function):

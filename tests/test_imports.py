@@ -71,7 +71,7 @@ def _trainer_attribute_writes(source: str, name: str) -> list[str]:
             targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
         for target in targets:
             while isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute):
-                target = target.value  # trainer.compiled_blocks.X = ...
+                target = target.value  # trainer.step.compiled_blocks.X = ...
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
                     and target.value.id in from_trainer:
                 writes.append(f"{name}:{node.lineno}: {target.value.id}.{target.attr}")
@@ -87,8 +87,8 @@ def test_the_bench_sets_no_attribute_on_trainer_modules():
 
 
 def test_the_attribute_scan_sees_the_patches_it_must_refuse():
-    sample = ("from trainer import compiled_blocks\nimport trainer.session\n"
-              "def f():\n    from trainer.activation_offload import ActivationOffload\n"
+    sample = ("from trainer.step import compiled_blocks\nimport trainer.session\n"
+              "def f():\n    from trainer.step.activation_offload import ActivationOffload\n"
               "    setattr(ActivationOffload, 'IN_FLIGHT', 8)\n    compiled_blocks.INDUCTOR_OPTIONS = {}\n"
               "    trainer.session.FIT_HEADROOM = 1\n    ok = object(); ok.x = 1\n")
     assert sorted(_trainer_attribute_writes(sample, "s")) == ["s:5: ActivationOffload.?",

@@ -16,8 +16,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def test_a_gpu_without_bf16_gets_fp16_with_fp32_lora_weights_and_a_note(monkeypatch):
     """Pre-Ampere cards (T4, V100) have no bf16: the run falls back to fp16 loss scaling, says so, and the OOM
     ladder's 'mixed precision on' rung picks fp16 there too. CPU and bf16 cards keep the settings as asked."""
-    from trainer import memory_plan
-    from trainer.memory_plan import next_rung, resolve_for_device
+    from trainer.memory import ladder as memory_plan
+    from trainer.memory.ladder import next_rung, resolve_for_device
     asked = MemorySettings("bf16", lora_weights=LoraWeights.BF16_STOCHASTIC_ROUNDING)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     monkeypatch.setattr(memory_plan, "cpu_computes_natively", lambda mode: True)  # an AVX512-BF16 / AMX CPU
@@ -37,7 +37,7 @@ def test_a_cpu_without_16_bit_instructions_trains_in_fp32_and_says_so(monkeypatc
     """An AVX2-only CPU emulates bf16/fp16 convolutions (~175x slower than fp32 there: the shipped template's
     first step took over 400 s on a 2-core EPYC); the run computes in fp32, as ComfyUI does on a CPU, and the
     report names why. A GPU keeps its precision whatever the host CPU has."""
-    from trainer import memory_plan
+    from trainer.memory import ladder as memory_plan
     monkeypatch.setattr(memory_plan, "cpu_computes_natively", lambda asked: False)
     lora_weights = LoraWeights.BF16_STOCHASTIC_ROUNDING if mode == "bf16" else LoraWeights.FP32
     asked = MemorySettings(mode, True, lora_weights=lora_weights)
@@ -52,13 +52,13 @@ def test_a_cpu_without_16_bit_instructions_trains_in_fp32_and_says_so(monkeypatc
 
 
 def test_the_cpu_check_reads_pytorchs_own_answer():
-    from trainer.memory_plan import cpu_computes_natively
+    from trainer.memory.ladder import cpu_computes_natively
     assert cpu_computes_natively("bf16") is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert cpu_computes_natively("fp16") is bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def test_a_batch_of_two_is_the_first_thing_split_on_oom():
-    from trainer.memory_plan import next_rung
+    from trainer.memory.ladder import next_rung
     memory, description = next_rung(MemorySettings("bf16", True, batch_size=2, gradient_accumulation=3), CPU)
     assert (memory.batch_size, memory.gradient_accumulation) == (1, 6)
     assert description == "batch 2 -> 1 with gradient accumulation 6 (effective batch stays 6)"
@@ -66,7 +66,7 @@ def test_a_batch_of_two_is_the_first_thing_split_on_oom():
 
 def test_the_cuda_ladder_names_what_moves_to_cpu_memory():
     """The last two rungs are the slow ones; the report tells the user exactly what they cost."""
-    from trainer.memory_plan import next_rung
+    from trainer.memory.ladder import next_rung
     memory, offload = next_rung(MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8"), CUDA)
     memory, streamed = next_rung(memory, CUDA)
     assert offload == "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)"
@@ -391,7 +391,7 @@ def test_store_without_ram_reads_its_folder_and_disk_hits_go_to_ram(tmp_path):
 def test_norms_in_the_compute_dtype_keep_their_learned_scale_and_shift():
     """Trained norms have weights other than 1 and biases other than 0 (the default init hides both), and some
     norms have none (elementwise_affine=False)."""
-    from trainer.precision import norms_in_compute_dtype
+    from trainer.step.precision import norms_in_compute_dtype
     torch.manual_seed(0)
     norms = [torch.nn.GroupNorm(4, 16, eps=0.5), torch.nn.LayerNorm(16, eps=0.5),  # a model's own eps, not 1e-5
              torch.nn.GroupNorm(4, 16, affine=False), torch.nn.LayerNorm(16, elementwise_affine=False)]
@@ -414,7 +414,7 @@ def test_norms_in_the_compute_dtype_keep_their_learned_scale_and_shift():
 
 def test_frozen_weights_are_stored_in_the_mixed_precision_dtype_or_fp32():
     """What TrainingSession casts the frozen base weights to: fp32 when mixed precision is off."""
-    from trainer.precision import Precision
+    from trainer.step.precision import Precision
     assert Precision("no", CPU).compute_dtype == torch.float32
     assert Precision("bf16", CPU).compute_dtype == torch.bfloat16
     assert Precision("fp16", CPU).compute_dtype == torch.float16
@@ -422,7 +422,7 @@ def test_frozen_weights_are_stored_in_the_mixed_precision_dtype_or_fp32():
 
 def test_fp16_scales_the_loss_and_skips_only_overflowed_steps():
     """Dynamic loss scaling on one parameter, in milliseconds (the training-run test of it takes 40 s)."""
-    from trainer.precision import Precision
+    from trainer.step.precision import Precision
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.5)
     fp16 = Precision("fp16", CPU, initial_scale=1024.0)
@@ -441,7 +441,7 @@ def test_fp16_scales_the_loss_and_skips_only_overflowed_steps():
 
 
 def test_bf16_and_fp32_step_without_a_scaler_and_autocast_only_with_a_dtype():
-    from trainer.precision import Precision
+    from trainer.step.precision import Precision
     with Precision("fp16", CPU).autocast():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16  # fp16 asked: not the CPU's bf16 default
     for mode, dtype in (("bf16", torch.bfloat16), ("no", None)):
@@ -816,7 +816,7 @@ def _one_weight(value=1.0):
 
 def _loop(w, loss_fn, steps, **kwargs):
     from trainer.loop import train_loop
-    from trainer.precision import Precision
+    from trainer.step.precision import Precision
     kwargs.setdefault("accumulation", 1)
     kwargs.setdefault("should_stop", lambda: False)
     optimizer = kwargs.pop("optimizer", None) or torch.optim.SGD([w], lr=kwargs.pop("lr", 0.1))
@@ -857,7 +857,7 @@ def test_a_continued_run_counts_from_its_first_step():
 def test_gradients_are_clipped_to_max_grad_norm_and_zero_means_no_clipping():
     w = _one_weight(0.0)
     from trainer.loop import train_loop
-    from trainer.precision import Precision
+    from trainer.step.precision import Precision
     train_loop([w], lambda b: 10 * w.sum(), iter(range(9)), torch.optim.SGD([w], lr=1.0), Precision("no", CPU), 1,
                1, lambda: False)  # the default clips at 1
     assert w.item() == pytest_approx(-1.0)
@@ -1100,7 +1100,7 @@ def test_a_micro_step_object_is_called_with_the_accumulation_and_zeroes_its_own_
 
 def test_fp16_clips_the_unscaled_gradient_and_leaves_overflowed_steps_to_the_scaler():
     from trainer.loop import train_loop
-    from trainer.precision import Precision
+    from trainer.step.precision import Precision
     w = _one_weight(0.0)
     fp16 = Precision("fp16", CPU, initial_scale=1024.0)
     grads = {1: 10.0, 2: None, 3: 10.0}

@@ -11,7 +11,7 @@ from trainer.loop import train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import (MIN_8BIT_SIZE, OPTIMIZERS, build_optimizer, optimizer_state_bytes,
                                 optimizer_state_bytes_per_param)
-from trainer.precision import Precision
+from trainer.step.precision import Precision
 from trainer.settings import LoraSettings
 
 from helpers import TinyNet, sd_targets

@@ -9,7 +9,7 @@ import torch
 
 from trainer.cache import CachedSample
 from trainer.errors import LeanLoRAError
-from trainer.memory_plan import next_rung
+from trainer.memory.ladder import next_rung
 from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, MemorySettings, TrainSettings
 from helpers import sd_targets  # noqa: E402
 
@@ -148,7 +148,7 @@ def test_share_wraps_the_first_units_of_the_order(adapter, two_level_unet, share
 def test_larger_share_wraps_more_units_and_none_twice(adapter, two_level_unet, monkeypatch):
     """Counts checkpoint calls in one forward: a unit wrapped twice would be checkpointed twice (the outer
     recompute runs the inner wrapper with grad enabled)."""
-    from trainer import checkpointing
+    from trainer.step import checkpointing
     calls = []
     real = checkpointing.checkpoint
     monkeypatch.setattr(checkpointing, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.dataset import scan_folder
-from trainer.frozen_weights import cast_frozen_weights
+from trainer.step.frozen_weights import cast_frozen_weights
 from trainer.model import FamilyIdentity, ModelAdapter
 from trainer.objective import TimestepSampling
 from trainer.report import Recovery
@@ -293,8 +293,8 @@ def test_a_cuda_graph_too_big_for_the_card_takes_a_rung_instead_of_eager_steps(t
     """Under auto-fit a first graph whose pool does not fit the card (micro_steps.GraphDoesNotFit, raised after
     the eager warm-up measured it) is recovered like an out-of-memory step: the next rung, the step repeated, the
     report naming why. At the bottom of the ladder the run goes on with eager steps instead of failing."""
-    from trainer import session as session_module
-    from trainer.micro_steps import GraphDoesNotFit
+    from trainer.memory import fit
+    from trainer.step.micro_steps import GraphDoesNotFit
     too_big = "the graph's own memory pool (~5.10 GiB) does not fit the 11.02 GiB limit"
 
     def first_forward_has_no_room_for_its_graph(adapter):
@@ -317,7 +317,7 @@ def test_a_cuda_graph_too_big_for_the_card_takes_a_rung_instead_of_eager_steps(t
     assert any(e["kind"] == "phase" and e["text"] == f"recovered (the CUDA graph would not fit the card): {rung}"
                for e in events)
 
-    monkeypatch.setattr(session_module, "next_rung", lambda memory, device: None)  # nothing left to trade
+    monkeypatch.setattr(fit, "next_rung", lambda memory, device: None)  # nothing left to trade
     outcome, _ = train(tmp_path / "data2", tmp_path / "loras2", first_forward_has_no_room_for_its_graph(
         TinyAdapter()), memory)
     assert outcome.run.steps_done == 6 and not outcome.partial and outcome.lora_path.exists()

@@ -18,7 +18,7 @@ from trainer.files import non_finite_tensors, sanitize_name, save_safetensors_at
 from trainer.loop import train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import build_lr_schedule
-from trainer.precision import Precision
+from trainer.step.precision import Precision
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 
 from helpers import regression_problem

@@ -9,7 +9,7 @@ import torch
 from trainer.dataset import scan_folder
 from trainer.errors import LeanLoRAError
 from bridge.cast_weights import store_weights_fp8
-from trainer.frozen_weights import FP8, frozen_weight_bytes
+from trainer.step.frozen_weights import FP8, frozen_weight_bytes
 from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraWeights, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from helpers import sd_targets  # noqa: E402
@@ -97,7 +97,7 @@ def test_fp8_storage_quarters_fp32_weights_and_stays_close(adapter):
 
 def test_fp8_run_trains(adapter, dataset, tmp_path, monkeypatch):
     """Also where the fused upcast cannot be compiled (a GPU box without Triton): driven on CPU here."""
-    from trainer import frozen_weights
+    from trainer.step import frozen_weights
     upcast = frozen_weights.FusedUpcast(devices=("cpu",))  # the CUDA-only path, driven on CPU
     monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", upcast)
 
@@ -127,7 +127,7 @@ def _saved_bytes_in_forward(adapter, unet):
 
 
 def test_gradient_checkpointing_really_wraps_comfyui_unet_layers(adapter):
-    from trainer.checkpointing import checkpoint_blocks
+    from trainer.step.checkpointing import checkpoint_blocks
     from trainer.lora import inject_lora
     plain, checkpointed = adapter.training_unet(), adapter.training_unet()
     for unet in (plain, checkpointed):
@@ -141,7 +141,7 @@ def test_gradient_checkpointing_really_wraps_comfyui_unet_layers(adapter):
 def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
     """Per block: the whole SpatialTransformer (norm, projections and layers) is one recomputed unit, so fewer
     tensors stay saved than per layer; gradients are the same."""
-    from trainer.checkpointing import checkpoint_blocks
+    from trainer.step.checkpointing import checkpoint_blocks
     from trainer.lora import inject_lora
     unets = {depth: adapter.training_unet() for depth in CheckpointDepth}
     grads = {}
@@ -161,7 +161,7 @@ def test_checkpoint_depth_per_block_saves_less_and_computes_the_same(adapter):
 def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter, monkeypatch):
     import comfy.ops
     from bridge.cast_weights import projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu
-    from trainer.frozen_weights import device_bound
+    from trainer.step.frozen_weights import device_bound
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
     params = inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
@@ -200,7 +200,7 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
                                                                                                        monkeypatch):
     import copy
     import bridge.cast_weights as cast_weights
-    from trainer.checkpointing import checkpoint_blocks
+    from trainer.step.checkpointing import checkpoint_blocks
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
     params = inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
@@ -273,7 +273,7 @@ def test_an_fp8_linear_takes_its_scale_in_the_gemm_and_inside_compiled_code_the_
     assert gemm_scaled == [1] and not dequantized
     # where the compiled upcast runs (a graph's capture under the native allocator) the Linear's numbers are the
     # eager step's, bit for bit: graphed steps train what eager steps train
-    from trainer import frozen_weights
+    from trainer.step import frozen_weights
     fused = frozen_weights.FusedUpcast(devices=("cpu",))
     fused.kernel = frozen_weights._dequantize_fused
     monkeypatch.setattr(frozen_weights, "_FUSED_UPCAST", fused)
@@ -308,7 +308,7 @@ def test_a_block_that_fails_part_way_keeps_none_of_its_grouped_upcasts(adapter):
 
 def test_a_stream_share_streams_the_largest_layers_up_to_that_share_and_its_projection_holds(adapter):
     from bridge.cast_weights import projected_weight_bytes, store_weights_fp8, stream_weights_from_cpu, streamed_layers
-    from trainer.frozen_weights import device_bound
+    from trainer.step.frozen_weights import device_bound
     from trainer.lora import inject_lora
     unet = adapter.training_unet()
     inject_lora(unet, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
@@ -576,7 +576,7 @@ def test_compiled_code_never_reads_an_fp8_layers_python_float_scale(adapter, mon
     hasattr): torch 2.11's dynamo guards such a float's value, so every block, each with its own scales, compiled
     anew (the GPU test below; SDXL lean + compile was still compiling after 230 s). Eager steps do read it."""
     import comfy.ops
-    from trainer.frozen_weights import FP8_SCALE_VALUE
+    from trainer.step.frozen_weights import FP8_SCALE_VALUE
     layers = [comfy.ops.disable_weight_init.Linear(16, 8), comfy.ops.disable_weight_init.Conv2d(4, 8, 3)]
     for layer in layers:
         layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) * 0.02, requires_grad=False)
@@ -607,7 +607,7 @@ def test_fp8_blocks_with_different_scales_share_one_compiled_graph(adapter):
     GPU machine's torch 2.11 (docs/results/compile_fp8_scale_test_2026-12-04.txt); this machine's 2.14 does not
     guard an unused float, so here the test above is the one that fails without it."""
     import comfy.ops
-    from trainer.compiled_blocks import CompiledBlocks, compiled_graph_count
+    from trainer.step.compiled_blocks import CompiledBlocks, compiled_graph_count
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU machine runs it with Triton
     generator = torch.Generator().manual_seed(0)
     blocks = []

@@ -7,13 +7,13 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.cache import batches, collate, CachedSample
-from trainer.checkpointing import checkpoint_blocks
+from trainer.step.checkpointing import checkpoint_blocks
 from trainer.errors import LeanLoRAError
 from trainer.files import sanitize_name, save_safetensors_atomic, unused_path
 from helpers import node_module, sd_targets
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.loop import train_loop
-from trainer.precision import Precision
+from trainer.step.precision import Precision
 from trainer.settings import BaseWeights, LoraSettings, MemorySettings, TrainSettings
 
 from helpers import TinyNet, regression_problem
@@ -56,7 +56,7 @@ def test_lora_injection_trains_only_lora_and_exports_kohya_keys():
 def test_lora_layers_under_autocast_keep_their_input_in_the_compute_dtype():
     """peft would cast each LoRA layer's input to fp32 (its weights' dtype) for autocast to cast it straight back:
     same numbers, but activation-sized copies and a second saved copy of every LoRA layer's input."""
-    from trainer.frozen_weights import cast_frozen_weights
+    from trainer.step.frozen_weights import cast_frozen_weights
     torch.manual_seed(0)
     net = TinyNet(dim=32)
     inject_lora(net, LoraSettings(rank=4), seed=1, target_modules=sd_targets(LoraSettings(rank=4)))
@@ -84,7 +84,7 @@ def test_lora_layers_under_autocast_keep_their_input_in_the_compute_dtype():
 
 
 def test_fp8_dequantize_falls_back_to_eager_when_compiling_fails_but_not_on_later_errors(monkeypatch):
-    from trainer import frozen_weights
+    from trainer.step import frozen_weights
     weight = (torch.randn(8, 4) * 100).to(frozen_weights.FP8)
     scale = torch.tensor(0.01)
     eager = frozen_weights._dequantize_eager(weight, scale, torch.bfloat16)
@@ -117,7 +117,7 @@ def test_fp8_dequantize_falls_back_to_eager_when_compiling_fails_but_not_on_late
 def test_fused_fp8_dequantize_keeps_a_channels_last_conv_weight_channels_last(monkeypatch):
     """The fused kernel sees each weight flat: in memory order, so a channels-last (NHWC) conv weight is neither
     copied to flatten it nor handed back NCHW for cuDNN to transpose again."""
-    from trainer import frozen_weights
+    from trainer.step import frozen_weights
     weight = (torch.randn(8, 4, 3, 3) * 100).to(frozen_weights.FP8).contiguous(memory_format=torch.channels_last)
     scale = torch.tensor(0.01)
     fused = frozen_weights.FusedUpcast(devices=("cpu",))
@@ -154,7 +154,7 @@ def test_scaled_linear_is_linear_with_the_scaled_weight_in_value_and_input_gradi
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
-    from trainer import frozen_weights
+    from trainer.step import frozen_weights
     weight = (torch.randn(300, 77, device="cuda") * 100).to(frozen_weights.FP8)
     scale = torch.tensor(0.0123, device="cuda")
     for dtype in (torch.bfloat16, torch.float16):
@@ -170,9 +170,9 @@ def test_an_eager_micro_step_launches_its_fp8_upcasts_from_the_host_and_a_failed
     """Eager CUDA steps are host-bound: their fp8 upcasts skip the compiled kernel's call overhead
     (frozen_weights.host_launched_upcasts). The flag covers the whole forward + backward and is gone after it,
     also when the step fails; a graph's warm-up (forward_backward called directly) keeps the compiled kernel."""
-    from trainer import frozen_weights
-    from trainer.micro_steps import EagerMicroStep
-    from trainer.precision import Precision
+    from trainer.step import frozen_weights
+    from trainer.step.micro_steps import EagerMicroStep
+    from trainer.step.precision import Precision
     weight = torch.nn.Parameter(torch.ones(3))
     seen = []
 
@@ -193,7 +193,7 @@ def test_an_eager_micro_step_launches_its_fp8_upcasts_from_the_host_and_a_failed
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_host_launched_fp8_upcasts_skip_the_compiled_kernel_with_the_same_numbers(monkeypatch):
-    from trainer import frozen_weights
+    from trainer.step import frozen_weights
     weight = (torch.randn(300, 77, device="cuda") * 100).to(frozen_weights.FP8)
     scale = torch.tensor(0.0123, device="cuda")
     calls = []
@@ -209,7 +209,7 @@ def test_host_launched_fp8_upcasts_skip_the_compiled_kernel_with_the_same_number
 def test_lora_dropout_masks_follow_the_steps_seed_so_recompute_needs_no_generator_state():
     """LoRA dropout is StepSeededDropout: the same seed gives the same mask (checkpointing's recompute), another
     seed another one, eval mode none; nothing in the model draws from a generator, so steps stay capturable."""
-    from trainer.checkpointing import uses_randomness
+    from trainer.step.checkpointing import uses_randomness
     from trainer.lora import StepSeededDropout, seed_lora_dropout
     torch.manual_seed(0)
     net = TinyNet(dim=64)
@@ -409,7 +409,7 @@ def test_cancel_raised_inside_a_step_ends_the_run_like_a_cancel():
 
 
 def test_memory_ladder_order_keeps_effective_batch():
-    from trainer.memory_plan import next_rung
+    from trainer.memory.ladder import next_rung
     memory = MemorySettings("no", False, batch_size=4, gradient_accumulation=2, optimizer="AdamW")
     steps = []
     while (rung := next_rung(memory, torch.device("cpu"))) is not None:
@@ -422,7 +422,7 @@ def test_memory_ladder_order_keeps_effective_batch():
 
 
 def test_memory_ladder_on_cuda_ends_with_offload_then_streaming_a_fifth_of_the_weights_at_a_time():
-    from trainer.memory_plan import next_rung
+    from trainer.memory.ladder import next_rung
     memory = MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8")
     memory, first = next_rung(memory, torch.device("cuda"))
     assert memory.activation_offload and first.startswith("activations")
@@ -437,7 +437,7 @@ def test_memory_ladder_on_cuda_ends_with_offload_then_streaming_a_fifth_of_the_w
 
 
 def test_estimate_static_terms_are_exact_counts():
-    from trainer.estimate import fit_line, static_terms
+    from trainer.memory.estimate import fit_line, static_terms
     from trainer.optimizers import build_optimizer
     net = TinyNet()
     params = inject_lora(net, LoraSettings(rank=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4)))
@@ -520,8 +520,8 @@ def test_lr_schedule_follows_diffusers_and_survives_an_optimizer_rebuild():
 
 def test_allocators_without_peak_statistics_skip_measurements_instead_of_failing(monkeypatch):
     """ComfyUI runs PyTorch on cudaMallocAsync by default; a build without its peak stats must not break runs."""
-    from trainer.estimate import MemoryEstimate, probe_activations
-    from trainer.vram import device_memory_gib
+    from trainer.memory.estimate import MemoryEstimate, probe_activations
+    from trainer.memory.vram import device_memory_gib
 
     def unsupported(*args, **kwargs):
         raise RuntimeError("not supported by the cudaMallocAsync allocator")
@@ -548,7 +548,7 @@ def test_estimate_probes_separate_activations_workspace_and_memory_held_outside_
     """The probe arithmetic against a simulated allocator: the first step allocates a library workspace that
     stays (cuBLAS does), each step's transient memory is gradients + fixed workspace + a per-pixel activation
     rate. The estimate must recover each term exactly, with gradients allocated in backward or kept (flat)."""
-    from trainer.estimate import MemoryEstimate, probe_activations
+    from trainer.memory.estimate import MemoryEstimate, probe_activations
     mib = 2 ** 20
     weights, lora, grads, state, library, fixed, per_pixel = 900 * mib, 20 * mib, 20 * mib, 0, 64 * mib, 30 * mib, 5000
     for kept in (0, grads):
@@ -575,7 +575,7 @@ def test_a_compiled_run_is_probed_once_at_its_own_batch_shape(monkeypatch):
     """Compiled blocks are specialized to shapes: the estimate probes only the run's batch at full size (a smaller
     probe would cost a second full compile) and gets the same total as the two-probe line, with activations and
     workspace measured together."""
-    from trainer.estimate import MemoryEstimate, probe_activations
+    from trainer.memory.estimate import MemoryEstimate, probe_activations
     mib = 2 ** 20
     weights, lora, grads, fixed, per_pixel = 900 * mib, 20 * mib, 20 * mib, 30 * mib, 5000
     ledger = {"alloc": weights + lora, "peak": 0}
@@ -600,7 +600,7 @@ def test_a_compiled_run_is_probed_once_at_its_own_batch_shape(monkeypatch):
 
 
 def test_norms_stay_in_the_compute_dtype_under_autocast():
-    from trainer.precision import norms_in_compute_dtype
+    from trainer.step.precision import norms_in_compute_dtype
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.GroupNorm(4, 16), torch.nn.SiLU(), torch.nn.Conv2d(16, 8, 1))
     x = torch.randn(2, 16, 8, 8)
@@ -727,7 +727,7 @@ class _FailedCapture:
 ])
 def test_a_failed_captures_pool_is_given_back_only_where_the_graph_will_not_release_it(
         monkeypatch, ended_well, has_instantiate, released):
-    from trainer import micro_steps
+    from trainer.step import micro_steps
     calls = []
     for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
         monkeypatch.setattr(torch._C, name, lambda index, pool, name=name: calls.append((name, index, pool)),
@@ -752,7 +752,7 @@ def test_a_failed_capture_leaves_the_gpus_random_generator_usable_or_says_it_can
     random draw in the process fails (ComfyUI's GPU noise): a small capture that ends well ends it (on the GPU:
     tests/cuda_allocator_cases.py, capture_broken_by_cuda_gives_its_pool_back)."""
     import contextlib
-    from trainer import micro_steps
+    from trainer.step import micro_steps
     captured = []
 
     class Draw:
@@ -775,7 +775,7 @@ def test_a_failed_capture_leaves_the_gpus_random_generator_usable_or_says_it_can
 
 
 def test_a_failed_random_draw_for_another_reason_is_not_hidden(monkeypatch):
-    from trainer import micro_steps
+    from trainer.step import micro_steps
 
     class Draw:
         def uniform_(self):

@@ -9,8 +9,8 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import TrainingCancelled
-from .micro_steps import EagerMicroStep, MicroStep
-from .precision import Precision
+from .step.micro_steps import EagerMicroStep, MicroStep
+from .step.precision import Precision
 
 
 @dataclass

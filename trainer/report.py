@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .estimate import MemoryEstimate
+from .memory.estimate import MemoryEstimate
 from .settings import MemorySettings
 
 
 @dataclass(frozen=True)
 class Recovery:
     step: int  # the step that ran out of memory (or whose graph would not fit); repeated with the new settings
-    rung: str  # what the memory ladder gave up for it (memory_plan.next_rung's description)
+    rung: str  # what the memory ladder gave up for it (memory.ladder.next_rung's description)
     cause: str = "out of memory"  # or: the CUDA graph would not fit the card (micro_steps.GraphDoesNotFit)
 
     def describe(self) -> str:

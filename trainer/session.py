@@ -1,6 +1,6 @@
 """The parts of a run that memory settings control, as one object: the training copy with its LoRA, precision,
 optimizer and batches. `configure` moves between settings mid-run (OOM recovery, auto-fit); `estimate` says
-where memory goes; `fit` walks the memory ladder until the estimate fits a budget."""
+where memory goes; `run` steps. Fitting to a card lives in memory/fit.py."""
 from __future__ import annotations
 
 import contextlib
@@ -12,29 +12,27 @@ from typing import Callable
 
 import torch
 
-from .activation_offload import ActivationOffload
-from .allocator import apply_allocator_settings, backend as allocator_backend, memory_fraction
 from .cache import CachedSample, batches, collate
-from .checkpointing import checkpoint_blocks, units_for_share, uses_randomness
 from .errors import LeanLoRAError, is_compile_error, is_out_of_memory, one_line
-from .estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .files import sanitize_name
-from .compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
-from .micro_steps import BatchStep, GraphDoesNotFit, build_micro_step
-from .frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
-from .memory_plan import next_rung
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
+from .memory.allocator import apply_allocator_settings, backend as allocator_backend
+from .memory.estimate import GIB, MemoryEstimate, probe_activations, static_terms
+from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
 from .objective import denoising_loss, draw_noise
-from .optimizers import build_lr_schedule, build_optimizer, optimizer_state_bytes
-from .precision import DTYPES, Precision, norms_in_compute_dtype
+from .optimizers import build_lr_schedule, build_optimizer
 from .report import Recovery
-from .settings import AutoFit, BaseWeights, LoraWeights, MemorySettings, TrainSettings
+from .settings import CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
+from .step.activation_offload import ActivationOffload
+from .step.checkpointing import (RankedUnits, checkpoint_blocks, uncheckpoint_blocks, units_for_share,
+                                 uses_randomness)
+from .step.compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
+from .step.frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
+from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step
+from .step.precision import Precision, norms_in_compute_dtype
 from .training_state import TrainingState, restore_rng_states, rng_states
-
-FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
-STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
 
 
 class TrainingSession:
@@ -53,7 +51,8 @@ class TrainingSession:
         self.sampling_on_cpu = copy.deepcopy(adapter.model_sampling).to("cpu")
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
-        self.checkpointed = 0.0  # the checkpoint share wrapped so far (units are never unwrapped)
+        self.checkpointed = 0.0  # the checkpoint share wrapped now
+        self._checkpoint_units: tuple[CheckpointDepth, RankedUnits] | None = None
         self.steps_done = 0  # optimizer steps applied (run() keeps it); a rebuilt LR schedule resumes from here
         self.recoveries: list[Recovery] = []
         self._step_start: tuple[int, dict, dict] | None = None  # (steps done, RNG states, batch order) then
@@ -63,8 +62,9 @@ class TrainingSession:
         self.compiled_batch: int | None = None  # the batch size the compile step compiled
 
     def configure(self, memory: MemorySettings) -> None:
-        """Moves to `memory` from the current settings. Only ladder-direction changes are supported (each
-        rung saves more), which is all that first configuration, OOM recovery and auto-fit need."""
+        """Moves to `memory` from the current settings. Storage changes go in the ladder's direction only (fp8 and
+        streaming are not undone); the checkpoint share moves both ways (auto-fit gives budget back as less
+        recompute)."""
         old, device = self.memory, self.adapter.device
         streamed = memory.base_weights.streamed
         # dropout drawing from a generator inside the step (LoRA's does not: lora.StepSeededDropout): recompute must
@@ -82,16 +82,17 @@ class TrainingSession:
             # Around each block's eager forward (inside checkpointing's wrapper, outside compiled code): fp8 weights,
             # whenever a rung stores them, are upcast a block at a time
             self.adapter.group_upcasts(self.unet)
-        if memory.gradient_checkpointing and self.checkpointed < memory.checkpoint_share:
-            # A larger share wraps the next units of the same best-first order (never unwraps, never twice).
-            units = self.adapter.checkpoint_blocks(self.unet, memory.checkpoint_depth,
-                                                   latent_size=tuple(self._largest_sample().latent.shape[-2:]))
-            count = units_for_share(len(units), memory.checkpoint_share)
+        share = memory.checkpoint_share if memory.gradient_checkpointing else 0.0
+        if share != self.checkpointed:
+            # The first `count` units of the best-first order are wrapped, the rest not: auto-fit moves both ways.
+            units = self.checkpoint_units(memory.checkpoint_depth)
+            count = units_for_share(len(units), share) if share else 0
             checkpoint_blocks(units[:count], preserve_rng_state=random_forward)
-            self.checkpointed = memory.checkpoint_share
+            uncheckpoint_blocks(units[count:])
+            self.checkpointed = share
             self._set_note("gradient checkpointing: ",
                            f"{count} of {len(units)} blocks recomputed, those that free the most activation memory "
-                           "per recomputed FLOP" if count < len(units) else None)
+                           "per recomputed FLOP" if 0 < count < len(units) else None)
         if old is None or old.mixed_precision != memory.mixed_precision:
             self.precision = Precision(memory.mixed_precision, device)
             self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
@@ -150,6 +151,13 @@ class TrainingSession:
         self.step = BatchStep(self.inputs, self.micro_step)
         self.memory = memory
 
+    def checkpoint_units(self, depth: CheckpointDepth) -> RankedUnits:
+        """The family's checkpoint units for the largest sample, best first, with their costs (computed once)."""
+        if self._checkpoint_units is None or self._checkpoint_units[0] is not depth:
+            latent_size = tuple(self._largest_sample().latent.shape[-2:])
+            self._checkpoint_units = depth, self.adapter.checkpoint_blocks(self.unet, depth, latent_size=latent_size)
+        return self._checkpoint_units[1]
+
     def _set_note(self, topic: str, text: str | None) -> None:
         """The report's one note on `topic` (a rung that goes further replaces it), or none."""
         self.notes = [n for n in self.notes if not n.startswith(topic)]
@@ -157,8 +165,9 @@ class TrainingSession:
             self.notes.append(topic + text)
 
     def start(self, memory: MemorySettings) -> tuple[MemoryEstimate, list[str]]:
-        """First configuration and the estimate before step 1. With an auto-fit budget, weights and optimizer
-        are planned before anything reaches the GPU, then probes walk the ladder until the estimate fits."""
+        """First configuration and the estimate before step 1. With an auto-fit budget the planner picks the
+        fastest settings that fit (memory/fit.py): weights and optimizer are planned before anything reaches the
+        GPU, then probes measure and verify."""
         self.restore_allocator = apply_allocator_settings(memory.allocator, self.adapter.device, self.notes)
         card = card_budget(memory.auto_fit, self.adapter.device, self.comfy_reserve())
         budget = None if card is None else card.usable()
@@ -172,14 +181,9 @@ class TrainingSession:
             lines = self.compile_now()
             estimate = self.estimate()
         else:
-            # The ladder's probes run uncompiled (each rung's shapes and dtypes would be a full compile of their
+            # The planner's probes run uncompiled (each plan's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
-            weight_bytes = lambda dtype, base, share: self.adapter.projected_weight_bytes(  # noqa: E731
-                self.unet, dtype, base, share)
-            memory, lines = plan_static(memory, weight_bytes, self.params, budget, self.adapter.device, card.card)
-            self.configure(memory)
-            estimate, more_lines = fit_to_budget(self, card)
-            lines += more_lines
+            estimate, lines = fit_to_card(self, memory, card)
             lines += self.compile_now()
             if self.compiled_batch:
                 estimate = self.estimate()  # the compiled run's own, for the report
@@ -228,7 +232,7 @@ class TrainingSession:
         return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
                 f"{time.perf_counter() - started:.1f} s{caching}"]
 
-    def estimate(self, raise_oom: bool = False) -> MemoryEstimate:
+    def estimate(self, raise_oom: bool = False, measured: list | None = None) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA (throwaway steps: the run's RNG stream is untouched)."""
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
@@ -242,7 +246,7 @@ class TrainingSession:
                 return probe_activations(estimate, self.throwaway_step,
                                          self.largest_batch(self.compiled_batch if at_run_shape else 1),
                                          self.memory.batch_size, self.adapter.device, *self.held_between_steps(),
-                                         at_run_shape=at_run_shape)
+                                         at_run_shape=at_run_shape, measured=measured)
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise
@@ -452,107 +456,6 @@ class TrainingSession:
         return self.notes + [n for n in extra if n not in self.notes]
 
 
-def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
-    """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom; a graph
-    that does not fit then gives way to eager steps)."""
-    session.free_failed_step(error)
-    rung = next_rung(session.memory, device)
-    if rung is None:
-        if isinstance(error, GraphDoesNotFit):
-            session.micro_step.run_eagerly(f"fast path: CUDA graphs off: {error}, and no memory setting is left to "
-                                           "trade for it; steps run eagerly")
-            return "steps run eagerly (nothing left on the memory ladder to make room for the CUDA graph)"
-        raise error
-    memory, description = rung
-    session.configure(memory)
-    return description
-
-
-def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySettings, str] | None:
-    """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing rungs trade activations only:
-    skipped here, they stay for the probes (fit_to_budget), so a card that needs fp8 weights gets fp8 with as little
-    checkpointing as its activations need, not fp8 with every block recomputed."""
-    walked = memory
-    while True:
-        rung = next_rung(walked, device)
-        if rung is None:
-            return None
-        walked, description = rung
-        kept = replace(walked, gradient_checkpointing=memory.gradient_checkpointing,
-                       checkpoint_share=memory.checkpoint_share)
-        if kept != memory:
-            return kept, description
-
-
-def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
-                budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
-    """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
-    leave room for activations. A model larger than the budget never has to be loaded to find that out.
-    weight_bytes(compute dtype, base weights, stream share): device bytes the frozen weights would take (the model
-    adapter's projected_weight_bytes)."""
-    lines = []
-    while True:
-        dtype = DTYPES[memory.mixed_precision] or torch.float32
-        lora = sum(p.numel() * 4 for p in params)
-        static = weight_bytes(dtype, memory.base_weights, memory.stream_share) + 2 * lora + \
-            optimizer_state_bytes(memory.optimizer, params)
-        if static <= budget * STATIC_SHARE:
-            return memory, lines
-        rung = next_static_rung(memory, device)
-        if rung is None:
-            if card is not None and static > budget:
-                outside = card - budget
-                smallest = -(-(static / STATIC_SHARE + outside) // GIB)  # GiB, rounded up
-                raise LeanLoRAError(
-                    f"auto-fit: this model does not fit a {card / GIB:.1f} GiB card even with the leanest settings "
-                    f"({memory.describe()}): weights, LoRA and optimizer alone take {static / GIB:.2f} GiB and "
-                    f"{outside / GIB:.2f} GiB of the card is held outside training (CUDA context, libraries). The "
-                    f"smallest card it trains on is about {smallest:.0f} GiB: raise auto_fit, or free VRAM")
-            return memory, lines
-        memory = rung[0]
-        lines.append(f"auto-fit: weights, LoRA and optimizer alone would take {static / GIB:.2f} GiB of the "
-                     f"{budget / GIB:.2f} GiB budget -> {rung[1]}")
-
-
-def fit_to_budget(session: TrainingSession, card: "CardBudget | int") -> tuple[MemoryEstimate, list[str]]:
-    """Walks the memory ladder from the session's settings until the estimated peak fits the card (re-measured
-    after every probe: the probes load library kernels that take device memory outside PyTorch)."""
-    device, lines = session.adapter.device, []
-    while True:
-        try:
-            with probes_capped_at(card if isinstance(card, int) else card.usable(), device):
-                estimate = session.estimate(raise_oom=True)
-            total = estimate.total
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            # its traceback holds the probe's activations and autograd graph: on a small card they are what the
-            # next rung's probe needs
-            session.free_failed_step(error)
-            estimate, total = None, None  # even the small probe did not fit
-        budget = card if isinstance(card, int) else card.usable()
-        session.micro_step.budget = budget
-        # Losing CUDA graphs costs more speed (4-6x at batch 1) than any rung, so their pool counts in the fit.
-        extra = session.micro_step.extra_memory(estimate) if total is not None else 0
-        if total is not None and total + extra <= budget * FIT_HEADROOM:
-            lines.append(f"auto-fit: estimated peak {(total + extra) / GIB:.2f} GiB"
-                         + (f" (with {extra / GIB:.2f} GiB for the CUDA graph)" if extra else "")
-                         + f" fits the {budget / GIB:.2f} GiB budget with: {session.memory.describe()}")
-            return estimate, lines
-        rung = next_rung(session.memory, device)
-        if rung is None:
-            if total is not None and total <= budget * FIT_HEADROOM:
-                lines.append(f"auto-fit: estimated peak {total / GIB:.2f} GiB fits the {budget / GIB:.2f} GiB budget "
-                             f"only without CUDA graphs; with: {session.memory.describe()}")
-            else:
-                lines.append("auto-fit: nothing left to trade for memory; training starts and OOM recovery stays on")
-            return estimate or session.estimate(), lines
-        why = (f"estimated {total / GIB:.2f} GiB" + (f" + {extra / GIB:.2f} GiB for the CUDA graph" if extra else "")
-               if total is not None else "the probe ran out of memory")
-        session.configure(rung[0])
-        lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
-
-
 def graphs_incompatible(random_forward: bool) -> str | None:
     """Why this run's steps cannot be CUDA graphs, None when they can. Streamed weights are graphed under both
     allocators: the streamed capture that aborted a ComfyUI server under cudaMallocAsync (SD1.5 auto-fit 2 GiB)
@@ -561,65 +464,3 @@ def graphs_incompatible(random_forward: bool) -> str | None:
     if random_forward:
         return "the model's dropout draws random numbers inside the step"
     return None
-
-
-@contextlib.contextmanager
-def probes_capped_at(budget: int, device: torch.device):
-    """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
-    out of memory at the budget, as it would on the card, instead of taking whatever the GPU has (an 8 GiB card
-    emulated on an H200 peaked at 9.4 GiB device-level in a probe that failed only at the process's own cap)."""
-    if device.type != "cuda" or not hasattr(torch.cuda, "get_per_process_memory_fraction"):
-        yield
-        return
-    # Where PyTorch cannot tell the cap (ComfyUI 0.33), none is assumed: the probes are capped all the same and
-    # the process is left uncapped after them, as an unemulated card is.
-    before = memory_fraction(device) or 1.0
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(before, max(budget, 1) / total), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(before, device)
-
-
-class CardBudget:
-    """What an auto_fit setting means on the device: a card of N GiB ('N GiB'), or the card as it is now minus
-    ComfyUI's own reserve ('free VRAM'). The whole process must fit it, as NVML sees it: so what the process holds
-    outside PyTorch's allocator (the CUDA context, library kernels loaded on first use, other programs on the card)
-    comes off it, measured again whenever asked (probe steps load more kernels)."""
-
-    # Kept free beyond what is measured: probes stopped at the cap still peaked above the card, NVML, H200 (1 Dec
-    # 2026): 0.094-0.098 GiB under cudaMallocAsync on 2-8 GiB cards (its fraction cap counts the bytes PyTorch
-    # handed out, the driver's pool holds whole chunks around them), 0.07 GiB under the native allocator on 6 GiB
-    # (library workspaces a probe step loads on first use, after the budget was measured).
-    MARGIN = 160 * 2 ** 20
-
-    def __init__(self, card: int, device: torch.device):
-        self.card, self.device = card, device
-
-    @staticmethod
-    def outside_torch(device: torch.device) -> int:
-        """Device memory in use that PyTorch's allocator does not hold: context, modules, other processes."""
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, total - free - torch.cuda.memory_reserved(device))
-
-    def usable(self) -> int:
-        """Bytes training's own allocations (the estimate's total) may take now."""
-        return max(0, self.card - self.outside_torch(self.device) - self.MARGIN)
-
-
-def card_budget(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
-    """The budget an auto_fit setting names (a card size or the free VRAM), None when off or not on CUDA.
-    comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
-    if not auto_fit.on or device.type != "cuda":
-        return None
-    if auto_fit.free_vram:
-        _, total = torch.cuda.mem_get_info(device)
-        return CardBudget(total - comfy_reserve, device)
-    return CardBudget(int(auto_fit.card_gib * GIB), device)
-
-
-def budget_bytes(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> int | None:
-    """Bytes training's own allocations may take now under an auto_fit setting (see CardBudget)."""
-    budget = card_budget(auto_fit, device, comfy_reserve)
-    return None if budget is None else budget.usable()

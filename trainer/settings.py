@@ -142,7 +142,7 @@ class MemorySettings:
     compile: bool = False
     lora_weights: LoraWeights = LoraWeights.FP32
     checkpoint_depth: CheckpointDepth = CheckpointDepth.LAYER
-    checkpoint_share: float = 1.0  # with checkpointing: the fraction of units recomputed (trainer/checkpointing.py)
+    checkpoint_share: float = 1.0  # with checkpointing: the fraction of units recomputed (trainer/step/checkpointing.py)
     stream_share: float = 1.0  # with fp8 streamed: the fraction of the fp8 weights kept in CPU RAM, largest first
 
     def __post_init__(self):

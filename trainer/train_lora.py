@@ -19,12 +19,12 @@ from .cache import CacheStats, build_cache
 from .cache_store import LatentTextStore
 from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory, one_line
-from .estimate import estimate_error
+from .memory.estimate import estimate_error
 from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .lora_import import ContinuedLora, continue_from_file
 from .loop import StepInfo
-from .memory_plan import resolve_for_device
+from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
@@ -33,7 +33,7 @@ from .training_state import (TrainingState, check_base_weights, check_resumable,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
                              save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
-from .vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
+from .memory.vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)

@@ -10,12 +10,12 @@ import torch
 from .common import call_diffusion_model, linear_cost, linear_paths, prediction_of, repeated_blocks
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.checkpointing import most_memory_per_flop_first
+    from ...trainer.step.checkpointing import most_memory_per_flop_first
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
     from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.checkpointing import most_memory_per_flop_first
+    from trainer.step.checkpointing import most_memory_per_flop_first
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling
     from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets

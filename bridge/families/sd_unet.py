@@ -15,13 +15,13 @@ from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock,
 from .common import call_diffusion_model
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.checkpointing import most_memory_per_flop_first
+    from ...trainer.step.checkpointing import most_memory_per_flop_first
     from ...trainer.layout import store_frozen_convs_channels_last
     from ...trainer.model import FamilyIdentity, SampleDefaults
     from ...trainer.objective import TimestepSampling
     from ...trainer.settings import SD_SAMPLE_LIMITS, CheckpointDepth, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.checkpointing import most_memory_per_flop_first
+    from trainer.step.checkpointing import most_memory_per_flop_first
     from trainer.layout import store_frozen_convs_channels_last
     from trainer.model import FamilyIdentity, SampleDefaults
     from trainer.objective import TimestepSampling

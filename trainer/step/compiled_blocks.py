@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from .allocator import compiled_kernels_blocked
-from .errors import is_compile_error, one_line
+from ..memory.allocator import compiled_kernels_blocked
+from ..errors import is_compile_error, one_line
 
 # Inductor settings for the compiled blocks. Combo kernels launch a graph's small independent kernels (a layer's
 # fp8 upcasts, its LoRA weights' casts) as one: H200, SDXL 1024² batch 1, each cold in its own process, lean with

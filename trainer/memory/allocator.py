@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .settings import Allocator
+from ..settings import Allocator
 
 
 def _env_setting(name: str) -> str | None:

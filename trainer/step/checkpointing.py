@@ -9,13 +9,17 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def _checkpointed(forward, preserve_rng_state: bool):
+_UNWRAPPED = object()  # the block had no forward of its own (the class's): unwrapping deletes the wrapper
+
+
+def _checkpointed(forward, preserve_rng_state: bool, own_forward):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         # Non-reentrant: works with kwargs and with inputs that do not require grad (frozen base weights).
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
     run.leanlora_checkpointed = True
+    run.leanlora_unwrapped = own_forward
     return run
 
 
@@ -32,13 +36,47 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], preserve_rng_state: boo
     for block in blocks:
         if getattr(block.forward, "leanlora_checkpointed", False):
             continue  # wrapped by an earlier, smaller share: a second wrap would recompute it twice
-        block.forward = _checkpointed(block.forward, preserve_rng_state)
+        block.forward = _checkpointed(block.forward, preserve_rng_state, block.__dict__.get("forward", _UNWRAPPED))
         count += 1
     return count
 
 
+def uncheckpoint_blocks(blocks: Iterable[torch.nn.Module]) -> int:
+    """Undoes checkpoint_blocks (auto-fit gives memory back as less recompute). Returns how many were unwrapped."""
+    count = 0
+    for block in blocks:
+        wrapper = block.__dict__.get("forward")
+        if not getattr(wrapper, "leanlora_checkpointed", False):
+            continue
+        if wrapper.leanlora_unwrapped is _UNWRAPPED:
+            del block.forward
+        else:
+            block.forward = wrapper.leanlora_unwrapped
+        count += 1
+    return count
+
+
+class RankedUnits(list):
+    """Checkpoint units, best first, with each one's cost (activation elements checkpointing it frees, multiply-adds
+    its recompute costs): what the auto-fit planner predicts a partial share's memory and time from."""
+
+    def __init__(self, units: Sequence[torch.nn.Module], costs: Sequence[tuple[int, int]]):
+        super().__init__(units)
+        self.costs = list(costs)
+
+    def freed_share(self, count: int) -> float:
+        """The share of the units' activations that recomputing the first `count` frees."""
+        total = sum(saved for saved, _ in self.costs)
+        return sum(saved for saved, _ in self.costs[:count]) / total if total else count / max(len(self), 1)
+
+    def recompute_share(self, count: int) -> float:
+        """The share of the units' forward multiply-adds that recomputing the first `count` repeats."""
+        total = sum(macs for _, macs in self.costs)
+        return sum(macs for _, macs in self.costs[:count]) / total if total else count / max(len(self), 1)
+
+
 def most_memory_per_flop_first(units: Sequence[torch.nn.Module],
-                               costs: Sequence[tuple[int, int]]) -> list[torch.nn.Module]:
+                               costs: Sequence[tuple[int, int]]) -> RankedUnits:
     """Partial checkpointing recomputes the units that free the most activation memory per recomputed
     multiply-add first. `costs`: per unit, (activation elements checkpointing it frees, multiply-adds its
     recompute costs), from the model family's cost model (e.g. bridge/families/sd_unet.recompute_cost). Ties keep
@@ -46,7 +84,8 @@ def most_memory_per_flop_first(units: Sequence[torch.nn.Module],
     def freed_per_mac(pair):
         saved, macs = pair[1]
         return saved / max(macs, 1)
-    return [unit for unit, _ in sorted(zip(units, costs), key=freed_per_mac, reverse=True)]
+    ranked = sorted(zip(units, costs), key=freed_per_mac, reverse=True)
+    return RankedUnits([unit for unit, _ in ranked], [cost for _, cost in ranked])
 
 
 def units_for_share(count: int, share: float) -> int:

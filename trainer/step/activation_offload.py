@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from .layout import memory_format_of
+from ..layout import memory_format_of
 
 MIN_BYTES = 1 << 20
 

@@ -9,14 +9,15 @@ own batch shape: compiled graphs are specialized to shapes, and another probe sh
 On CPU there is no VRAM to plan, and no probe runs."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .frozen_weights import frozen_weight_bytes
-from .optimizers import optimizer_state_bytes
+from ..step.frozen_weights import frozen_weight_bytes
+from ..optimizers import optimizer_state_bytes
 from .vram import reset_peak
 
 GIB = 2 ** 30
@@ -83,13 +84,15 @@ def _probe_sizes(height: int, width: int, multiple: int = 8) -> list[tuple[int, 
 
 def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Tensor], sample: tuple,
                       batch_size: int, device: torch.device, gradients_kept: int = 0,
-                      state_held: int = 0, at_run_shape: bool = False) -> MemoryEstimate:
+                      state_held: int = 0, at_run_shape: bool = False,
+                      measured: list[tuple[int, int, float]] | None = None) -> MemoryEstimate:
     """Runs forward+backward at a quarter of the area and at full size (`step(batch)`; gradients are cleared by
     the caller) and fills in activations and workspace for the real batch and latent size, and `other`: what the
     process holds beyond the estimate's terms. `gradients_kept` / `state_held`: bytes of gradients kept between
     steps (a flat gradient) and of optimizer state already allocated, both part of the probes' baseline.
     `at_run_shape`: `sample` is already the run's batch; one probe at full size measures activations and
-    workspace together."""
+    workspace together. `measured` gets each probe's (latent area, transient bytes, seconds) as it ends: what
+    the auto-fit planner models from, also when a later probe runs out of memory."""
     if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
         return estimate
     latent, cond = sample
@@ -100,11 +103,15 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
         step((small, cond))
         torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
         # What stayed allocated after the step (a library's first workspace) is not the step's transient memory.
         stayed = max(0, torch.cuda.memory_allocated(device) - baseline)
         points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline - stayed))
+        if measured is not None:
+            measured.append((*points[-1], seconds))
     torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
     # The probe's delta holds the LoRA gradients (when backward allocates them), activations and workspace.
     new_gradients = estimate.gradients - gradients_kept

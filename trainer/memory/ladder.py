@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import torch
 
-from .settings import BaseWeights, LoraWeights, MemorySettings
+from ..settings import BaseWeights, LoraWeights, MemorySettings
 
 EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
 # Gradient checkpointing in steps of a fifth of the units, those that free the most memory per recomputed FLOP
-# first (trainer/checkpointing.py): a card that needs only part of the activations gone keeps most of the speed
+# first (trainer/step/checkpointing.py): a card that needs only part of the activations gone keeps most of the speed
 # (full checkpointing: ~1.36x an SDXL step). SDXL 1024², by that model: 0.2 frees 31% of the activations for 24%
 # of the recompute, 0.4 49% for 42%, 0.6 69% for 61%, 0.8 88% for 79%.
 CHECKPOINT_SHARES = (0.2, 0.4, 0.6, 0.8, 1.0)

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from .layer_patch import mix_into
+from ..layer_patch import mix_into
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 

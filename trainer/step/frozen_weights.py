@@ -11,9 +11,9 @@ import gc
 
 import torch
 
-from .allocator import compiled_kernels_blocked
-from .errors import is_compile_error, is_out_of_memory, one_line
-from .layout import is_channels_last
+from ..memory.allocator import compiled_kernels_blocked
+from ..errors import is_compile_error, is_out_of_memory, one_line
+from ..layout import is_channels_last
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

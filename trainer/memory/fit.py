@@ -1,0 +1,340 @@
+"""Fitting a run to a card before step 1 and recovering from out-of-memory during it: the card's budget, the
+static plan (weights, LoRA and optimizer before anything reaches the GPU), the planner's choice verified by probes,
+and the ladder walk that follows where the choice did not fit."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..errors import LeanLoRAError, is_out_of_memory
+from ..optimizers import optimizer_state_bytes
+from ..settings import AutoFit, BaseWeights, MemorySettings
+from ..step.micro_steps import GraphDoesNotFit
+from ..step.precision import DTYPES
+from .allocator import memory_fraction
+from .estimate import GIB, MemoryEstimate
+from .ladder import next_rung
+from .planner import DEFAULT_RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
+
+if TYPE_CHECKING:
+    from ..session import TrainingSession
+
+FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
+STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
+
+
+def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
+    """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom; a graph
+    that does not fit then gives way to eager steps)."""
+    session.free_failed_step(error)
+    rung = next_rung(session.memory, device)
+    if rung is None:
+        if isinstance(error, GraphDoesNotFit):
+            session.micro_step.run_eagerly(f"fast path: CUDA graphs off: {error}, and no memory setting is left to "
+                                           "trade for it; steps run eagerly")
+            return "steps run eagerly (nothing left on the memory ladder to make room for the CUDA graph)"
+        raise error
+    memory, description = rung
+    session.configure(memory)
+    return description
+
+
+def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySettings, str] | None:
+    """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing rungs trade activations only:
+    skipped here, they stay for the probes (fit_to_budget), so a card that needs fp8 weights gets fp8 with as little
+    checkpointing as its activations need, not fp8 with every block recomputed."""
+    walked = memory
+    while True:
+        rung = next_rung(walked, device)
+        if rung is None:
+            return None
+        walked, description = rung
+        kept = replace(walked, gradient_checkpointing=memory.gradient_checkpointing,
+                       checkpoint_share=memory.checkpoint_share)
+        if kept != memory:
+            return kept, description
+
+
+def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
+                budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
+    """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
+    leave room for activations. A model larger than the budget never has to be loaded to find that out.
+    weight_bytes(compute dtype, base weights, stream share): device bytes the frozen weights would take (the model
+    adapter's projected_weight_bytes)."""
+    lines = []
+    while True:
+        dtype = DTYPES[memory.mixed_precision] or torch.float32
+        lora = sum(p.numel() * 4 for p in params)
+        static = weight_bytes(dtype, memory.base_weights, memory.stream_share) + 2 * lora + \
+            optimizer_state_bytes(memory.optimizer, params)
+        if static <= budget * STATIC_SHARE:
+            return memory, lines
+        rung = next_static_rung(memory, device)
+        if rung is None:
+            if card is not None and static > budget:
+                outside = card - budget
+                smallest = -(-(static / STATIC_SHARE + outside) // GIB)  # GiB, rounded up
+                raise LeanLoRAError(
+                    f"auto-fit: this model does not fit a {card / GIB:.1f} GiB card even with the leanest settings "
+                    f"({memory.describe()}): weights, LoRA and optimizer alone take {static / GIB:.2f} GiB and "
+                    f"{outside / GIB:.2f} GiB of the card is held outside training (CUDA context, libraries). The "
+                    f"smallest card it trains on is about {smallest:.0f} GiB: raise auto_fit, or free VRAM")
+            return memory, lines
+        memory = rung[0]
+        lines.append(f"auto-fit: weights, LoRA and optimizer alone would take {static / GIB:.2f} GiB of the "
+                     f"{budget / GIB:.2f} GiB budget -> {rung[1]}")
+
+
+class Probe:
+    """One estimate of the session's current settings under the card's cap: `estimate` is None where even the
+    probe ran out of memory; `measured` holds each probe step that ended, (latent area, transient bytes, seconds)."""
+
+    def __init__(self, session: TrainingSession, card: CardBudget):
+        self.measured: list[tuple[int, int, float]] = []
+        self.budget = card.usable()
+        try:
+            with probes_capped_at(self.budget, session.adapter.device):
+                self.estimate = session.estimate(raise_oom=True, measured=self.measured)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            session.free_failed_step(error)  # its traceback holds the probe's activations: the next probe needs them
+            self.estimate = None
+        self.budget = card.usable()  # again: the probe loaded library kernels outside PyTorch
+        self.extra = session.micro_step.extra_memory(self.estimate) if self.estimate is not None else 0
+        session.micro_step.budget = self.budget
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.estimate is None else self.estimate.total + self.extra
+
+    def fits(self) -> bool:
+        return self.peak is not None and self.peak <= self.budget * FIT_HEADROOM
+
+    def full_size_seconds(self) -> float | None:
+        """The full-size probe step's time (the last one when both ran)."""
+        return self.measured[-1][2] if len(self.measured) == 2 else None
+
+    def why_not(self) -> str:
+        return "the probe ran out of memory" if self.peak is None else f"estimated {self.peak / GIB:.2f} GiB"
+
+
+def activation_model(none: Probe, full: Probe) -> ActivationModel | None:
+    """Activation bytes per latent element with no unit and with every unit recomputed, from the two probes; None
+    where the every-unit probe, or even the no-recompute probe's quarter-size step, ran out of memory."""
+    if full.estimate is None or len(full.measured) < 2 or not none.measured:
+        return None
+    (area_q, bytes_q, _), (area_f, bytes_f, _) = full.measured
+    slope_full = (bytes_f - bytes_q) / (area_f - area_q)
+    intercept = bytes_f - slope_full * area_f  # per-step workspace, LoRA gradients included
+    if len(none.measured) == 2:
+        (area_a, bytes_a, _), (area_b, bytes_b, _) = none.measured
+        slope_none = (bytes_b - bytes_a) / (area_b - area_a)
+    else:  # the full-size step ran out of memory: the quarter one and the workspace measured above
+        area_a, bytes_a, _ = none.measured[0]
+        slope_none = (bytes_a - intercept) / area_a
+    return ActivationModel(none=max(slope_none, slope_full), full=slope_full, workspace=full.estimate.workspace)
+
+
+def recompute_cost(none: Probe, full: Probe) -> tuple[float, str]:
+    """Full checkpointing's share of a step, from the two full-size probe steps where both ran (clamped: one
+    first-use kernel can blur a single step), else the default."""
+    fast, slow = none.full_size_seconds(), full.full_size_seconds()
+    if fast and slow:
+        cost = min(1.0, max(0.05, slow / fast - 1))
+        return cost, f"+{cost:.0%}, timed by the probes"
+    return DEFAULT_RECOMPUTE_COST, f"+{DEFAULT_RECOMPUTE_COST:.0%}, the default (the probes could not time both)"
+
+
+def fit_to_card(session: TrainingSession, memory: MemorySettings,
+                card: CardBudget) -> tuple[MemoryEstimate, list[str]]:
+    """Configures the session with the fastest settings that fit the card and returns their estimate:
+    1. the fastest settings that keep the user's results (planner.relaxed), with storage savers only as far as
+       weights, LoRA and optimizer must leave room for activations (plan_static);
+    2. probed as they are: if they fit, done;
+    3. probed with every unit recomputed; from the two probes the planner picks the fastest plan that fits
+       (a partial checkpoint share, with the 8-bit optimizer or fp8 weights where they buy back recompute), and
+       that plan is probed for real, its share raised until the probe fits;
+    4. where full checkpointing does not fit either, the ladder goes on (offload, streaming)."""
+    device, params = session.adapter.device, session.params
+    memory, lines = relaxed(memory)
+    weight_bytes = lambda dtype, base, share: session.adapter.projected_weight_bytes(  # noqa: E731
+        session.unet, dtype, base, share)
+    memory, static_lines = plan_static(memory, weight_bytes, params, card.usable(), device, card.card)
+    lines += static_lines
+    session.configure(memory)
+    fastest = Probe(session, card)
+    if fastest.fits():
+        lines.append(f"auto-fit: estimated peak {fastest.peak / GIB:.2f} GiB fits the {fastest.budget / GIB:.2f} GiB "
+                     f"budget with no recompute: {session.memory.describe()}")
+        return fastest.estimate, lines
+    session.configure(replace(session.memory, gradient_checkpointing=True, checkpoint_share=1.0))
+    full = Probe(session, card)
+    model = activation_model(fastest, full)
+    if model is not None:
+        cost, cost_text = recompute_cost(fastest, full)
+        best, runner_up = choose_plan(session, model, full, cost, weight_bytes)
+        if best is not None:
+            lines.append(f"auto-fit: {fastest.why_not()} with no recompute > the {fastest.budget / GIB:.2f} GiB "
+                         f"budget; the planner chose {best.describe()} (full recompute {cost_text})"
+                         + (f"; runner-up {runner_up.describe()}" if runner_up else ""))
+            estimate, verify_lines = verify(session, best.memory, card)
+            lines += verify_lines
+            if estimate is not None:
+                return estimate, lines
+    elif full.fits():
+        lines.append(f"auto-fit: estimated peak {full.peak / GIB:.2f} GiB fits the {full.budget / GIB:.2f} GiB budget "
+                     f"with every block recomputed (no model of partial shares: {fastest.why_not()} at quarter "
+                     f"size): {session.memory.describe()}")
+        return full.estimate, lines
+    estimate, ladder_lines = walk_ladder(session, card)
+    return estimate, lines + ladder_lines
+
+
+def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe, cost: float,
+                weight_bytes: Callable[[torch.dtype, BaseWeights, float], int]) -> tuple[Plan | None, Plan | None]:
+    """The planner's choice from the session's settings (storage as configured, recompute free to move)."""
+    params, memory = session.params, session.memory
+    lora = sum(p.numel() * 4 for p in params)
+
+    def static_bytes(plan: MemorySettings) -> int:  # as plan_static counts them
+        dtype = DTYPES[plan.mixed_precision] or torch.float32
+        return weight_bytes(dtype, plan.base_weights, plan.stream_share) + 2 * lora + \
+            optimizer_state_bytes(plan.optimizer, params)
+
+    latent = session.largest_batch()[0]
+    batch_area = latent.shape[-2] * latent.shape[-1] * session.run_batch_size()
+    graph_extra = lambda transient: session.micro_step.extra_memory(  # noqa: E731
+        MemoryEstimate(0, 0, 0, 0, activations=transient, workspace=0))
+    # static_bytes counts fp32 LoRA as plan_static does; what the probe measured beyond its own terms stays
+    other = full.estimate.other
+    return choose(replace(memory, gradient_checkpointing=False), static_bytes, model,
+                  session.checkpoint_units(memory.checkpoint_depth), batch_area, other, graph_extra,
+                  full.budget * FIT_HEADROOM, cost)
+
+
+def verify(session: TrainingSession, memory: MemorySettings,
+           card: CardBudget) -> tuple[MemoryEstimate | None, list[str]]:
+    """Probes the planner's choice; where it does not fit, recomputes a tenth more of the units and probes again,
+    up to every unit. None (settings left at full recompute) where even that does not fit."""
+    lines = []
+    while True:
+        session.configure(memory)
+        probe = Probe(session, card)
+        if probe.fits():
+            lines.append(f"auto-fit: probed {probe.peak / GIB:.2f} GiB"
+                         + (f" (with {probe.extra / GIB:.2f} GiB for the CUDA graph)" if probe.extra else "")
+                         + f", fits the {probe.budget / GIB:.2f} GiB budget with: {session.memory.describe()}")
+            return probe.estimate, lines
+        if memory.gradient_checkpointing and memory.checkpoint_share >= 1:
+            lines.append(f"auto-fit: the planner's choice probed {probe.why_not()} > the {probe.budget / GIB:.2f} "
+                         "GiB budget even with every block recomputed; the ladder goes on")
+            return None, lines
+        share = min(1.0, (memory.checkpoint_share if memory.gradient_checkpointing else 0.0) + 0.1)
+        lines.append(f"auto-fit: the planner's choice probed {probe.why_not()} > the {probe.budget / GIB:.2f} GiB "
+                     f"budget -> gradient checkpointing for {share:.0%} of the blocks")
+        memory = replace(memory, gradient_checkpointing=True, checkpoint_share=share)
+
+
+def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[MemoryEstimate, list[str]]:
+    """Walks the memory ladder from the session's settings until the estimated peak fits the card (re-measured
+    after every probe: the probes load library kernels that take device memory outside PyTorch)."""
+    device, lines = session.adapter.device, []
+    while True:
+        try:
+            with probes_capped_at(card if isinstance(card, int) else card.usable(), device):
+                estimate = session.estimate(raise_oom=True)
+            total = estimate.total
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            # its traceback holds the probe's activations and autograd graph: on a small card they are what the
+            # next rung's probe needs
+            session.free_failed_step(error)
+            estimate, total = None, None  # even the small probe did not fit
+        budget = card if isinstance(card, int) else card.usable()
+        session.micro_step.budget = budget
+        # Losing CUDA graphs costs more speed (4-6x at batch 1) than any rung, so their pool counts in the fit.
+        extra = session.micro_step.extra_memory(estimate) if total is not None else 0
+        if total is not None and total + extra <= budget * FIT_HEADROOM:
+            lines.append(f"auto-fit: estimated peak {(total + extra) / GIB:.2f} GiB"
+                         + (f" (with {extra / GIB:.2f} GiB for the CUDA graph)" if extra else "")
+                         + f" fits the {budget / GIB:.2f} GiB budget with: {session.memory.describe()}")
+            return estimate, lines
+        rung = next_rung(session.memory, device)
+        if rung is None:
+            if total is not None and total <= budget * FIT_HEADROOM:
+                lines.append(f"auto-fit: estimated peak {total / GIB:.2f} GiB fits the {budget / GIB:.2f} GiB budget "
+                             f"only without CUDA graphs; with: {session.memory.describe()}")
+            else:
+                lines.append("auto-fit: nothing left to trade for memory; training starts and OOM recovery stays on")
+            return estimate or session.estimate(), lines
+        why = (f"estimated {total / GIB:.2f} GiB" + (f" + {extra / GIB:.2f} GiB for the CUDA graph" if extra else "")
+               if total is not None else "the probe ran out of memory")
+        session.configure(rung[0])
+        lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
+
+
+@contextlib.contextmanager
+def probes_capped_at(budget: int, device: torch.device):
+    """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
+    out of memory at the budget, as it would on the card, instead of taking whatever the GPU has (an 8 GiB card
+    emulated on an H200 peaked at 9.4 GiB device-level in a probe that failed only at the process's own cap)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        yield
+        return
+    # Where PyTorch cannot tell the cap (ComfyUI 0.33), none is assumed: the probes are capped all the same and
+    # the process is left uncapped after them, as an unemulated card is.
+    before = memory_fraction(device) or 1.0
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(before, max(budget, 1) / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+class CardBudget:
+    """What an auto_fit setting means on the device: a card of N GiB ('N GiB'), or the card as it is now minus
+    ComfyUI's own reserve ('free VRAM'). The whole process must fit it, as NVML sees it: so what the process holds
+    outside PyTorch's allocator (the CUDA context, library kernels loaded on first use, other programs on the card)
+    comes off it, measured again whenever asked (probe steps load more kernels)."""
+
+    # Kept free beyond what is measured: probes stopped at the cap still peaked above the card, NVML, H200 (1 Dec
+    # 2026): 0.094-0.098 GiB under cudaMallocAsync on 2-8 GiB cards (its fraction cap counts the bytes PyTorch
+    # handed out, the driver's pool holds whole chunks around them), 0.07 GiB under the native allocator on 6 GiB
+    # (library workspaces a probe step loads on first use, after the budget was measured).
+    MARGIN = 160 * 2 ** 20
+
+    def __init__(self, card: int, device: torch.device):
+        self.card, self.device = card, device
+
+    @staticmethod
+    def outside_torch(device: torch.device) -> int:
+        """Device memory in use that PyTorch's allocator does not hold: context, modules, other processes."""
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, total - free - torch.cuda.memory_reserved(device))
+
+    def usable(self) -> int:
+        """Bytes training's own allocations (the estimate's total) may take now."""
+        return max(0, self.card - self.outside_torch(self.device) - self.MARGIN)
+
+
+def card_budget(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
+    """The budget an auto_fit setting names (a card size or the free VRAM), None when off or not on CUDA.
+    comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
+    if not auto_fit.on or device.type != "cuda":
+        return None
+    if auto_fit.free_vram:
+        _, total = torch.cuda.mem_get_info(device)
+        return CardBudget(total - comfy_reserve, device)
+    return CardBudget(int(auto_fit.card_gib * GIB), device)
+
+
+def budget_bytes(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> int | None:
+    """Bytes training's own allocations may take now under an auto_fit setting (see CardBudget)."""
+    budget = card_budget(auto_fit, device, comfy_reserve)
+    return None if budget is None else budget.usable()

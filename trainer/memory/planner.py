@@ -1,0 +1,119 @@
+"""Auto-fit's choice: the fastest settings whose estimated peak fits the budget.
+
+Auto-fit owns the memory savers. It starts from the fastest settings that keep what the user chose for the results
+(optimizer family, precision, batch), then weighs the savers against each other with two models built from the
+memory probes:
+- memory: exact static terms per plan (weights as stored, LoRA, gradients, optimizer state), plus activations that
+  fall from "no block recomputed" to "every block recomputed" as the family's cost model says each unit frees
+  them (trainer/step/checkpointing.RankedUnits);
+- time, relative to a step with no saver: recompute costs its share of the forward multiply-adds times what full
+  checkpointing measured (the probes time both ends when both ran), fp8 storage and an 8-bit optimizer a fixed
+  share each.
+The chosen plan is then probed for real (trainer/memory/fit.py): the models only pick, the probe decides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..settings import BaseWeights, MemorySettings
+from ..step.checkpointing import RankedUnits, units_for_share
+from .ladder import EIGHT_BIT
+
+# The step-time share each storage saver adds (H200, real ComfyUI server, SDXL 1024²: fp8 weights + AdamW8bit with
+# full checkpointing ran 0.132 s/step against 0.115 with neither, 2026-12-01). Only their order against recompute
+# matters: the planner takes a saver where it buys back more recompute than it costs.
+FP8_COST = 0.12
+EIGHT_BIT_COST = 0.02
+# Full checkpointing's cost where the probes could not time both ends: one more forward of every unit, ~35% of a
+# step (SDXL 1024²: 0.115 against 0.085 s/step).
+DEFAULT_RECOMPUTE_COST = 0.35
+FULL_PRECISION = {eight: full for full, eight in EIGHT_BIT.items()} | {"PagedAdamW8bit": "AdamW"}
+
+
+def relaxed(memory: MemorySettings) -> tuple[MemorySettings, list[str]]:
+    """The fastest settings that keep the user's results: every saver auto-fit may add is taken off (it adds back
+    only what the card needs); precision, batch and the optimizer family stay. Notes say what was relaxed."""
+    fastest = replace(memory, gradient_checkpointing=False, checkpoint_share=1.0,
+                      optimizer=FULL_PRECISION.get(memory.optimizer, memory.optimizer),
+                      base_weights=BaseWeights.AS_LOADED, stream_share=1.0, activation_offload=False)
+    relaxed_ones = [what for what, changed in (
+        ("gradient checkpointing", memory.gradient_checkpointing),
+        (f"{memory.optimizer} -> {fastest.optimizer}", fastest.optimizer != memory.optimizer),
+        ("fp8/streamed base weights", memory.base_weights is not BaseWeights.AS_LOADED),
+        ("activation offload", memory.activation_offload)) if changed]
+    notes = [f"auto-fit: started from the fastest settings ({', '.join(relaxed_ones)} taken off; each comes back "
+             "only if the card needs it)"] if relaxed_ones else []
+    return fastest, notes
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Activation bytes per image and latent element with no unit recomputed (`none`) and with every unit
+    recomputed (`full`); `workspace`: per-step bytes that do not grow with the image (kernel workspaces and the LoRA
+    gradients backward allocates)."""
+    none: float
+    full: float
+    workspace: int
+
+    def bytes(self, freed_share: float, batch_area: int) -> int:
+        return int(max(self.full, self.none - (self.none - self.full) * freed_share) * batch_area)
+
+
+@dataclass(frozen=True)
+class Plan:
+    memory: MemorySettings
+    peak: int  # estimated bytes, graph pool included
+    time: float  # relative to the step with no saver
+
+    def describe(self) -> str:
+        return f"~{self.peak / 2 ** 30:.2f} GiB, ~{self.time:.2f}x the step with no saver: {self.memory.describe()}"
+
+
+def time_of(memory: MemorySettings, units: RankedUnits, recompute_cost: float, full_memory: MemorySettings) -> float:
+    """Step time relative to no saver: recompute, plus the storage savers this plan adds over `full_memory`."""
+    count = units_for_share(len(units), memory.checkpoint_share) if memory.gradient_checkpointing else 0
+    time = 1.0 + recompute_cost * units.recompute_share(count)
+    if memory.base_weights.fp8 and not full_memory.base_weights.fp8:
+        time += FP8_COST
+    if memory.optimizer != full_memory.optimizer:
+        time += EIGHT_BIT_COST
+    return time
+
+
+def shares(units: RankedUnits) -> list[float]:
+    """Every distinct checkpoint share down to a single unit: 0 (off), 1/n, 2/n ... 1."""
+    return [0.0] + [count / len(units) for count in range(1, len(units) + 1)]
+
+
+def candidates(start: MemorySettings) -> list[MemorySettings]:
+    """The storage choices the planner weighs, cheapest first: as they are, with the 8-bit optimizer, and with fp8
+    weights too. Offload and streaming stay on the ladder (fit.py): they are for cards that full checkpointing
+    does not fit."""
+    plans = [start]
+    if start.optimizer in EIGHT_BIT:
+        plans.append(replace(plans[-1], optimizer=EIGHT_BIT[start.optimizer]))
+    if start.base_weights is BaseWeights.AS_LOADED:
+        plans.append(replace(plans[-1], base_weights=BaseWeights.FP8))
+    return plans
+
+
+def choose(start: MemorySettings, static_bytes: Callable[[MemorySettings], int], model: ActivationModel,
+           units: RankedUnits, batch_area: int, other: int, graph_extra: Callable[[int], int], budget: float,
+           recompute_cost: float) -> tuple[Plan | None, Plan | None]:
+    """The fastest plan whose estimate fits `budget`, and the runner-up (the fastest with other storage, or the
+    next share); (None, None) when none fits. static_bytes(plan): weights, LoRA, gradients and optimizer state;
+    graph_extra(transient bytes): the CUDA graph's memory beyond the eager estimate; other: what the process holds
+    beyond every term (measured)."""
+    plans = []
+    for storage in candidates(start):
+        static = static_bytes(storage)
+        for share in shares(units):
+            memory = replace(storage, gradient_checkpointing=share > 0, checkpoint_share=share or 1.0)
+            count = units_for_share(len(units), share) if share else 0
+            transient = model.bytes(units.freed_share(count), batch_area) + model.workspace
+            peak = static + transient + other + graph_extra(transient)
+            if peak <= budget:
+                plans.append(Plan(memory, peak, time_of(memory, units, recompute_cost, start)))
+                break  # larger shares of this storage only cost more time
+    plans.sort(key=lambda plan: plan.time)
+    return (plans[0] if plans else None), (plans[1] if len(plans) > 1 else None)

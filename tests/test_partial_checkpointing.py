@@ -166,6 +166,36 @@ def test_larger_share_wraps_more_units_and_none_twice(adapter, two_level_unet, m
     assert not [n for n in session.notes if n.startswith("gradient checkpointing: ")]  # full: no partial note
 
 
+def test_a_smaller_share_unwraps_the_last_units_and_off_restores_every_forward(adapter, two_level_unet,
+                                                                              monkeypatch):
+    """Auto-fit gives budget back as less recompute: a smaller share unwraps the units past it (checkpoint
+    calls in one forward fall with it), off unwraps all, and every unit's forward is again its own (the class's,
+    or the one an earlier preparation installed), not a wrapper around it."""
+    from trainer.step import checkpointing
+    calls = []
+    real = checkpointing.checkpoint
+    monkeypatch.setattr(checkpointing, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    session = _session(adapter, two_level_unet)
+    session.configure(_memory(checkpointing=False))  # installs the per-block upcast forwards (fp8 rungs use them)
+    units = adapter.checkpoint_blocks(session.unet, CheckpointDepth.LAYER, latent_size=LATENT)
+    del units[0].forward  # this one runs its class's forward: unwrapping must delete, not set, the wrapper
+    own = [unit.__dict__.get("forward") for unit in units]
+    assert own[0] is None and all(own[1:])
+    for share, expected in ((1.0, 15), (0.4, 6), (0.8, 12), (0.2, 3)):
+        session.configure(_memory(share))
+        assert _wrapped(session) == {id(u) for u in units[:expected]}
+        calls.clear()
+        session.loss(session.largest_batch()).backward()
+        session.optimizer.zero_grad(set_to_none=True)
+        assert len(calls) == expected, (share, len(calls))
+    session.configure(_memory(checkpointing=False))
+    assert _wrapped(session) == set()
+    assert [unit.__dict__.get("forward") for unit in units] == own
+    calls.clear()
+    session.loss(session.largest_batch()).backward()
+    assert calls == []
+
+
 def test_gradients_equal_the_unwrapped_models(adapter, two_level_unet):
     def lora_gradients(memory, inputs=None):
         session = _session(adapter, two_level_unet)

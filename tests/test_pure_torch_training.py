@@ -325,3 +325,52 @@ def test_a_cuda_graph_too_big_for_the_card_takes_a_rung_instead_of_eager_steps(t
                                   "on the memory ladder to make room for the CUDA graph)"]
     assert f"fast path: CUDA graphs off: {too_big}, and no memory setting is left to trade for it; steps run " \
            "eagerly" in outcome.report
+
+
+def test_the_final_samples_and_what_follows_train_find_the_training_state_released(tmp_path, monkeypatch):
+    """The whole job fits the card: the final LoRA's samples (and the KSampler after Train) render after the
+    optimizer state, the LoRA gradients and the training copy were let go, not beside them. The session refers
+    to itself through its bound step functions, so release must not wait for the garbage collector (disabled
+    here); the training copy goes at the next collection (it is moved off the device before that)."""
+    import gc
+    import weakref
+    import tiny_assets
+    from trainer import session as session_module
+    held, alive_at_final_sample = {}, []
+
+    class Tracked(TinyAdapter):
+        def training_unet(self):
+            unet = super().training_unet()
+            held["unet"] = weakref.ref(unet)
+            return unet
+
+    real_build = session_module.build_optimizer
+
+    def tracked_build(*args, **kwargs):
+        optimizer, note = real_build(*args, **kwargs)
+        held["optimizer"] = weakref.ref(optimizer)
+        held["gradients"] = [weakref.ref(p) for p in args[1]]  # the LoRA parameters: their .grad must be gone
+        return optimizer, note
+
+    def on_sample(step, state_dict):
+        if step == 4:  # the final LoRA's samples
+            alive_at_final_sample.append(held["optimizer"]() is not None)
+            alive_at_final_sample.append(any(ref() is not None and ref().grad is not None
+                                             for ref in held["gradients"]))
+        return []
+
+    monkeypatch.setattr(session_module, "build_optimizer", tracked_build)
+    dataset = scan_folder(tiny_assets.build_tiny_dataset(tmp_path / "data", n=4), 64)
+    gc.collect()
+    gc.disable()
+    try:
+        outcome = train_lora(Tracked(), dataset, EAGER, LoraSettings(rank=4, alpha=4.0),
+                             TrainSettings(steps=4, learning_rate=1e-3, seed=0, output_name="tiny"),
+                             tmp_path / "loras", lambda **event: None, lambda: False, sample_every=2,
+                             on_sample=on_sample)
+    finally:
+        gc.enable()
+    assert alive_at_final_sample == [False, False], "optimizer / gradients still held at the final samples"
+    gc.collect()
+    assert held["unet"]() is None, "something still refers to the training copy"
+    assert outcome.lora_path.exists() and all(t.device.type == "cpu" for t in outcome.lora_state_dict.values())

@@ -434,6 +434,21 @@ class TrainingSession:
         self.restore_allocator()
         self.restore_allocator = lambda: None
 
+    def release(self) -> None:
+        """After the LoRA is saved (the training copy already moved off the device by the adapter): drops the
+        optimizer state, gradients, batches, compiled blocks and the training copy, which refer to each other in
+        cycles (bound step functions, wrapped forwards) that reference counting alone never frees, then gives the
+        device memory back to the driver, so that what runs next (the KSampler after Train) finds the card as
+        it was."""
+        for param in self.params:
+            param.grad = None
+        self.optimizer = self.lr_schedule = self.data = self.micro_step = self.step = self.compiled = None
+        self.unet = self.params = self.cache = self._checkpoint_units = self._step_start = None
+        gc.collect()
+        if self.adapter.device.type == "cuda":
+            torch.cuda.synchronize(self.adapter.device)
+            torch.cuda.empty_cache()  # the native allocator's cache; under cudaMallocAsync the pool is trimmed
+
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \
             (self.compiled.report() if self.compiled is not None else [])

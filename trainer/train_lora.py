@@ -321,8 +321,14 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     report += run.notes
 
     partial = cancelled or failure is not None or diverged_at is not None
-    if steps_done == first_step:
+
+    def release_training() -> None:
+        """The training copy off the device, then everything the session holds: the final samples and the
+        KSampler after Train find the card as it was before the run."""
         adapter.free(unet)
+        session.release()
+    if steps_done == first_step:
+        release_training()
         if diverged_at is not None:
             raise _diverged(diverged_at, None, lora, train, session.memory)
         if failure is not None:
@@ -334,7 +340,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     try:
         state_dict, metadata = exporter.contents(steps_done, partial, stem)
     except LeanLoRAError:
-        adapter.free(unet)
+        release_training()
         raise
     try:
         path, save_note = save_with_fallback(state_dict, loras_dir, stem, metadata, fallback_dir)
@@ -346,7 +352,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                 report.append(f"WARNING: the training state could not be written beside {path} ({error}); the "
                               "LoRA is saved, but this run cannot be resumed exactly")
     finally:
-        adapter.free(unet)
+        release_training()
     if save_note:
         emit(kind="phase", text=save_note)
     if sample_every and not partial and steps_done % sample_every == 0:  # the final LoRA's samples, once it is saved

@@ -1,0 +1,183 @@
+"""Auto-fit picks the fastest plan that fits (trainer/memory/planner.py, fit.py), on a simulated card: the session
+below measures memory as the real probes do (two probe steps, a quarter of the area and the full size, an
+out-of-memory error past the card), from a model with exact static terms and activations that fall linearly with
+the units recomputed. What is asserted is the plan chosen and what the report says, not the model."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trainer.memory import fit, planner
+from trainer.memory.estimate import GIB, MemoryEstimate
+from trainer.optimizers import optimizer_state_bytes
+from trainer.settings import AutoFit, BaseWeights, MemorySettings
+from trainer.step.checkpointing import RankedUnits, units_for_share
+
+AREA = 64 * 64  # the latent's area; the probes run at 32 x 32 and 64 x 64
+UNITS = 10
+
+
+class SimulatedCard:
+    def __init__(self, gib: float):
+        self.card = int(gib * GIB)
+
+    def usable(self) -> int:
+        return self.card
+
+
+class SimulatedSession:
+    """What fit_to_card drives: configure, estimate (probes) and the session's measures. Weights take
+    `weights_gib` as loaded (half in fp8), activations `none_gib` with no unit recomputed and `full_gib` with every
+    one, `workspace_gib` per step. `actual_extra_gib`: what the real step needs beyond that model at partial shares
+    (the planner's prediction is then low and the probe must catch it)."""
+
+    def __init__(self, weights_gib=6.0, none_gib=10.0, full_gib=1.0, workspace_gib=0.25, actual_extra_gib=0.0):
+        self.weights, self.none, self.full = weights_gib * GIB, none_gib * GIB, full_gib * GIB
+        self.workspace, self.actual_extra = int(workspace_gib * GIB), actual_extra_gib * GIB
+        self.adapter = type("Adapter", (), {"device": torch.device("cpu"),
+                                            "projected_weight_bytes": self._weight_bytes})()
+        self.unet = None
+        self.params = [torch.nn.Parameter(torch.zeros(1024, 1024))]  # 4 MiB of LoRA
+        self.optimizer = torch.optim.SGD(self.params, lr=0.1)
+        self.micro_step = type("Step", (), {"budget": None, "extra_memory": staticmethod(lambda estimate: 0)})()
+        self.units = RankedUnits([torch.nn.Identity() for _ in range(UNITS)], [(1, 1)] * UNITS)
+        self.memory, self.configured, self.cap = None, [], None
+        self.free_failed_step = lambda error: None
+
+    def _weight_bytes(self, unet, dtype, base_weights, share):
+        return int(self.weights / 2) if base_weights.fp8 else int(self.weights)
+
+    def configure(self, memory):
+        self.memory = memory
+        self.configured.append(memory)
+
+    def checkpoint_units(self, depth):
+        return self.units
+
+    def largest_batch(self, batch_size=1):
+        return torch.zeros(batch_size, 4, 64, 64), {}
+
+    def run_batch_size(self):
+        return 1
+
+    def static(self) -> int:
+        lora = sum(p.numel() * 4 for p in self.params)
+        return self._weight_bytes(None, None, self.memory.base_weights, 1.0) + 2 * lora + \
+            optimizer_state_bytes(self.memory.optimizer, self.params)
+
+    def activations(self) -> float:
+        memory = self.memory
+        count = units_for_share(UNITS, memory.checkpoint_share) if memory.gradient_checkpointing else 0
+        partial = 0 < count < UNITS
+        return self.none - (self.none - self.full) * count / UNITS + (self.actual_extra if partial else 0)
+
+    def estimate(self, raise_oom=False, measured=None):
+        static = self.static()
+        for area in (AREA // 4, AREA):
+            transient = int(self.activations() * area / AREA) + self.workspace
+            if static + transient > self.card_bytes:
+                if not raise_oom:  # as TrainingSession.estimate: the report says the probe ran out of memory
+                    return MemoryEstimate(static, 0, 0, 0)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated card)")
+            if measured is not None:
+                measured.append((area, transient, 0.0))
+        lora = sum(p.numel() * 4 for p in self.params)
+        return MemoryEstimate(frozen_weights=static - 2 * lora - optimizer_state_bytes(self.memory.optimizer,
+                                                                                        self.params),
+                              lora_parameters=lora, gradients=lora,
+                              optimizer_state=optimizer_state_bytes(self.memory.optimizer, self.params),
+                              activations=int(self.activations()), workspace=self.workspace)
+
+
+def _fit(session, card_gib, memory=None):
+    card = SimulatedCard(card_gib)
+    session.card_bytes = card.card
+    memory = memory or MemorySettings(auto_fit=AutoFit(card_gib=card_gib), gradient_checkpointing=False)
+    estimate, lines = fit.fit_to_card(session, memory, card)
+    return session.memory, estimate, lines
+
+
+def test_auto_fit_takes_off_the_users_savers_and_a_large_card_gets_the_fastest_plan():
+    """The shipped settings hold savers (checkpointing, an 8-bit optimizer, fp8, offload): with a card that has
+    room, auto-fit runs without any of them and says what it took off. Precision and batch stay."""
+    held = MemorySettings(mixed_precision="fp16", gradient_checkpointing=True, checkpoint_share=1.0, batch_size=2,
+                          gradient_accumulation=3, optimizer="AdamW8bit", base_weights=BaseWeights.FP8,
+                          activation_offload=True, auto_fit=AutoFit(card_gib=40))
+    session = SimulatedSession()
+    memory, estimate, lines = _fit(session, 40, held)
+    assert (memory.gradient_checkpointing, memory.optimizer, memory.base_weights, memory.activation_offload) == \
+        (False, "AdamW", BaseWeights.AS_LOADED, False)
+    assert (memory.mixed_precision, memory.batch_size, memory.gradient_accumulation) == ("fp16", 2, 3)
+    assert len(session.configured) == 1  # probed once: no saver was tried
+    assert lines[0].startswith("auto-fit: started from the fastest settings (gradient checkpointing, "
+                               "AdamW8bit -> AdamW, fp8/streamed base weights, activation offload taken off")
+    assert "with no recompute" in lines[-1]
+    assert estimate.total == session.static() + session.none + session.workspace
+
+
+def test_the_users_optimizer_family_stays():
+    relaxed, _ = planner.relaxed(MemorySettings(optimizer="Lion8bit"))
+    assert relaxed.optimizer == "Lion"
+    relaxed, notes = planner.relaxed(MemorySettings(optimizer="Adafactor", gradient_checkpointing=False))
+    assert relaxed.optimizer == "Adafactor" and notes == []
+
+
+@pytest.mark.parametrize("card_gib", [12.0, 14.0, 15.0])
+def test_a_budget_between_rungs_gets_the_smallest_partial_share_that_fits(card_gib):
+    """No recompute takes 16.25 GiB (weights 6, activations 10, workspace 0.25), every unit recomputed 7.25:
+    a card in between recomputes just enough units (a tenth each frees 0.9 GiB), not the ladder's next fifth."""
+    session = SimulatedSession()
+    memory, estimate, lines = _fit(session, card_gib)
+    budget = card_gib * GIB * fit.FIT_HEADROOM
+    fixed = session.weights + 8 * 2 ** 20 + optimizer_state_bytes("AdamW", session.params) + session.workspace
+    smallest = next(count for count in range(UNITS + 1) if fixed + session.none - 0.9 * GIB * count <= budget)
+    assert memory.gradient_checkpointing and memory.checkpoint_share == pytest.approx(smallest / UNITS)
+    assert 0 < smallest < UNITS and memory.base_weights is BaseWeights.AS_LOADED and memory.optimizer == "AdamW"
+    assert estimate.total <= budget
+    chose = next(line for line in lines if "the planner chose" in line)
+    assert "runner-up" in chose and f"{smallest} " not in chose.split("runner-up")[1][:5]
+    assert lines[-1].startswith("auto-fit: probed") and "fits the" in lines[-1]
+
+
+def test_fp8_weights_are_taken_where_they_buy_back_more_recompute_than_they_cost():
+    """Weights as loaded fit with 6 of 10 units recomputed; fp8 (half the weights) and the 8-bit optimizer leave
+    room for all but one unit's activations: the faster plan, with the slower one reported as the runner-up."""
+    session = SimulatedSession(weights_gib=6.0, none_gib=6.0, full_gib=0.5)
+    memory, _, lines = _fit(session, 10.0)
+    assert memory.base_weights is BaseWeights.FP8 and memory.optimizer == "AdamW8bit"
+    assert memory.gradient_checkpointing and memory.checkpoint_share == pytest.approx(0.1)
+    chose = next(line for line in lines if "the planner chose" in line)
+    runner_up = chose.split("runner-up")[1]
+    assert "base weights as loaded" in runner_up and "60% of the blocks" in runner_up
+
+
+def test_a_probe_above_the_planners_prediction_raises_the_share_until_the_probe_fits():
+    """The models only choose: the chosen plan is probed, and where the real step needs more than predicted the
+    share grows a tenth at a time until the probe fits."""
+    session = SimulatedSession(actual_extra_gib=1.0)
+    memory, estimate, lines = _fit(session, 12.0)
+    raised = [line for line in lines if "the planner's choice probed" in line]
+    assert raised, lines
+    assert estimate.total <= 12.0 * GIB * fit.FIT_HEADROOM and memory.checkpoint_share < 1
+
+
+def test_where_full_recompute_does_not_fit_the_plan_is_the_ladders():
+    """Every unit recomputed with fp8 weights and the 8-bit optimizer does not fit: the ladder walk takes over (on
+    a GPU it goes on to offload and streaming; this simulated device has nothing further)."""
+    session = SimulatedSession(weights_gib=6.0, none_gib=10.0, full_gib=1.0)
+    memory, _, lines = _fit(session, 4.0)
+    assert memory.base_weights.fp8 and memory.optimizer == "AdamW8bit"
+    assert memory.gradient_checkpointing and memory.checkpoint_share == 1
+    assert not any("the planner chose" in line for line in lines)
+    assert lines[-1] == "auto-fit: nothing left to trade for memory; training starts and OOM recovery stays on"
+
+
+def test_choose_reports_nothing_when_no_plan_fits():
+    units = RankedUnits([torch.nn.Identity()] * 4, [(1, 1)] * 4)
+    model = planner.ActivationModel(none=1000.0, full=100.0, workspace=0)
+    best, runner_up = planner.choose(MemorySettings(gradient_checkpointing=False), lambda plan: 10 ** 9, model,
+                                     units, 1000, 0, lambda transient: 0, 10 ** 6, 0.35)
+    assert best is None and runner_up is None
+    best, _ = planner.choose(MemorySettings(gradient_checkpointing=False), lambda plan: 0, model, units, 1000, 0,
+                             lambda transient: 0, 10 ** 7, 0.35)
+    assert best.memory == replace(MemorySettings(gradient_checkpointing=False)) and best.time == 1.0

@@ -318,8 +318,44 @@ def plan_all() -> list[Server]:
     return plan_core() + plan_more() + plan_extra()
 
 
+# The shipped templates' Memory Settings: the card widget on auto, every other widget at its node default.
+TEMPLATE = {"card": "auto (this GPU)", **FAST}
+LIFECYCLE = {"sample_prompts": "a red circle on a blue background\na blue square", "sample_every_n_steps": 40,
+             "save_every_n_steps": 40, "validation_fraction": 0.25, "validation_every_n_steps": 40}
+
+
+def plan_cards() -> list[Server]:
+    """Issue 32's matrix: what a user gets from the Memory Settings' card widget with the defaults, per card
+    (SDXL 24/12/8/6/4/3, SD1.5 3/2; each job then a KSampler, its peak in the job's), against fast on the whole
+    card; the template as shipped and re-queued (free VRAM after the KSampler), the old template's savers under
+    auto (relaxed), and the lifecycle row (samples, saves and validation every 40 steps, 6 GiB)."""
+    card = lambda gib: {**FAST, "card": f"{gib:g} GiB"}  # noqa: E731
+    step_s = {24: 0.09, 12: 0.1, 8: 0.11, 6: 0.12, 4: 0.15, 3: 0.2}
+    sdxl = [Server("sdxl_24_cards", "sdxl", [
+        Job("fast", settings("fast"), est_step_s=0.09, est_setup_s=25),
+        Job("template", TEMPLATE, est_step_s=0.09, est_setup_s=20),
+        Job("template_requeue", TEMPLATE, est_step_s=0.09, est_setup_s=15),
+        Job("balanced_savers_card_auto", {**settings("lean"), "card": "auto (this GPU)"}, est_step_s=0.09,
+            est_setup_s=20)], card_gib=24)]
+    for gib in (12, 8):
+        sdxl.append(Server(f"sdxl_{gib}_cards", "sdxl", [Job(f"card_{gib}", card(gib), est_step_s=step_s[gib],
+                                                             est_setup_s=35)], card_gib=gib))
+    sdxl.append(Server("sdxl_6_cards", "sdxl", [
+        Job("card_6", card(6), est_step_s=step_s[6], est_setup_s=35),
+        Job("card_6_lifecycle", card(6), train_extra=LIFECYCLE, est_step_s=step_s[6], est_setup_s=60,
+            timeout_s=360)], card_gib=6))
+    for gib in (4, 3):
+        sdxl.append(Server(f"sdxl_{gib}_cards", "sdxl", [Job(f"card_{gib}", card(gib), est_step_s=step_s[gib],
+                                                             est_setup_s=40)], card_gib=gib))
+    sd15 = [Server(f"sd15_{gib}_cards", "sd15", [Job(f"card_{gib}", card(gib), est_step_s=0.03, est_setup_s=15)],
+                   card_gib=gib, est_start_s=12) for gib in (3, 2)]
+    sd15.append(Server("sd15_24_cards", "sd15", [Job("fast", settings("fast"), est_step_s=0.022, est_setup_s=15)],
+                       card_gib=24, est_start_s=12))
+    return sdxl + sd15
+
+
 PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "all": plan_all, "v033": plan_v033,
-         "smoke": plan_smoke, "resume": plan_resume}
+         "smoke": plan_smoke, "resume": plan_resume, "cards": plan_cards}
 
 
 # --- prompts -------------------------------------------------------------------------------------------------

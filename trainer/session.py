@@ -24,7 +24,7 @@ from .model import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer
 from .report import Recovery
-from .settings import CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
+from .settings import BaseWeights, CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
 from .step.activation_offload import ActivationOffload
 from .step.checkpointing import (RankedUnits, checkpoint_blocks, uncheckpoint_blocks, units_for_share,
                                  uses_randomness)
@@ -33,6 +33,9 @@ from .step.frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place
 from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step
 from .step.precision import Precision, norms_in_compute_dtype
 from .training_state import TrainingState, restore_rng_states, rng_states
+
+# Beside ComfyUI's copy of the model, what its sampler and VAE decode take at sample sizes (SDXL 1024²: ~1 GiB)
+SAMPLING_WORKSPACE = 1 * GIB
 
 
 class TrainingSession:
@@ -60,6 +63,7 @@ class TrainingSession:
         self.micro_step = self.step = None
         self.compiled = None  # the CompiledBlocks, once compile is asked for
         self.compiled_batch: int | None = None  # the batch size the compile step compiled
+        self.estimated_peak: int | None = None  # the estimate's total before step 1 (None: not measured)
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Storage changes go in the ladder's direction only (fp8 and
@@ -155,7 +159,10 @@ class TrainingSession:
         """The family's checkpoint units for the largest sample, best first, with their costs (computed once)."""
         if self._checkpoint_units is None or self._checkpoint_units[0] is not depth:
             latent_size = tuple(self._largest_sample().latent.shape[-2:])
-            self._checkpoint_units = depth, self.adapter.checkpoint_blocks(self.unet, depth, latent_size=latent_size)
+            units = self.adapter.checkpoint_blocks(self.unet, depth, latent_size=latent_size)
+            if not isinstance(units, RankedUnits):  # a model without a cost model: every unit alike
+                units = RankedUnits(units, [(1, 1)] * len(units))
+            self._checkpoint_units = depth, units
         return self._checkpoint_units[1]
 
     def _set_note(self, topic: str, text: str | None) -> None:
@@ -190,7 +197,30 @@ class TrainingSession:
         self.micro_step.check_headroom(estimate)
         if self.is_compiled:
             self.compiled.training_starts()
+        self.estimated_peak = estimate.total
         return estimate, lines
+
+    @contextlib.contextmanager
+    def room_for_sampling(self):
+        """While ComfyUI renders samples mid-run it loads its own copy of the model beside the training copy.
+        Where the budget has no room for both (auto-fit), the training copy's frozen weights wait in CPU RAM
+        meanwhile and the CUDA graphs are captured again afterwards (they replay fixed addresses): a second or
+        two per sampling, instead of a sampler that overflows the card. Yields whether it made room."""
+        device, budget = self.adapter.device, getattr(self.micro_step, "budget", None)
+        if device.type != "cuda" or budget is None or self.estimated_peak is None:
+            yield False
+            return
+        dtype = self.precision.compute_dtype or torch.float32
+        comfy_model = self.adapter.projected_weight_bytes(self.unet, dtype, BaseWeights.AS_LOADED, 1.0)
+        if self.estimated_peak + comfy_model + SAMPLING_WORKSPACE <= budget:
+            yield False
+            return
+        self.micro_step.forget_graphs()
+        park_frozen_on_cpu(self.unet)
+        try:
+            yield True
+        finally:
+            place_on_device(self.unet, device)
 
     def comfy_reserve(self) -> int:
         """VRAM the host application keeps for itself (ComfyUI's --reserve-vram), from the adapter."""

@@ -233,7 +233,13 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         emit(kind="phase", text=f"rendering samples at step {step}")
         started_sampling = time.perf_counter()
         try:
-            paths = on_sample(step, exporter.tensors() if state_dict is None else state_dict)
+            tensors = exporter.tensors() if state_dict is None else state_dict
+            if state_dict is None:  # mid-run: the training copy is on the device
+                with session.room_for_sampling() as made_room:
+                    paths = on_sample(step, tensors)
+                samples.made_room += made_room
+            else:  # the final samples: the run was released before them
+                paths = on_sample(step, tensors)
         except cancel_errors:
             raise
         except Exception as error:  # noqa: BLE001 - a sample never loses the run
@@ -428,13 +434,15 @@ class SampleLog:
     paths: list[Path] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    made_room: int = 0  # samplings for which the training copy's weights waited in CPU RAM
 
     def describe(self, every: int) -> str:
         where = f" in {self.paths[0].parent}" if self.paths else ""
         failed = f"; failed at steps {', '.join(map(str, self.failed))}" if self.failed else ""
-        return (f"samples every {every} steps: {len(self.paths)} images rendered{where} ({self.seconds:.1f} s){failed}"
-                "; sampling memory is not in the estimate (ComfyUI loads the base model, CLIP and VAE beside the "
-                "training copy, partially where they do not fit)")
+        room = (f"; for {self.made_room} of them the training copy's weights waited in CPU RAM (the card has no room "
+                "for ComfyUI's model beside them)" if self.made_room else
+                "; ComfyUI loads the base model, CLIP and VAE beside the training copy, partially where they do not fit")
+        return f"samples every {every} steps: {len(self.paths)} images rendered{where} ({self.seconds:.1f} s){failed}{room}"
 
 
 class LoraExporter:

@@ -225,6 +225,10 @@ class EagerMicroStep:
         """From now on every step is eager (here they are already); the note goes into the report."""
         self.notes.append(note)
 
+    def forget_graphs(self) -> None:
+        """Before the frozen weights move (they wait in CPU RAM while ComfyUI samples): graphs replay fixed
+        addresses, so they are dropped with their pool and captured again at the next step. Eager: nothing."""
+
 
 class GraphedMicroStep(EagerMicroStep):
     """Replays a captured forward + backward per batch shape. Capture failures fall back to eager steps and say
@@ -296,6 +300,16 @@ class GraphedMicroStep(EagerMicroStep):
     def run_eagerly(self, note: str) -> None:
         self.disabled = "memory limit"
         super().run_eagerly(note)
+
+    def forget_graphs(self) -> None:
+        if not self.graphs:
+            return
+        self.graphs.clear()
+        self.pool = None
+        self.eager_keys.clear()
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.disabled or self.grads is None:

@@ -1,8 +1,9 @@
 """fp8 storage and CPU streaming of the training copy's frozen weights, through ComfyUI's per-call cast ops.
 
 Layers that can cast per call (ComfyUI's ops: `comfy_cast_weights`) upcast each weight only while that layer runs.
-With gradient checkpointing the upcast copies live for one block at a time; without it autograd keeps them for
-backward, so fp8 pays off together with checkpointing.
+With gradient checkpointing the upcast copies live for one block at a time. Without it, a Linear layer keeps its
+fp8 weight for backward and upcasts again there (_ScaledLinear), so fp8 saves memory at any checkpoint share;
+a conv's upcast copy stays for backward (autograd's conv keeps what it computed with).
 
 ComfyUI's generic cast (`cast_bias_weight`) copies the fp8 weight, casts it to the *input's* dtype and then
 applies weight functions: under autocast a conv after GroupNorm gets an fp32 input, so SDXL's largest convs
@@ -84,23 +85,26 @@ class _ScaledLinear(torch.autograd.Function):
     """`input @ weight.T * scale + bias` with the scale as cuBLAS's alpha, applied in fp32 in the GEMM's epilogue
     (bias in its bias epilogue): no pass over the weight to scale it. Backward takes the input's gradient with
     the same alpha; the weight is frozen and has none. A Python-float scale: a CUDA graph records it as a
-    constant."""
+    constant. With `stored` (the fp8 tensor `weight` was upcast from, exactly) backward keeps that instead of the
+    upcast copy and upcasts again: a layer whose block is not recomputed then holds 1 byte per weight until
+    backward instead of 2 (what lets fp8 weights save memory without full checkpointing; one more upcast kernel)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, scale):
+    def forward(ctx, input, weight, bias, scale, stored=None):
         rows = input.reshape(-1, input.shape[-1])
         if bias is None:
             # beta=0: the first argument is never read (uninitialized is fine), only broadcast to the output's shape
             out = torch.addmm(rows.new_empty(()), rows, weight.t(), beta=0, alpha=scale)
         else:
             out = torch.addmm(bias, rows, weight.t(), alpha=scale)
-        ctx.save_for_backward(weight)
-        ctx.scale = scale
+        ctx.save_for_backward(weight if stored is None else stored)
+        ctx.scale, ctx.dtype = scale, weight.dtype
         return out.view(*input.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
+        weight = weight.to(ctx.dtype)  # the fp8 values upcast again (exact), or already the upcast copy
         rows = grad.reshape(-1, grad.shape[-1])
         grad_input = grad_bias = None
         if ctx.needs_input_grad[0]:
@@ -108,13 +112,14 @@ class _ScaledLinear(torch.autograd.Function):
             grad_input = grad_input.view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
-        return grad_input, None, grad_bias, None
+        return grad_input, None, grad_bias, None, None
 
 
 def scaled_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
-    """`F.linear(input, weight * scale, bias)` without the scaled copy of the weight (_ScaledLinear)."""
-    return _ScaledLinear.apply(input, weight, bias, scale)
+                  scale: float, stored: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(input, weight * scale, bias)` without the scaled copy of the weight (_ScaledLinear); `stored`:
+    the fp8 tensor `weight` is the exact upcast of, kept for backward instead of it."""
+    return _ScaledLinear.apply(input, weight, bias, scale, stored)
 
 
 _ACTIVE_GROUPS: list[UpcastGroup] = []  # the blocks whose forward runs now (any thread: recompute runs in autograd's)
@@ -179,6 +184,7 @@ class _Fp8Compute:
         compiling = torch.compiler.is_compiling()
         scale_in_gemm = not compiling and _scale_in_gemm(self)
         weight = _grouped_weight(self, input, dtype)  # the group follows the same rule (never while compiling)
+        stored = self.weight
         if weight is None:
             stored = self.weight.to(input.device, non_blocking=True)
             weight = stored.to(dtype) if scale_in_gemm else dequantize(
@@ -186,7 +192,7 @@ class _Fp8Compute:
         if isinstance(self, torch.nn.Conv2d):
             return self._conv_forward(input, weight, bias)
         if scale_in_gemm:  # the fp8 values exactly (e4m3 -> dtype is exact): the scale is the GEMM's alpha
-            return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE))
+            return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE), stored)
         return torch.nn.functional.linear(input, weight, bias)
 
 

@@ -152,6 +152,32 @@ def test_scaled_linear_is_linear_with_the_scaled_weight_in_value_and_input_gradi
     torch.testing.assert_close(x_grad, grad @ (weight * scale), rtol=1e-12, atol=1e-12)
 
 
+def test_scaled_linear_keeps_the_fp8_weight_for_backward_not_its_upcast_copy():
+    """Without checkpointing autograd keeps what a layer saved until backward: an fp8 Linear keeps its 1-byte
+    weight and upcasts again in backward (exact: e4m3 -> bf16 is), so its gradient is the one the upcast copy
+    gives and fp8 saves memory at any checkpoint share."""
+    from bridge.cast_weights import scaled_linear
+    from trainer.step.frozen_weights import FP8
+    generator = torch.Generator().manual_seed(0)
+    stored = (torch.randn(64, 32, generator=generator) * 8).to(FP8)
+    upcast = stored.to(torch.bfloat16)
+    x = torch.randn(3, 32, generator=generator).to(torch.bfloat16).requires_grad_()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = scaled_linear(x, upcast, None, 0.25, stored)
+    assert [t.dtype for t in saved] == [FP8] and saved[0] is stored
+    grad = torch.randn(out.shape, generator=generator).to(torch.bfloat16)
+    (kept_fp8,) = torch.autograd.grad(out, x, grad)
+    (kept_copy,) = torch.autograd.grad(scaled_linear(x, upcast, None, 0.25), x, grad)
+    assert torch.equal(kept_fp8, kept_copy)
+    torch.testing.assert_close(out, scaled_linear(x, upcast, None, 0.25), rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
     from trainer.step import frozen_weights

@@ -17,7 +17,7 @@ from ..step.precision import DTYPES
 from .allocator import memory_fraction
 from .estimate import GIB, MemoryEstimate
 from .ladder import next_rung
-from .planner import DEFAULT_RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
+from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
 
 if TYPE_CHECKING:
     from ..session import TrainingSession
@@ -114,10 +114,6 @@ class Probe:
     def fits(self) -> bool:
         return self.peak is not None and self.peak <= self.budget * FIT_HEADROOM
 
-    def full_size_seconds(self) -> float | None:
-        """The full-size probe step's time (the last one when both ran)."""
-        return self.measured[-1][2] if len(self.measured) == 2 else None
-
     def why_not(self) -> str:
         return "the probe ran out of memory" if self.peak is None else f"estimated {self.peak / GIB:.2f} GiB"
 
@@ -137,16 +133,6 @@ def activation_model(none: Probe, full: Probe) -> ActivationModel | None:
         area_a, bytes_a, _ = none.measured[0]
         slope_none = (bytes_a - intercept) / area_a
     return ActivationModel(none=max(slope_none, slope_full), full=slope_full, workspace=full.estimate.workspace)
-
-
-def recompute_cost(none: Probe, full: Probe) -> tuple[float, str]:
-    """Full checkpointing's share of a step, from the two full-size probe steps where both ran (clamped: one
-    first-use kernel can blur a single step), else the default."""
-    fast, slow = none.full_size_seconds(), full.full_size_seconds()
-    if fast and slow:
-        cost = min(1.0, max(0.05, slow / fast - 1))
-        return cost, f"+{cost:.0%}, timed by the probes"
-    return DEFAULT_RECOMPUTE_COST, f"+{DEFAULT_RECOMPUTE_COST:.0%}, the default (the probes could not time both)"
 
 
 def fit_to_card(session: TrainingSession, memory: MemorySettings,
@@ -175,11 +161,10 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     full = Probe(session, card)
     model = activation_model(fastest, full)
     if model is not None:
-        cost, cost_text = recompute_cost(fastest, full)
-        best, runner_up = choose_plan(session, model, full, cost, weight_bytes)
+        best, runner_up = choose_plan(session, model, full, weight_bytes)
         if best is not None:
             lines.append(f"auto-fit: {fastest.why_not()} with no recompute > the {fastest.budget / GIB:.2f} GiB "
-                         f"budget; the planner chose {best.describe()} (full recompute {cost_text})"
+                         f"budget; the planner chose {best.describe()}"
                          + (f"; runner-up {runner_up.describe()}" if runner_up else ""))
             estimate, verify_lines = verify(session, best.memory, card)
             lines += verify_lines
@@ -194,11 +179,15 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     return estimate, lines + ladder_lines
 
 
-def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe, cost: float,
+def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe,
                 weight_bytes: Callable[[torch.dtype, BaseWeights, float], int]) -> tuple[Plan | None, Plan | None]:
     """The planner's choice from the session's settings (storage as configured, recompute free to move)."""
     params, memory = session.params, session.memory
     lora = sum(p.numel() * 4 for p in params)
+    dtype = DTYPES[memory.mixed_precision] or torch.float32
+    units = session.checkpoint_units(memory.checkpoint_depth)
+    conv_bytes = [sum(m.weight.numel() for m in unit.modules() if isinstance(m, torch.nn.Conv2d)
+                      and not m.weight.requires_grad) * dtype.itemsize for unit in units]
 
     def static_bytes(plan: MemorySettings) -> int:  # as plan_static counts them
         dtype = DTYPES[plan.mixed_precision] or torch.float32
@@ -211,9 +200,9 @@ def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe, c
         MemoryEstimate(0, 0, 0, 0, activations=transient, workspace=0))
     # static_bytes counts fp32 LoRA as plan_static does; what the probe measured beyond its own terms stays
     other = full.estimate.other
-    return choose(replace(memory, gradient_checkpointing=False), static_bytes, model,
-                  session.checkpoint_units(memory.checkpoint_depth), batch_area, other, graph_extra,
-                  full.budget * FIT_HEADROOM, cost)
+    return choose(replace(memory, gradient_checkpointing=False), static_bytes, model, units, batch_area, other,
+                  graph_extra, full.budget * FIT_HEADROOM, RECOMPUTE_COST,
+                  held_upcasts=lambda count: sum(conv_bytes[count:]))
 
 
 def verify(session: TrainingSession, memory: MemorySettings,

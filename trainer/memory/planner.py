@@ -7,8 +7,7 @@ memory probes:
   fall from "no block recomputed" to "every block recomputed" as the family's cost model says each unit frees
   them (trainer/step/checkpointing.RankedUnits);
 - time, relative to a step with no saver: recompute costs its share of the forward multiply-adds times what full
-  checkpointing measured (the probes time both ends when both ran), fp8 storage and an 8-bit optimizer a fixed
-  share each.
+  checkpointing costs (RECOMPUTE_COST, measured), fp8 storage and an 8-bit optimizer a fixed share each.
 The chosen plan is then probed for real (trainer/memory/fit.py): the models only pick, the probe decides."""
 from __future__ import annotations
 
@@ -24,9 +23,10 @@ from .ladder import EIGHT_BIT
 # matters: the planner takes a saver where it buys back more recompute than it costs.
 FP8_COST = 0.12
 EIGHT_BIT_COST = 0.02
-# Full checkpointing's cost where the probes could not time both ends: one more forward of every unit, ~35% of a
-# step (SDXL 1024²: 0.115 against 0.085 s/step).
-DEFAULT_RECOMPUTE_COST = 0.35
+# Full checkpointing's cost: one more forward of every unit, ~35% of a step (SDXL 1024², real server: 0.115
+# against 0.085 s/step; Z-Image 0.427 against 0.307). The probe steps cannot time it: each is the first at its
+# shapes and settings (first-use kernel selection), and SDXL's timed +5% against the measured +35%.
+RECOMPUTE_COST = 0.35
 FULL_PRECISION = {eight: full for full, eight in EIGHT_BIT.items()} | {"PagedAdamW8bit": "AdamW"}
 
 
@@ -99,18 +99,23 @@ def candidates(start: MemorySettings) -> list[MemorySettings]:
 
 def choose(start: MemorySettings, static_bytes: Callable[[MemorySettings], int], model: ActivationModel,
            units: RankedUnits, batch_area: int, other: int, graph_extra: Callable[[int], int], budget: float,
-           recompute_cost: float) -> tuple[Plan | None, Plan | None]:
+           recompute_cost: float, held_upcasts: Callable[[int], int] = lambda count: 0
+           ) -> tuple[Plan | None, Plan | None]:
     """The fastest plan whose estimate fits `budget`, and the runner-up (the fastest with other storage, or the
     next share); (None, None) when none fits. static_bytes(plan): weights, LoRA, gradients and optimizer state;
     graph_extra(transient bytes): the CUDA graph's memory beyond the eager estimate; other: what the process holds
-    beyond every term (measured)."""
+    beyond every term (measured); held_upcasts(count): bytes of upcast copies fp8 layers keep for backward when
+    the first `count` units are recomputed (convs keep theirs; bridge/cast_weights.py), where the probes ran
+    without fp8."""
     plans = []
     for storage in candidates(start):
         static = static_bytes(storage)
+        upcasts_unseen = storage.base_weights.fp8 and not start.base_weights.fp8
         for share in shares(units):
             memory = replace(storage, gradient_checkpointing=share > 0, checkpoint_share=share or 1.0)
             count = units_for_share(len(units), share) if share else 0
-            transient = model.bytes(units.freed_share(count), batch_area) + model.workspace
+            transient = model.bytes(units.freed_share(count), batch_area) + model.workspace \
+                + (held_upcasts(count) if upcasts_unseen else 0)
             peak = static + transient + other + graph_extra(transient)
             if peak <= budget:
                 plans.append(Plan(memory, peak, time_of(memory, units, recompute_cost, start)))

@@ -17,7 +17,7 @@ from .errors import LeanLoRAError, is_compile_error, is_out_of_memory, one_line
 from .files import sanitize_name
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
-from .memory.allocator import apply_allocator_settings, backend as allocator_backend
+from .memory.allocator import apply_allocator_settings, backend as allocator_backend, trim_graph_memory
 from .memory.estimate import GIB, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
@@ -144,6 +144,7 @@ class TrainingSession:
             # (else a recovery rung runs next to the old graph's memory) and the per-tensor LoRA storage a flat
             # optimizer replaced (else it stays reserved in small holes).
             torch.cuda.empty_cache()
+            trim_graph_memory(device)
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=self.adapter.cancel_errors,
@@ -478,6 +479,7 @@ class TrainingSession:
         if self.adapter.device.type == "cuda":
             torch.cuda.synchronize(self.adapter.device)
             torch.cuda.empty_cache()  # the native allocator's cache; under cudaMallocAsync the pool is trimmed
+            trim_graph_memory(self.adapter.device)  # and the driver's graph pool (uncounted by PyTorch)
 
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \

@@ -14,7 +14,7 @@ from ..optimizers import optimizer_state_bytes
 from ..settings import AutoFit, BaseWeights, MemorySettings
 from ..step.micro_steps import GraphDoesNotFit
 from ..step.precision import DTYPES
-from .allocator import memory_fraction
+from .allocator import memory_fraction, trim_graph_memory
 from .estimate import GIB, MemoryEstimate
 from .ladder import next_rung
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
@@ -317,6 +317,10 @@ def card_budget(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0)
     comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
     if not auto_fit.on or device.type != "cuda":
         return None
+    # What only waits to be reused counts as free: a re-queue plans the card the first job planned (the graph
+    # pool a finished run left behind measured as "outside PyTorch" otherwise).
+    torch.cuda.empty_cache()
+    trim_graph_memory(device)
     if auto_fit.free_vram:
         _, total = torch.cuda.mem_get_info(device)
         return CardBudget(total - comfy_reserve, device)

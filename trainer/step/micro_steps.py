@@ -30,7 +30,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from .activation_offload import ActivationOffload
-from ..memory.allocator import backend as allocator_backend, memory_fraction
+from ..memory.allocator import backend as allocator_backend, memory_fraction, trim_graph_memory
 from ..errors import is_out_of_memory, one_line
 from .frozen_weights import host_launched_upcasts
 from .precision import Precision
@@ -313,6 +313,7 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
+        trim_graph_memory(torch.cuda.current_stream().device)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         if self.disabled or self.grads is None:

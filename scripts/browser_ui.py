@@ -137,6 +137,29 @@ class Page:
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let lit = 0;
             for (let i = 0; i < d.length; i += 4) if (d[i + 2] > 200 && d[i] < 120) lit++; return lit; }""", node_id)
 
+    def click_widget(self, node_id: int, name: str) -> None:
+        """A real mouse click in the middle of a node's widget, as a user picks from a list."""
+        x, y = self.evaluate("""([id, name]) => { const n = app.graph.getNodeById(id);
+            const w = n.widgets.find(w => w.name === name);
+            const [cx, cy] = app.canvas.ds.convertOffsetToCanvas([n.pos[0] + n.size[0] / 2, n.pos[1] + w.y + 10]);
+            const rect = app.canvas.canvas.getBoundingClientRect();
+            return [rect.left + cx, rect.top + cy]; }""", [node_id, name])
+        self.page.mouse.click(x, y)
+        self.page.wait_for_timeout(300)
+
+    def pick_menu_entry(self, text: str) -> None:
+        """Clicks the entry of the open list menu (litegraph's context menu) that reads `text`."""
+        self.page.locator(".litecontextmenu .litemenu-entry", has_text=text).first.click()
+        self.page.wait_for_timeout(300)
+
+    def dataset_preview(self, node_id: int) -> dict:
+        """What the Dataset node shows under its widgets: the counts line and the thumbnails."""
+        return self.evaluate("""id => { const n = app.graph.getNodeById(id); const p = n.leanloraDataset;
+            return {folder: p.folder.value, counts: p.parts.counts.textContent,
+                    thumbnails: [...p.parts.thumbs.querySelectorAll('img')].map(i => ({
+                        title: i.title, loaded: i.naturalWidth > 0})),
+                    values: [...p.folder.options.values]}; }""", node_id)
+
     def screenshot(self, path: Path) -> None:
         self.close_dialogs()
         path.parent.mkdir(parents=True, exist_ok=True)

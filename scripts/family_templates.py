@@ -89,7 +89,7 @@ def family_prompt(family: str) -> dict:
 
 
 # columns: loaders | LeanLoRA inputs | Train | sampling | outputs
-LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 290), "6": (400, 900),
+LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 400), "6": (400, 1000),
           "7": (780, 40), "8": (1160, 40), "9": (1160, 250), "10": (1160, 460), "11": (1540, 40), "12": (1540, 420),
           "13": (1920, 40), "14": (780, 960), "15": (780, 1240)}  # 14, 15: below Train with its panel (web/leanlora.js)
 
@@ -97,10 +97,11 @@ LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (
 def family_template(family: str, object_info: dict) -> dict:
     spec = FAMILIES[family]
     notes = [
-        {"pos": (20, -220), "size": (740, 200),
+        {"pos": (20, -250), "size": (740, 230),
          "text": f"{spec['title']} LoRA, trained inside ComfyUI. 1) Pick your model files in the three loaders "
                  f"(left): {spec['files']}. 2) Put your images (and optional <image>.txt captions) in "
-                 f"ComfyUI/input/<a folder> and type that folder's name in LeanLoRA Dataset. 3) Queue: Memory "
+                 f"ComfyUI/input/<a folder> and pick that folder in LeanLoRA Dataset's list (press R if it is not listed yet; "
+                 "'type a folder path…' takes an absolute path): the node shows the image and caption counts. 3) Queue: Memory "
                  "Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and used by the "
                  "sampler on the right in the same run."},
         {"pos": (1160, 680), "size": (340, 140),

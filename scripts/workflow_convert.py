@@ -134,6 +134,10 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
     return prompt
 
 
+# px that web/leanlora.js draws under a node's widgets: the Dataset node's counts and thumbnails
+DRAWN_BELOW_WIDGETS = {"LeanLoRADataset": 110}
+
+
 def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]],
               titles: dict[str, str] | None = None, notes: list[dict] | None = None) -> dict:
     """The UI-format workflow of an API prompt, the inverse of ui_to_api: every node at layout[id] (x, y), its
@@ -180,6 +184,7 @@ def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]
         height = 46 + 24 * max(len(inputs), len(outputs)) + 26 * len(values)
         if node["class_type"] in ("SaveImage", "PreviewImage"):
             height = max(height, 300)
+        height += DRAWN_BELOW_WIDGETS.get(node["class_type"], 0)
         entry = {"id": int(node_id), "type": node["class_type"], "pos": list(layout[node_id]),
                  "size": [340, height], "flags": {}, "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
                  "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": values}

@@ -122,13 +122,18 @@ def test_overrides_fail_on_inputs_the_workflow_does_not_have():
 
 
 @pytest.mark.comfy
-def test_template_as_shipped_is_rejected_only_for_the_checkpoint_the_user_must_pick(comfy_server):
+def test_template_as_shipped_is_rejected_only_for_the_two_things_the_user_must_pick(comfy_server):
+    """The checkpoint and the image folder, both before anything loads (the folder by the Dataset node's own
+    validation, saying what to do)."""
     with pytest.raises(PromptRejected) as rejected:
         comfy_server.queue(template_prompt(comfy_server.object_info()))
     node_errors = rejected.value.body["node_errors"]
-    assert set(node_errors) == {"1"}, node_errors
+    assert set(node_errors) == {"1", "2"}, node_errors
     [error] = node_errors["1"]["errors"]
     assert error["type"] == "value_not_in_list" and error["extra_info"]["input_name"] == "ckpt_name"
+    [error] = node_errors["2"]["errors"]
+    assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "folder"
+    assert "folder 'my_dataset' does not exist" in error["details"] and "pick a folder" in error["details"]
 
 
 @pytest.mark.comfy

@@ -97,13 +97,14 @@ LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (
 def family_template(family: str, object_info: dict) -> dict:
     spec = FAMILIES[family]
     notes = [
-        {"pos": (20, -250), "size": (740, 230),
-         "text": f"{spec['title']} LoRA, trained inside ComfyUI. 1) Pick your model files in the three loaders "
-                 f"(left): {spec['files']}. 2) Put your images (and optional <image>.txt captions) in "
-                 f"ComfyUI/input/<a folder> and pick that folder in LeanLoRA Dataset's list (press R if it is not listed yet; "
-                 "'type a folder path…' takes an absolute path): the node shows the image and caption counts. 3) Queue: Memory "
-                 "Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and used by the "
-                 "sampler on the right in the same run."},
+        {"pos": (20, -250), "size": (740, 230), "title": "Start here",
+         "text": f"LeanLoRA: train a {spec['title']} LoRA inside ComfyUI, then sample with it.\n"
+                 f"1) Pick your model files in the three loaders (left): {spec['files']}.\n"
+                 "2) Put your images (and optional <image>.txt captions) in ComfyUI/input/<a folder> and pick that "
+                 "folder in LeanLoRA Dataset's list (press R if it is not listed yet; 'type a folder path…' takes "
+                 "an absolute path): the node shows the image and caption counts.\n"
+                 "3) Queue: Memory Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and "
+                 "used by the sampler on the right in the same run."},
         {"pos": (1160, 680), "size": (340, 140),
          "text": f"The trigger word ({TRIGGER}) is added to every caption; keep it in your prompts. The sampler "
                  "uses the family's usual settings (euler, simple schedule)."},

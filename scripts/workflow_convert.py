@@ -142,8 +142,8 @@ def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]
               titles: dict[str, str] | None = None, notes: list[dict] | None = None) -> dict:
     """The UI-format workflow of an API prompt, the inverse of ui_to_api: every node at layout[id] (x, y), its
     widget values in the frontend's order (widget_slots; "fixed" after seeds), its links, and `notes`
-    ({"text", "pos", "size"}) as Note nodes. Node sizes are the frontend's for their widget count, so laid-out
-    nodes do not overlap."""
+    ({"text", "pos", "size", optional "title"}) as Note nodes. Node sizes are the frontend's for their widget
+    count (and what web/leanlora.js draws below them), so laid-out nodes do not overlap."""
     titles = titles or {}
     nodes, links = [], []
     link_id = 0
@@ -196,6 +196,8 @@ def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]
         nodes.append({"id": next_id + offset, "type": "Note", "pos": list(note["pos"]), "size": list(note["size"]),
                       "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [],
                       "properties": {}, "widgets_values": [note["text"]], "color": "#432", "bgcolor": "#653"})
+        if note.get("title"):
+            nodes[-1]["title"] = note["title"]
     return {"last_node_id": max(n["id"] for n in nodes), "last_link_id": link_id, "nodes": nodes, "links": links,
             "groups": [], "config": {}, "extra": {"ds": {"scale": 0.7, "offset": [40, 40]}}, "version": 0.4}
 

@@ -160,6 +160,16 @@ class Page:
                         title: i.title, loaded: i.naturalWidth > 0})),
                     values: [...p.folder.options.values]}; }""", node_id)
 
+    def wait_dataset(self, node_id: int, predicate, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            shown = self.dataset_preview(node_id)
+            if predicate(shown):
+                return shown
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Dataset node never showed it: {shown}")
+            self.page.wait_for_timeout(100)
+
     def screenshot(self, path: Path) -> None:
         self.close_dialogs()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +248,32 @@ def training_states(page: Page, out: Path | None, output_name: str = "browser_ru
     return shots
 
 
+DATASET_TEMPLATE = "leanlora_train_then_generate"
+
+
+def dataset_states(page: Page, out: Path | None, typed_path: str, folder: str = "tiny_dataset") -> dict:
+    """The template's Dataset node as a user meets it: its folder not there yet, then `folder` picked from the list
+    with the mouse (counts and thumbnails), then `typed_path` given through 'type a folder path…'."""
+    nodes = page.load_template(DATASET_TEMPLATE)
+    [node] = [n for n in nodes if n["type"] == "LeanLoRADataset"]
+    states = {"start": page.wait_dataset(node["id"], lambda p: "does not exist" in p["counts"])}
+    x, y = node["bounds"][:2]
+    page.view(x - 500, y - 250)  # the node mid-screen, clear of the menus at the edges
+    page.click_widget(node["id"], "folder")
+    page.pick_menu_entry(folder)
+    states["picked"] = page.wait_dataset(node["id"], lambda p: p["folder"] == folder and " images" in p["counts"]
+                                         and p["thumbnails"] and all(t["loaded"] for t in p["thumbnails"]))
+    if out:
+        page.screenshot(out / "dataset_preview.jpg")
+    page.click_widget(node["id"], "folder")
+    page.pick_menu_entry("type a folder path…")
+    page.page.keyboard.type(typed_path)
+    page.page.keyboard.press("Enter")
+    states["typed"] = page.wait_dataset(node["id"], lambda p: p["folder"] == typed_path and " images" in p["counts"])
+    states["overlapping"] = overlapping(page.nodes())
+    return states
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--screenshots", type=Path, default=REPO / "docs" / "screenshots")
@@ -258,6 +294,7 @@ def main(argv=None) -> int:
                 page.view(-360, -20, 0.8)
                 page.screenshot(args.screenshots / f"template_{template.stem}.jpg")
                 print(template.stem, "overlaps:", overlapping(nodes) or "none")
+            dataset_states(page, args.screenshots, str(base / "input" / "tiny_dataset"))
             training_states(page, args.screenshots)
             print("unknown messages:", page.unknown_messages() or "none")
     print(f"screenshots in {args.screenshots}")

@@ -4,7 +4,6 @@ both, no browser download), against the session's real server with the tiny chec
 state go to docs/screenshots/ when LEANLORA_SCREENSHOTS names that folder (scripts/browser_ui.py refreshes them)."""
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -75,40 +74,15 @@ def test_the_train_panel_shows_phases_progress_the_saved_file_and_a_stop(page, c
     assert not page.unknown_messages(), page.unknown_messages()
 
 
-def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(page, comfy_server, tiny_assets):
+def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(page, tiny_assets):
     """The template's Dataset node names a folder the user does not have yet: the node says so. Picked from the
     list with the mouse, a folder of input/ shows its image and caption counts and thumbnails; 'type a folder
-    path' takes an absolute path."""
-    nodes = page.load_template("leanlora_train_then_generate")
-    [dataset] = [n["id"] for n in nodes if n["type"] == "LeanLoRADataset"]
-    start = page.evaluate("id => app.graph.getNodeById(id).leanloraDataset.folder.value", dataset)
-    shown = _wait_preview(page, dataset, lambda p: "does not exist" in p["counts"])
-    assert f"folder '{start}' does not exist" in shown["counts"]
-    assert "tiny_dataset" in shown["values"] and shown["values"][-1] == "type a folder path…"
-    x, y = next(n["bounds"][:2] for n in nodes if n["id"] == dataset)
-    page.view(x - 500, y - 250)  # the node mid-screen, clear of the menus at the edges
-    page.click_widget(dataset, "folder")
-    page.pick_menu_entry("tiny_dataset")
-    shown = _wait_preview(page, dataset, lambda p: p["counts"].startswith("6 images")
-                          and len(p["thumbnails"]) == 6 and all(t["loaded"] for t in p["thumbnails"]))
-    assert shown["folder"] == "tiny_dataset" and shown["counts"] == "6 images · 6 captions", shown
-    if SCREENSHOTS:
-        page.screenshot(SCREENSHOTS / "dataset_preview.jpg")
-    page.click_widget(dataset, "folder")
-    page.pick_menu_entry("type a folder path…")
-    page.page.keyboard.type(str(tiny_assets["dataset"]))
-    page.page.keyboard.press("Enter")
-    shown = _wait_preview(page, dataset, lambda p: p["folder"] == str(tiny_assets["dataset"])
-                          and p["counts"].startswith("6 images"))
-    assert len(shown["thumbnails"]) == 6
-    assert not browser_ui.overlapping(page.nodes())
-
-
-def _wait_preview(page, node_id, predicate, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        shown = page.dataset_preview(node_id)
-        if predicate(shown):
-            return shown
-        assert time.monotonic() < deadline, f"the Dataset node never showed it: {shown}"
-        page.page.wait_for_timeout(100)
+    path' takes an absolute path. The node grew: still no overlap."""
+    states = browser_ui.dataset_states(page, SCREENSHOTS, str(tiny_assets["dataset"]))
+    start, picked, typed = states["start"], states["picked"], states["typed"]
+    assert start["counts"].startswith("folder 'my_dataset' does not exist"), start
+    assert "tiny_dataset" in start["values"] and start["values"][-1] == "type a folder path…"
+    assert picked["counts"] == "6 images · 6 captions" and len(picked["thumbnails"]) == 6, picked
+    assert [t["title"] for t in picked["thumbnails"]] == [f"img_{i:03d}.png" for i in range(6)]
+    assert typed["counts"] == "6 images · 6 captions" and len(typed["thumbnails"]) == 6, typed
+    assert not states["overlapping"], states["overlapping"]

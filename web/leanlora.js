@@ -194,9 +194,10 @@ const STYLE = `
 .leanlora-dataset { box-sizing: border-box; width: 100%; height: 100%; padding: 4px 6px; overflow: hidden;
   font: 13px/1.35 system-ui, sans-serif; color: #ddd; background: #1b1b1f; border-radius: 6px; }
 .leanlora-dataset .ll-counts { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
-.leanlora-dataset .ll-counts.ll-problem { color: #f0c060; white-space: normal; font-size: 12px; max-height: 94px; }
+.leanlora-dataset .ll-counts.ll-problem { color: #f0c060; white-space: normal; font-size: 12px; max-height: 94px;
+  overflow-y: auto; }
 .leanlora-dataset .ll-thumbs { display: flex; gap: 4px; margin-top: 4px; overflow: hidden; }
-.leanlora-dataset .ll-thumbs img { height: 64px; width: 64px; object-fit: cover; border-radius: 3px; flex: none; }
+.leanlora-dataset .ll-thumbs img { height: 56px; width: 56px; object-fit: cover; border-radius: 3px; flex: none; }
 `;
 
 function ensureStyle() {

@@ -72,7 +72,7 @@ def test_the_preview_refuses_folders_outside_input_and_paths_out_of_it(comfy_ser
         body = answer.json()
         assert "outside ComfyUI's input folder" in body["error"] and "LEANLORA_ALLOW_ANY_FOLDER=1" in body["error"]
         assert "secret.png" not in answer.text and "images" not in body and "thumbnails" not in body
-    for folder in ("../private_photos", "preview_set/../../input", "..", ""):
+    for folder in ("../private_photos", "preview_set/../../input", "..", "", "bad\x00folder"):
         answer = preview(comfy_server, folder)
         assert answer.status_code == 400, (folder, answer.text)
         assert "folder" in answer.json()["error"] and "images" not in answer.json()

@@ -47,6 +47,8 @@ def test_confined_folders_stay_inside_input_symlinks_resolved(tmp_path):
         resolve_folder(str(outside), input_dir, why)
     with pytest.raises(LeanLoRAError, match=rf"folder 'sneaky' \(a link to {outside}\) is outside .*LEANLORA_ALLOW"):
         resolve_folder("sneaky", input_dir, why)
+    with pytest.raises(LeanLoRAError, match="folder 'mi\\\\x00ne' holds a NUL character"):  # not a ValueError
+        resolve_folder("mi\x00ne", input_dir, why)
     assert resolve_folder(str(outside), input_dir) == outside  # not confined: as before
     assert resolve_folder("sneaky", input_dir) == input_dir / "sneaky"
 

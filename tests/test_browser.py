@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import browser_ui
 
@@ -74,7 +75,7 @@ def test_the_train_panel_shows_phases_progress_the_saved_file_and_a_stop(page, c
     assert not page.unknown_messages(), page.unknown_messages()
 
 
-def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(page, tiny_assets):
+def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(page, comfy_server, tiny_assets):
     """The template's Dataset node names a folder the user does not have yet: the node says so. Picked from the
     list with the mouse, a folder of input/ shows its image and caption counts and thumbnails; 'type a folder
     path' takes an absolute path. The node grew: still no overlap."""
@@ -86,3 +87,11 @@ def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(p
     assert [t["title"] for t in picked["thumbnails"]] == [f"img_{i:03d}.png" for i in range(6)]
     assert typed["counts"] == "6 images · 6 captions" and len(typed["thumbnails"]) == 6, typed
     assert not states["overlapping"], states["overlapping"]
+    # a folder added later shows up in the list with R (ComfyUI's refresh), the typed-path entry still last
+    added = comfy_server.base_dir / "input" / "added_later"
+    added.mkdir(exist_ok=True)
+    Image.new("RGB", (64, 64), "teal").save(added / "one.png")
+    values = page.evaluate("""async () => { await app.refreshComboInNodes();
+        const n = app.graph._nodes.find(n => n.type === 'LeanLoRADataset');
+        return [...n.widgets.find(w => w.name === 'folder').options.values]; }""")
+    assert "added_later" in values and values[-1] == "type a folder path…", values

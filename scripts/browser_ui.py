@@ -274,6 +274,22 @@ def dataset_states(page: Page, out: Path | None, typed_path: str, folder: str = 
     return states
 
 
+def upload_states(page: Page, files: list[Path], folder: str) -> dict:
+    """The template's Dataset node's 'upload images' button: `files` picked in the browser's file chooser, put
+    into input/<folder> through ComfyUI's /upload/image, then shown as the picked folder."""
+    nodes = page.load_template(DATASET_TEMPLATE)
+    [node] = [n for n in nodes if n["type"] == "LeanLoRADataset"]
+    x, y = node["bounds"][:2]
+    page.view(x - 500, y - 250)
+    with page.page.expect_file_chooser() as chooser:
+        page.click_widget(node["id"], "upload images")
+    chooser.value.set_files([str(f) for f in files])
+    page.page.locator(".graphdialog input").fill(folder)  # the folder name, asked by the node
+    page.page.keyboard.press("Enter")
+    return page.wait_dataset(node["id"], lambda p: p["folder"] == folder and " images" in p["counts"]
+                             and p["thumbnails"] and all(t["loaded"] for t in p["thumbnails"]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--screenshots", type=Path, default=REPO / "docs" / "screenshots")

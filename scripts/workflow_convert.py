@@ -134,8 +134,8 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
     return prompt
 
 
-# px that web/leanlora.js draws under a node's widgets: the Dataset node's counts and thumbnails
-DRAWN_BELOW_WIDGETS = {"LeanLoRADataset": 110}
+# px that web/leanlora.js adds under a node's widgets: the Dataset node's upload button, counts and thumbnails
+DRAWN_BELOW_WIDGETS = {"LeanLoRADataset": 134}
 
 
 def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]],

@@ -95,3 +95,15 @@ def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(p
         const n = app.graph._nodes.find(n => n.type === 'LeanLoRADataset');
         return [...n.widgets.find(w => w.name === 'folder').options.values]; }""")
     assert "added_later" in values and values[-1] == "type a folder path…", values
+
+
+def test_images_uploaded_from_the_dataset_node_land_in_a_new_input_folder(page, comfy_server, tiny_assets):
+    """'upload images' on the node: three images and their captions, picked in the browser's file chooser, go
+    into input/uploaded_set through ComfyUI's own upload route; the node then shows that folder and its counts."""
+    files = sorted(tiny_assets["dataset"].glob("img_00[0-2].*"))
+    shown = browser_ui.upload_states(page, files, "uploaded_set")
+    assert shown["counts"] == "3 images · 3 captions" and len(shown["thumbnails"]) == 3, shown
+    uploaded = comfy_server.base_dir / "input" / "uploaded_set"
+    assert sorted(p.name for p in uploaded.iterdir()) == sorted(f.name for f in files)
+    assert all((uploaded / f.name).read_bytes() == f.read_bytes() for f in files)
+    assert "uploaded_set" in shown["values"]

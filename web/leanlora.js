@@ -5,7 +5,8 @@
 //   the phase before step 1, step / loss / s/step / time left / VRAM, a loss chart, samples by step and prompt,
 //   and where the file went. The last state is kept in localStorage, so a page reloaded mid-run redraws it.
 // - Dataset: the folder list (input/ subfolders, from the server) gains a "type a folder path" entry for any other
-//   path, and the node shows the picked folder's image and caption counts and a few thumbnails before Queue.
+//   path, an "upload images" button puts files into a folder of input/ (ComfyUI's /upload/image), and the node
+//   shows the picked folder's image and caption counts and a few thumbnails before Queue.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -362,6 +363,7 @@ function setupDatasetNode(node) {
       node.setDirtyCanvas(true, true);
     }, rest[2]); // rest: node, position, event
   };
+  addUploadButton(node, folder);
   const root = el("div", "leanlora-dataset");
   const parts = { counts: el("div", "ll-counts", root), thumbs: el("div", "ll-thumbs", root) };
   const widget = node.addDOMWidget("leanlora_dataset_preview", "leanlora_dataset_preview", root, {
@@ -373,6 +375,52 @@ function setupDatasetNode(node) {
   const size = node.computeSize();
   node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
   previewDataset(node);
+}
+
+function addUploadButton(node, folder) {
+  // images (and their .txt captions or a metadata.csv) into a folder of input/, through ComfyUI's own upload route
+  const picker = el("input", null, document.body);
+  Object.assign(picker, { type: "file", multiple: true, accept: "image/*,.txt,.csv" });
+  picker.style.display = "none";
+  const button = node.addWidget("button", "upload images", null, () => picker.click(), { serialize: false });
+  button.serialize = false; // not an input: a saved workflow's widget values stay the inputs', by position
+  picker.addEventListener("change", () => {
+    const files = [...picker.files];
+    picker.value = ""; // the same files can be picked again
+    if (!files.length) return;
+    const current = String(folder.value ?? "");
+    const suggested = /^[^/\\]+$/.test(current) && current !== TYPE_PATH ? current : "my_dataset";
+    app.canvas.prompt("Upload into this folder of input/", suggested, (name) => {
+      name = String(name ?? "").trim();
+      if (name) uploadInto(node, folder, name, files);
+    });
+  });
+  const removed = node.onRemoved;
+  node.onRemoved = function () { picker.remove(); return removed?.apply(this, arguments); };
+}
+
+async function uploadInto(node, folder, name, files) {
+  const counts = node.leanloraDataset?.parts.counts;
+  if (/[/\\]|^\.+$/.test(name)) { // one folder directly inside input/, as the list shows them
+    if (counts) counts.textContent = `'${name}' is not a folder name: give a name without / or \\`;
+    return;
+  }
+  for (const [i, file] of files.entries()) {
+    if (counts) counts.textContent = `uploading ${i + 1}/${files.length} into input/${name}…`;
+    const body = new FormData();
+    body.append("image", file);
+    body.append("subfolder", name);
+    body.append("type", "input");
+    body.append("overwrite", "true"); // an edited caption replaces the old one instead of becoming "x (1).txt"
+    const response = await api.fetchApi("/upload/image", { method: "POST", body });
+    if (!response.ok) {
+      if (counts) counts.textContent = `upload of ${file.name} failed (${response.status} ${response.statusText})`;
+      return;
+    }
+  }
+  folder.value = name;
+  folder.callback?.(name, app.canvas, node); // previews the folder and refreshes the list
+  node.setDirtyCanvas(true, true);
 }
 
 async function previewDataset(node) {

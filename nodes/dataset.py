@@ -34,7 +34,7 @@ def input_subfolders(input_dir: str | Path) -> list[str]:
     return sorted(found, key=str.casefold)
 
 
-def missing_folder(folder: str, input_dir: str | Path) -> str | None:
+def folder_problem(folder: str, input_dir: str | Path) -> str | None:
     """Why `folder` cannot be a dataset before anything loads (VALIDATE_INPUTS), or None: the folder policy's
     refusals, a folder that is not there, or the placeholder of an empty list."""
     input_dir = os.path.normpath(input_dir)
@@ -92,7 +92,7 @@ class LeanLoRADataset:
         """Before the run (and before the checkpoint loads): a folder that is not there fails here."""
         if not isinstance(folder, str):  # fed through a link: checked when it runs
             return True
-        return missing_folder(folder, folder_paths.get_input_directory()) or True
+        return folder_problem(folder, folder_paths.get_input_directory()) or True
 
     @classmethod
     def IS_CHANGED(cls, folder=None, **_):

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..bridge.folder_policy import ALLOW_ANY_FOLDER, folder_confinement
 from ..trainer.dataset import resolve_folder, scan_folder
 from ..trainer.errors import LeanLoRAError
-from .dataset import input_subfolders, missing_folder
+from .dataset import folder_problem, input_subfolders
 
 DATASET_PREVIEW = "/leanlora/dataset_preview"
 THUMBNAILS = 6
@@ -37,7 +37,7 @@ def folder_preview(folder: str, input_dir: str | Path) -> tuple[int, dict]:
         path = resolve_folder(folder, input_dir, preview_confinement())
     except LeanLoRAError as error:
         return 403, {**answer, "error": str(error)}
-    if problem := missing_folder(folder, input_dir):
+    if problem := folder_problem(folder, input_dir):
         return 404, {**answer, "error": problem}
     try:
         dataset = scan_folder(path, 64)

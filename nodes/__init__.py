@@ -2,6 +2,7 @@
 from .apply import LeanLoRAApplyLoRA
 from .dataset import LeanLoRADataset
 from .monitor import LeanLoRAVRAMMonitor
+from .routes import register_routes
 from .settings import LeanLoRALoraConfig, LeanLoRAMemorySettings
 from .train import LeanLoRATrain
 
@@ -21,3 +22,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LeanLoRAVRAMMonitor": "LeanLoRA VRAM Monitor",
     "LeanLoRAApplyLoRA": "LeanLoRA Apply LoRA",
 }
+
+register_routes()  # the Dataset node's preview route, when ComfyUI's server runs

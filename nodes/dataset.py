@@ -1,11 +1,57 @@
+import os
+from pathlib import Path
+
 import folder_paths
 
 from ..bridge.folder_policy import folder_confinement
-from ..trainer.dataset import MAX_REPEATS, MAX_RESOLUTION, folder_fingerprint, resolve_folder, scan_folder
+from ..trainer.dataset import (IMAGE_EXTENSIONS, MAX_REPEATS, MAX_RESOLUTION, folder_fingerprint, resolve_folder,
+                               scan_folder)
 from ..trainer.errors import LeanLoRAError
 from .common import CATEGORY
 
 FRAMING = {"center crop (square)": False, "aspect-ratio buckets": True}
+# the list's only entry while input/ holds no folder of images (an empty combo would send no value at all)
+NO_FOLDER = "(no folder of images in input/ yet)"
+COMFY_OWN_FOLDERS = {"clipspace"}  # the mask editor's files, not a dataset
+
+
+def input_subfolders(input_dir: str | Path) -> list[str]:
+    """Folders directly inside input/ holding at least one image (by extension): the folder widget's list."""
+    found = []
+    try:
+        with os.scandir(input_dir) as listing:
+            folders = [entry for entry in listing if entry.is_dir() and not entry.name.startswith(".")
+                       and entry.name not in COMFY_OWN_FOLDERS]
+    except OSError:
+        return []
+    for entry in folders:
+        try:
+            with os.scandir(entry.path) as files:
+                if any(f.name.lower().endswith(IMAGE_EXTENSIONS) for f in files):  # stops at the first image
+                    found.append(entry.name)
+        except OSError:
+            continue  # unreadable: not offered; typed by hand it fails with the reason
+    return sorted(found, key=str.casefold)
+
+
+def folder_problem(folder: str, input_dir: str | Path) -> str | None:
+    """Why `folder` cannot be a dataset before anything loads (VALIDATE_INPUTS), or None: the folder policy's
+    refusals, a folder that is not there, or the placeholder of an empty list."""
+    input_dir = os.path.normpath(input_dir)
+    if folder == NO_FOLDER:
+        return (f"folder: ComfyUI's input folder ({input_dir}) holds no folder of images yet; copy the training "
+                "images into a new folder there and press R to refresh the list, or choose 'type a folder path' "
+                "in the list and give an absolute path")
+    try:
+        path = resolve_folder(folder, input_dir, folder_confinement())
+    except LeanLoRAError as error:
+        return f"{error}"
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        return (f"folder {folder.strip()!r} {what} ({path}); pick a folder from the list (press R to refresh "
+                f"it), copy the images into a folder inside ComfyUI's input folder ({input_dir}), or type an "
+                "absolute path")
+    return None
 
 
 class LeanLoRADataset:
@@ -15,8 +61,11 @@ class LeanLoRADataset:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "folder": ("STRING", {"default": "my_dataset", "tooltip":
-                    "Folder with the training images: an absolute path, or a folder name inside ComfyUI's input folder."}),
+                # A list of input/ subfolders; VALIDATE_INPUTS takes `folder`, so ComfyUI accepts any value there
+                # (an absolute path typed in the browser, an old workflow's name, an API prompt's path).
+                "folder": (input_subfolders(folder_paths.get_input_directory()) or [NO_FOLDER], {"tooltip":
+                    "The folder with the training images: one inside ComfyUI's input folder (press R after adding "
+                    "one), or 'type a folder path' for an absolute path elsewhere."}),
                 "resolution": ("INT", {"default": 512, "min": 64, "max": MAX_RESOLUTION, "step": 64, "tooltip":
                     "Images are resized (shorter side) and center-cropped to this square size. 512 for SD1.5, 1024 for SDXL."}),
                 "repeats": ("INT", {"default": 1, "min": 1, "max": MAX_REPEATS, "tooltip":
@@ -37,6 +86,13 @@ class LeanLoRADataset:
     DESCRIPTION = ("Captions come from <image>.txt files next to the images, or from a metadata.csv with columns "
                    "file_name,text. Unusable files are skipped and listed in the training report; transparent "
                    "pixels are composited onto white.")
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, folder=None):
+        """Before the run (and before the checkpoint loads): a folder that is not there fails here."""
+        if not isinstance(folder, str):  # fed through a link: checked when it runs
+            return True
+        return folder_problem(folder, folder_paths.get_input_directory()) or True
 
     @classmethod
     def IS_CHANGED(cls, folder=None, **_):

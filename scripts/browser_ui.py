@@ -137,6 +137,39 @@ class Page:
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let lit = 0;
             for (let i = 0; i < d.length; i += 4) if (d[i + 2] > 200 && d[i] < 120) lit++; return lit; }""", node_id)
 
+    def click_widget(self, node_id: int, name: str) -> None:
+        """A real mouse click in the middle of a node's widget, as a user picks from a list."""
+        x, y = self.evaluate("""([id, name]) => { const n = app.graph.getNodeById(id);
+            const w = n.widgets.find(w => w.name === name);
+            const [cx, cy] = app.canvas.ds.convertOffsetToCanvas([n.pos[0] + n.size[0] / 2, n.pos[1] + w.y + 10]);
+            const rect = app.canvas.canvas.getBoundingClientRect();
+            return [rect.left + cx, rect.top + cy]; }""", [node_id, name])
+        self.page.mouse.click(x, y)
+        self.page.wait_for_timeout(300)
+
+    def pick_menu_entry(self, text: str) -> None:
+        """Clicks the entry of the open list menu (litegraph's context menu) that reads `text`."""
+        self.page.locator(".litecontextmenu .litemenu-entry", has_text=text).first.click()
+        self.page.wait_for_timeout(300)
+
+    def dataset_preview(self, node_id: int) -> dict:
+        """What the Dataset node shows under its widgets: the counts line and the thumbnails."""
+        return self.evaluate("""id => { const n = app.graph.getNodeById(id); const p = n.leanloraDataset;
+            return {folder: p.folder.value, counts: p.parts.counts.textContent,
+                    thumbnails: [...p.parts.thumbs.querySelectorAll('img')].map(i => ({
+                        title: i.title, loaded: i.naturalWidth > 0})),
+                    values: [...p.folder.options.values]}; }""", node_id)
+
+    def wait_dataset(self, node_id: int, predicate, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            shown = self.dataset_preview(node_id)
+            if predicate(shown):
+                return shown
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Dataset node never showed it: {shown}")
+            self.page.wait_for_timeout(100)
+
     def screenshot(self, path: Path) -> None:
         self.close_dialogs()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +248,48 @@ def training_states(page: Page, out: Path | None, output_name: str = "browser_ru
     return shots
 
 
+DATASET_TEMPLATE = "leanlora_train_then_generate"
+
+
+def dataset_states(page: Page, out: Path | None, typed_path: str, folder: str = "tiny_dataset") -> dict:
+    """The template's Dataset node as a user meets it: its folder not there yet, then `folder` picked from the list
+    with the mouse (counts and thumbnails), then `typed_path` given through 'type a folder path…'."""
+    nodes = page.load_template(DATASET_TEMPLATE)
+    [node] = [n for n in nodes if n["type"] == "LeanLoRADataset"]
+    states = {"start": page.wait_dataset(node["id"], lambda p: "does not exist" in p["counts"])}
+    x, y = node["bounds"][:2]
+    page.view(x - 500, y - 250)  # the node mid-screen, clear of the menus at the edges
+    page.click_widget(node["id"], "folder")
+    page.pick_menu_entry(folder)
+    states["picked"] = page.wait_dataset(node["id"], lambda p: p["folder"] == folder and " images" in p["counts"]
+                                         and p["thumbnails"] and all(t["loaded"] for t in p["thumbnails"]))
+    if out:
+        page.screenshot(out / "dataset_preview.jpg")
+    page.click_widget(node["id"], "folder")
+    page.pick_menu_entry("type a folder path…")
+    page.page.keyboard.type(typed_path)
+    page.page.keyboard.press("Enter")
+    states["typed"] = page.wait_dataset(node["id"], lambda p: p["folder"] == typed_path and " images" in p["counts"])
+    states["overlapping"] = overlapping(page.nodes())
+    return states
+
+
+def upload_states(page: Page, files: list[Path], folder: str) -> dict:
+    """The template's Dataset node's 'upload images' button: `files` picked in the browser's file chooser, put
+    into input/<folder> through ComfyUI's /upload/image, then shown as the picked folder."""
+    nodes = page.load_template(DATASET_TEMPLATE)
+    [node] = [n for n in nodes if n["type"] == "LeanLoRADataset"]
+    x, y = node["bounds"][:2]
+    page.view(x - 500, y - 250)
+    with page.page.expect_file_chooser() as chooser:
+        page.click_widget(node["id"], "upload images")
+    chooser.value.set_files([str(f) for f in files])
+    page.page.locator(".graphdialog input").fill(folder)  # the folder name, asked by the node
+    page.page.keyboard.press("Enter")
+    return page.wait_dataset(node["id"], lambda p: p["folder"] == folder and " images" in p["counts"]
+                             and p["thumbnails"] and all(t["loaded"] for t in p["thumbnails"]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--screenshots", type=Path, default=REPO / "docs" / "screenshots")
@@ -235,6 +310,7 @@ def main(argv=None) -> int:
                 page.view(-360, -20, 0.8)
                 page.screenshot(args.screenshots / f"template_{template.stem}.jpg")
                 print(template.stem, "overlaps:", overlapping(nodes) or "none")
+            dataset_states(page, args.screenshots, str(base / "input" / "tiny_dataset"))
             training_states(page, args.screenshots)
             print("unknown messages:", page.unknown_messages() or "none")
     print(f"screenshots in {args.screenshots}")

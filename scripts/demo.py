@@ -77,6 +77,8 @@ def run_demo(base: Path, workflow: Path, timeout: float) -> int:
     loras = files_written_since(base / "models" / "loras", started)
     print("[demo] LoRA files written:" + "".join(f"\n  {p}" for p in loras))
     print("[demo] images:" + "".join(f"\n  {p}" for p in output_files(base, entry)))
+    print("[demo] the images are noise by design: the tiny checkpoint's weights are random, so this shows the path "
+          "(train, save, load, sample in one ComfyUI run), not picture quality")
     shown: list[str] = []
     for node_output in entry.get("outputs", {}).values():  # the training report and VRAM monitor text
         for text in node_output.get("text", []):

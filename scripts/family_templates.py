@@ -89,7 +89,7 @@ def family_prompt(family: str) -> dict:
 
 
 # columns: loaders | LeanLoRA inputs | Train | sampling | outputs
-LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 290), "6": (400, 900),
+LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 430), "6": (400, 1030),
           "7": (780, 40), "8": (1160, 40), "9": (1160, 250), "10": (1160, 460), "11": (1540, 40), "12": (1540, 420),
           "13": (1920, 40), "14": (780, 960), "15": (780, 1240)}  # 14, 15: below Train with its panel (web/leanlora.js)
 
@@ -97,12 +97,14 @@ LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (
 def family_template(family: str, object_info: dict) -> dict:
     spec = FAMILIES[family]
     notes = [
-        {"pos": (20, -220), "size": (740, 200),
-         "text": f"{spec['title']} LoRA, trained inside ComfyUI. 1) Pick your model files in the three loaders "
-                 f"(left): {spec['files']}. 2) Put your images (and optional <image>.txt captions) in "
-                 f"ComfyUI/input/<a folder> and type that folder's name in LeanLoRA Dataset. 3) Queue: Memory "
-                 "Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and used by the "
-                 "sampler on the right in the same run."},
+        {"pos": (20, -250), "size": (740, 230), "title": "Start here",
+         "text": f"LeanLoRA: train a {spec['title']} LoRA inside ComfyUI, then sample with it.\n"
+                 f"1) Pick your model files in the three loaders (left): {spec['files']}.\n"
+                 "2) Put your images (and optional <image>.txt captions) in ComfyUI/input/<a folder> and pick that "
+                 "folder in LeanLoRA Dataset's list (press R if it is not listed yet; 'type a folder path…' takes "
+                 "an absolute path): the node shows the image and caption counts.\n"
+                 "3) Queue: Memory Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and "
+                 "used by the sampler on the right in the same run."},
         {"pos": (1160, 680), "size": (340, 140),
          "text": f"The trigger word ({TRIGGER}) is added to every caption; keep it in your prompts. The sampler "
                  "uses the family's usual settings (euler, simple schedule)."},

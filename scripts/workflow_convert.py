@@ -134,12 +134,16 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
     return prompt
 
 
+# px that web/leanlora.js adds under a node's widgets: the Dataset node's upload button, counts and thumbnails
+DRAWN_BELOW_WIDGETS = {"LeanLoRADataset": 134}
+
+
 def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]],
               titles: dict[str, str] | None = None, notes: list[dict] | None = None) -> dict:
     """The UI-format workflow of an API prompt, the inverse of ui_to_api: every node at layout[id] (x, y), its
     widget values in the frontend's order (widget_slots; "fixed" after seeds), its links, and `notes`
-    ({"text", "pos", "size"}) as Note nodes. Node sizes are the frontend's for their widget count, so laid-out
-    nodes do not overlap."""
+    ({"text", "pos", "size", optional "title"}) as Note nodes. Node sizes are the frontend's for their widget
+    count (and what web/leanlora.js draws below them), so laid-out nodes do not overlap."""
     titles = titles or {}
     nodes, links = [], []
     link_id = 0
@@ -180,6 +184,7 @@ def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]
         height = 46 + 24 * max(len(inputs), len(outputs)) + 26 * len(values)
         if node["class_type"] in ("SaveImage", "PreviewImage"):
             height = max(height, 300)
+        height += DRAWN_BELOW_WIDGETS.get(node["class_type"], 0)
         entry = {"id": int(node_id), "type": node["class_type"], "pos": list(layout[node_id]),
                  "size": [340, height], "flags": {}, "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
                  "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": values}
@@ -191,6 +196,8 @@ def api_to_ui(prompt: dict, object_info: dict, layout: dict[str, tuple[int, int]
         nodes.append({"id": next_id + offset, "type": "Note", "pos": list(note["pos"]), "size": list(note["size"]),
                       "flags": {}, "order": len(nodes), "mode": 0, "inputs": [], "outputs": [],
                       "properties": {}, "widgets_values": [note["text"]], "color": "#432", "bgcolor": "#653"})
+        if note.get("title"):
+            nodes[-1]["title"] = note["title"]
     return {"last_node_id": max(n["id"] for n in nodes), "last_link_id": link_id, "nodes": nodes, "links": links,
             "groups": [], "config": {}, "extra": {"ds": {"scale": 0.7, "offset": [40, 40]}}, "version": 0.4}
 

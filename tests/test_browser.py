@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import browser_ui
 
@@ -72,3 +73,37 @@ def test_the_train_panel_shows_phases_progress_the_saved_file_and_a_stop(page, c
     assert not states["overlapping_after"], states["overlapping_after"]
     assert states["reloaded"]["final"] == final and states["reloaded"]["state"]["step"] == cancelled["state"]["step"]
     assert not page.unknown_messages(), page.unknown_messages()
+
+
+def test_picking_a_dataset_folder_shows_its_counts_and_thumbnails_before_queue(page, comfy_server, tiny_assets):
+    """The template's Dataset node names a folder the user does not have yet: the node says so. Picked from the
+    list with the mouse, a folder of input/ shows its image and caption counts and thumbnails; 'type a folder
+    path' takes an absolute path. The node grew: still no overlap."""
+    states = browser_ui.dataset_states(page, SCREENSHOTS, str(tiny_assets["dataset"]))
+    start, picked, typed = states["start"], states["picked"], states["typed"]
+    assert start["counts"].startswith("folder 'my_dataset' does not exist"), start
+    assert "tiny_dataset" in start["values"] and start["values"][-1] == "type a folder path…"
+    assert picked["counts"] == "6 images · 6 captions" and len(picked["thumbnails"]) == 6, picked
+    assert [t["title"] for t in picked["thumbnails"]] == [f"img_{i:03d}.png" for i in range(6)]
+    assert typed["counts"] == "6 images · 6 captions" and len(typed["thumbnails"]) == 6, typed
+    assert not states["overlapping"], states["overlapping"]
+    # a folder added later shows up in the list with R (ComfyUI's refresh), the typed-path entry still last
+    added = comfy_server.base_dir / "input" / "added_later"
+    added.mkdir(exist_ok=True)
+    Image.new("RGB", (64, 64), "teal").save(added / "one.png")
+    values = page.evaluate("""async () => { await app.refreshComboInNodes();
+        const n = app.graph._nodes.find(n => n.type === 'LeanLoRADataset');
+        return [...n.widgets.find(w => w.name === 'folder').options.values]; }""")
+    assert "added_later" in values and values[-1] == "type a folder path…", values
+
+
+def test_images_uploaded_from_the_dataset_node_land_in_a_new_input_folder(page, comfy_server, tiny_assets):
+    """'upload images' on the node: three images and their captions, picked in the browser's file chooser, go
+    into input/uploaded_set through ComfyUI's own upload route; the node then shows that folder and its counts."""
+    files = sorted(tiny_assets["dataset"].glob("img_00[0-2].*"))
+    shown = browser_ui.upload_states(page, files, "uploaded_set")
+    assert shown["counts"] == "3 images · 3 captions" and len(shown["thumbnails"]) == 3, shown
+    uploaded = comfy_server.base_dir / "input" / "uploaded_set"
+    assert sorted(p.name for p in uploaded.iterdir()) == sorted(f.name for f in files)
+    assert all((uploaded / f.name).read_bytes() == f.read_bytes() for f in files)
+    assert "uploaded_set" in shown["values"]

@@ -443,10 +443,13 @@ def test_server_skips_and_lists_bad_files_and_trains_on_the_rest(comfy_server):
 @pytest.mark.parametrize("folder, expected", [("", "folder is empty"), ("   ", "folder is empty"),
                                               ("../../../../etc", "leads out of ComfyUI's input folder")])
 def test_server_rejects_an_empty_or_escaping_folder_with_a_clear_error(comfy_server, folder, expected):
+    """Refused by the Dataset node's validation when queued, before anything runs."""
     import requests
-    from comfy_headless import execution_error
-    entry = comfy_server.run(_preview_dataset(folder), timeout=300)
-    error = execution_error(entry)
-    assert entry["status"]["status_str"] == "error" and error["node_type"] == "LeanLoRADataset"
-    assert expected in error["exception_message"] and "input folder" in error["exception_message"]
+    from comfy_headless import PromptRejected
+    with pytest.raises(PromptRejected) as rejected:
+        comfy_server.queue(_preview_dataset(folder))
+    [node] = rejected.value.body["node_errors"].values()
+    [error] = node["errors"]
+    assert node["class_type"] == "LeanLoRADataset" and error["extra_info"]["input_name"] == "folder"
+    assert expected in error["details"] and "input folder" in error["details"]
     assert requests.get(f"{comfy_server.url}/system_stats", timeout=10).ok

@@ -47,15 +47,17 @@ def test_confined_folders_stay_inside_input_symlinks_resolved(tmp_path):
         resolve_folder(str(outside), input_dir, why)
     with pytest.raises(LeanLoRAError, match=rf"folder 'sneaky' \(a link to {outside}\) is outside .*LEANLORA_ALLOW"):
         resolve_folder("sneaky", input_dir, why)
+    with pytest.raises(LeanLoRAError, match="folder 'mi\\\\x00ne' holds a NUL character"):  # not a ValueError
+        resolve_folder("mi\x00ne", input_dir, why)
     assert resolve_folder(str(outside), input_dir) == outside  # not confined: as before
     assert resolve_folder("sneaky", input_dir) == input_dir / "sneaky"
 
 
 @pytest.mark.comfy
 def test_a_server_reachable_from_other_machines_reads_only_input_folders(tmp_path, tiny_assets):
-    """A real ComfyUI started with --listen 0.0.0.0: the Dataset node refuses a folder outside input/ (absolute or
-    a symlink leading out) naming the setting, and reads one inside."""
-    from comfy_headless import ComfyServer, execution_error
+    """A real ComfyUI started with --listen 0.0.0.0: the Dataset node's validation refuses a folder outside input/
+    (absolute or a symlink leading out) naming the setting, and the node reads one inside."""
+    from comfy_headless import ComfyServer, PromptRejected, execution_error
     base = tmp_path / "shared_base"
     shutil.copytree(tiny_assets["dataset"], base / "input" / "inside")
     shutil.copytree(tiny_assets["dataset"], tmp_path / "private")
@@ -71,15 +73,16 @@ def test_a_server_reachable_from_other_machines_reads_only_input_folders(tmp_pat
                           "folder": folder, "resolution": 64, "repeats": 1, "trigger_word": "",
                           "framing": "center crop (square)"}},
                       "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
-            entry = server.run(prompt, timeout=300)
-            error = execution_error(entry)
             if ok:
-                assert error is None, error
-            else:
-                assert error is not None and error["node_type"] == "LeanLoRADataset", entry["status"]
-                message = error["exception_message"]
-                assert "outside ComfyUI's input folder" in message and ALLOW_ANY_FOLDER in message, message
-                assert "0.0.0.0" in message
+                entry = server.run(prompt, timeout=300)
+                assert execution_error(entry) is None, execution_error(entry)
+                continue
+            with pytest.raises(PromptRejected) as rejected:  # ComfyUI's validation, before anything runs
+                server.queue(prompt)
+            [error] = rejected.value.body["node_errors"]["1"]["errors"]
+            message = error["details"]
+            assert "outside ComfyUI's input folder" in message and ALLOW_ANY_FOLDER in message, message
+            assert "0.0.0.0" in message
     finally:
         server.stop()
         if env_before is not None:

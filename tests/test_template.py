@@ -1,6 +1,7 @@
 """The shipped template (example_workflows/) is what a user's first Run needs, and the tests' twin
 (workflows/api/) is that template with only the fixture names and sizes swapped in."""
 import json
+import re
 import time
 from pathlib import Path
 
@@ -52,6 +53,18 @@ def test_template_and_thumbnail_are_where_comfyui_looks():
         with Image.open(thumbnail) as image:
             assert image.format == "JPEG" and image.width >= 256 and image.height >= 192, thumbnail
         assert thumbnail.stat().st_size < 100_000
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda t: t.stem)
+def test_each_template_says_what_it_is_where_the_user_reads_it(template):
+    """ComfyUI 0.3.75's frontend (1.32.9) titles a pack's template by its file name and describes it by that name
+    with '_' as spaces (it reads no other field for custom packs): leanlora_<what>, lower case. Opened, its
+    "Start here" note's first line says in one sentence what it trains."""
+    assert re.fullmatch(r"leanlora_[a-z0-9]+(_[a-z0-9]+)+", template.stem), template.stem
+    ui = json.loads(template.read_text())
+    [start] = [n for n in ui["nodes"] if n["type"] == "Note" and n.get("title") == "Start here"]
+    first_line = start["widgets_values"][0].split("\n")[0]
+    assert first_line.startswith("LeanLoRA: ") and first_line.endswith(".") and len(first_line) <= 160, first_line
 
 
 TITLE_HEIGHT = 30  # the frontend draws a node's title above its pos
@@ -122,13 +135,18 @@ def test_overrides_fail_on_inputs_the_workflow_does_not_have():
 
 
 @pytest.mark.comfy
-def test_template_as_shipped_is_rejected_only_for_the_checkpoint_the_user_must_pick(comfy_server):
+def test_template_as_shipped_is_rejected_only_for_the_two_things_the_user_must_pick(comfy_server):
+    """The checkpoint and the image folder, both before anything loads (the folder by the Dataset node's own
+    validation, saying what to do)."""
     with pytest.raises(PromptRejected) as rejected:
         comfy_server.queue(template_prompt(comfy_server.object_info()))
     node_errors = rejected.value.body["node_errors"]
-    assert set(node_errors) == {"1"}, node_errors
+    assert set(node_errors) == {"1", "2"}, node_errors
     [error] = node_errors["1"]["errors"]
     assert error["type"] == "value_not_in_list" and error["extra_info"]["input_name"] == "ckpt_name"
+    [error] = node_errors["2"]["errors"]
+    assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "folder"
+    assert "folder 'my_dataset' does not exist" in error["details"] and "pick a folder" in error["details"]
 
 
 @pytest.mark.comfy

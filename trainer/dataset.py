@@ -142,6 +142,9 @@ def _resolve_folder(folder: str, input_dir: str | Path) -> Path:
     if not text:
         raise LeanLoRAError(f"folder is empty; give a folder name inside ComfyUI's input folder ({input_dir}) "
                             "or an absolute path")
+    if "\x00" in text:  # no path holds one; os.path.realpath would raise ValueError on it
+        raise LeanLoRAError(f"folder {text!r} holds a NUL character, which no path can; type the folder's name "
+                            "again")
     try:
         path = Path(text).expanduser()
     except RuntimeError as error:  # "~name" of a user this machine does not know

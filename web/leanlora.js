@@ -4,6 +4,9 @@
 // - Train: a live panel drawn from the pack's websocket messages (leanlora.progress / .saved / .partial_saved):
 //   the phase before step 1, step / loss / s/step / time left / VRAM, a loss chart, samples by step and prompt,
 //   and where the file went. The last state is kept in localStorage, so a page reloaded mid-run redraws it.
+// - Dataset: the folder list (input/ subfolders, from the server) gains a "type a folder path" entry for any other
+//   path, an "upload images" button puts files into a folder of input/ (ComfyUI's /upload/image), and the node
+//   shows the picked folder's image and caption counts and a few thumbnails before Queue.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -11,6 +14,9 @@ const LiteGraph = window.LiteGraph;
 
 const MEMORY = "LeanLoRAMemorySettings";
 const TRAIN = "LeanLoRATrain";
+const DATASET = "LeanLoRADataset";
+const TYPE_PATH = "type a folder path…"; // the folder list's last entry: opens a text prompt
+const PREVIEW_HEIGHT = 104;
 const OLD_FIRST_VALUES = ["bf16", "fp16", "no"]; // mixed_precision led Memory Settings before `card`
 const PANEL_HEIGHT = 270; // px at 100% zoom; a gallery adds GALLERY_HEIGHT
 const GALLERY_HEIGHT = 120;
@@ -186,6 +192,13 @@ const STYLE = `
 .leanlora-panel .ll-gallery { display: flex; gap: 6px; overflow-x: auto; margin-top: 4px; }
 .leanlora-panel .ll-gallery figure { margin: 0; flex: none; text-align: center; font-size: 11px; color: #aaa; }
 .leanlora-panel .ll-gallery img { height: 84px; display: block; border-radius: 3px; }
+.leanlora-dataset { box-sizing: border-box; width: 100%; height: 100%; padding: 4px 6px; overflow: hidden;
+  font: 13px/1.35 system-ui, sans-serif; color: #ddd; background: #1b1b1f; border-radius: 6px; }
+.leanlora-dataset .ll-counts { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.leanlora-dataset .ll-counts.ll-problem { color: #f0c060; white-space: normal; font-size: 12px; max-height: 94px;
+  overflow-y: auto; }
+.leanlora-dataset .ll-thumbs { display: flex; gap: 4px; margin-top: 4px; overflow: hidden; }
+.leanlora-dataset .ll-thumbs img { height: 56px; width: 56px; object-fit: cover; border-radius: 3px; flex: none; }
 `;
 
 function ensureStyle() {
@@ -317,8 +330,137 @@ function setupTrainNode(node) {
   requestAnimationFrame(() => render(node));
 }
 
+// ---- Dataset: folder list + preview ----------------------------------------------------------------------------
+
+function setupDatasetNode(node) {
+  ensureStyle();
+  const folder = node.widgets?.find((w) => w.name === "folder");
+  if (!folder) return;
+  // the server's list (object_info, or a refresh with R) plus the entry for a typed path, whoever sets the list
+  let listed = folder.options.values ?? [];
+  Object.defineProperty(folder.options, "values", {
+    configurable: true, enumerable: true,
+    get: () => [...listed.filter((v) => v !== TYPE_PATH), TYPE_PATH],
+    set: (values) => { listed = values ?? []; },
+  });
+  const callback = folder.callback;
+  let previous = folder.value;
+  folder.callback = function (value, canvas, ...rest) {
+    if (value !== TYPE_PATH) {
+      previous = value;
+      previewDataset(node);
+      return callback?.apply(this, [value, canvas, ...rest]);
+    }
+    folder.value = previous; // the entry is not a folder: keep the last one until a path is given
+    const ask = canvas ?? app.canvas;
+    const typed = typeof previous === "string" && !listed.includes(previous) ? previous : "";
+    ask.prompt("Folder path", typed, (text) => {
+      text = String(text ?? "").trim();
+      if (!text) return;
+      folder.value = previous = text;
+      previewDataset(node);
+      callback?.apply(folder, [text, canvas, ...rest]);
+      node.setDirtyCanvas(true, true);
+    }, rest[2]); // rest: node, position, event
+  };
+  addUploadButton(node, folder);
+  const root = el("div", "leanlora-dataset");
+  const parts = { counts: el("div", "ll-counts", root), thumbs: el("div", "ll-thumbs", root) };
+  const widget = node.addDOMWidget("leanlora_dataset_preview", "leanlora_dataset_preview", root, {
+    serialize: false, hideOnZoom: false, getValue: () => "", setValue: () => {},
+    getMinHeight: () => PREVIEW_HEIGHT, getMaxHeight: () => PREVIEW_HEIGHT,
+  });
+  widget.serialize = false; // not an input: a saved workflow's widget values stay the inputs', by position
+  node.leanloraDataset = { root, parts, folder, answer: null };
+  const size = node.computeSize();
+  node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
+  previewDataset(node);
+}
+
+function addUploadButton(node, folder) {
+  // images (and their .txt captions or a metadata.csv) into a folder of input/, through ComfyUI's own upload route
+  const picker = el("input", null, document.body);
+  Object.assign(picker, { type: "file", multiple: true, accept: "image/*,.txt,.csv" });
+  picker.style.display = "none";
+  const button = node.addWidget("button", "upload images", null, () => picker.click(), { serialize: false });
+  button.serialize = false; // not an input: a saved workflow's widget values stay the inputs', by position
+  picker.addEventListener("change", () => {
+    const files = [...picker.files];
+    picker.value = ""; // the same files can be picked again
+    if (!files.length) return;
+    const current = String(folder.value ?? "");
+    const suggested = /^[^/\\]+$/.test(current) && current !== TYPE_PATH ? current : "my_dataset";
+    app.canvas.prompt("Upload into this folder of input/", suggested, (name) => {
+      name = String(name ?? "").trim();
+      if (name) uploadInto(node, folder, name, files);
+    });
+  });
+  const removed = node.onRemoved;
+  node.onRemoved = function () { picker.remove(); return removed?.apply(this, arguments); };
+}
+
+async function uploadInto(node, folder, name, files) {
+  const counts = node.leanloraDataset?.parts.counts;
+  if (/[/\\]|^\.+$/.test(name)) { // one folder directly inside input/, as the list shows them
+    if (counts) counts.textContent = `'${name}' is not a folder name: give a name without / or \\`;
+    return;
+  }
+  for (const [i, file] of files.entries()) {
+    if (counts) counts.textContent = `uploading ${i + 1}/${files.length} into input/${name}…`;
+    const body = new FormData();
+    body.append("image", file);
+    body.append("subfolder", name);
+    body.append("type", "input");
+    body.append("overwrite", "true"); // an edited caption replaces the old one instead of becoming "x (1).txt"
+    const response = await api.fetchApi("/upload/image", { method: "POST", body });
+    if (!response.ok) {
+      if (counts) counts.textContent = `upload of ${file.name} failed (${response.status} ${response.statusText})`;
+      return;
+    }
+  }
+  folder.value = name;
+  folder.callback?.(name, app.canvas, node); // previews the folder and refreshes the list
+  node.setDirtyCanvas(true, true);
+}
+
+async function previewDataset(node) {
+  const preview = node.leanloraDataset;
+  if (!preview) return;
+  const value = preview.folder.value;
+  const asked = (preview.asked = (preview.asked ?? 0) + 1); // a later pick wins over a slow earlier answer
+  preview.parts.counts.textContent = "reading the folder…";
+  let answer;
+  try {
+    const response = await api.fetchApi(`/leanlora/dataset_preview?${new URLSearchParams({ folder: value ?? "" })}`);
+    answer = await response.json();
+  } catch (error) {
+    answer = { error: `no preview (${error})` };
+  }
+  if (asked !== preview.asked) return;
+  preview.answer = answer;
+  if (Array.isArray(answer.folders)) preview.folder.options.values = answer.folders; // a new folder shows up
+  const p = preview.parts;
+  p.thumbs.replaceChildren();
+  p.counts.title = answer.error ?? answer.problem ?? answer.path ?? "";
+  if (answer.error) {
+    p.counts.textContent = answer.error;
+    p.counts.className = "ll-counts ll-problem";
+  } else {
+    const counts = [`${answer.images} images`, `${answer.captions} captions`];
+    if (answer.skipped) counts.push(`${answer.skipped} skipped`);
+    p.counts.textContent = answer.problem ?? counts.join(" · ");
+    p.counts.className = "ll-counts" + (answer.problem || !answer.images ? " ll-problem" : "");
+    for (const image of answer.thumbnails ?? []) {
+      const img = el("img", null, p.thumbs);
+      img.src = viewUrl(image);
+      img.title = image.filename;
+    }
+  }
+  node.setDirtyCanvas(true, true);
+}
+
 // for the browser tests (tests/test_browser.py) and the console: the panels' states by node id
-window.LeanLoRA = { panels, stateOf };
+window.LeanLoRA = { panels, stateOf, TYPE_PATH };
 
 app.registerExtension({
   name: "LeanLoRA.panel",
@@ -343,6 +485,20 @@ app.registerExtension({
       nodeType.prototype.onConfigure = function (info) {
         const result = configure?.apply(this, arguments);
         migrateMemoryValues(this, info);
+        return result;
+      };
+    }
+    if (nodeData.name === DATASET) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const result = created?.apply(this, arguments);
+        setupDatasetNode(this);
+        return result;
+      };
+      const configure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function () {
+        const result = configure?.apply(this, arguments);
+        previewDataset(this); // a loaded workflow's folder
         return result;
       };
     }

@@ -71,9 +71,9 @@ class SimulatedSession:
         partial = 0 < count < UNITS
         return self.none - (self.none - self.full) * count / UNITS + (self.actual_extra if partial else 0)
 
-    def estimate(self, raise_oom=False, measured=None):
+    def estimate(self, raise_oom=False, measured=None, sides=(0.5, 1.0)):
         static = self.static()
-        for area in (AREA // 4, AREA):
+        for area in [int(AREA * side * side) for side in sides]:
             transient = int(self.activations() * area / AREA) + self.workspace
             if static + transient > self.card_bytes:
                 if not raise_oom:  # as TrainingSession.estimate: the report says the probe ran out of memory
@@ -81,6 +81,8 @@ class SimulatedSession:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated card)")
             if measured is not None:
                 measured.append((area, transient, 0.0))
+        if len(sides) < 2:
+            return MemoryEstimate(static, 0, 0, 0)  # as probe_activations: no line through one point
         lora = sum(p.numel() * 4 for p in self.params)
         return MemoryEstimate(frozen_weights=static - 2 * lora - optimizer_state_bytes(self.memory.optimizer,
                                                                                         self.params),
@@ -149,6 +151,16 @@ def test_fp8_weights_are_taken_where_they_buy_back_more_recompute_than_they_cost
     chose = next(line for line in lines if "the planner chose" in line)
     runner_up = chose.split("runner-up")[1]
     assert "base weights as loaded" in runner_up and "60% of the blocks" in runner_up
+
+
+def test_where_even_the_quarter_size_step_runs_out_of_memory_a_smaller_one_gives_the_model():
+    """A small card (SD1.5 on 3 GiB): with no recompute even the quarter-area probe does not fit. A step at a
+    sixteenth of the area still measures how activations grow, so the planner still picks a partial share instead
+    of recomputing every block."""
+    session = SimulatedSession(weights_gib=1.0, none_gib=8.0, full_gib=0.2, workspace_gib=0.1)
+    memory, _, lines = _fit(session, 2.6)
+    assert any("the planner chose" in line for line in lines), lines
+    assert memory.gradient_checkpointing and 0 < memory.checkpoint_share < 1
 
 
 def test_a_probe_above_the_planners_prediction_raises_the_share_until_the_probe_fits():

@@ -18,7 +18,7 @@ from .files import sanitize_name
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
 from .memory.allocator import apply_allocator_settings, backend as allocator_backend, trim_graph_memory
-from .memory.estimate import GIB, MemoryEstimate, probe_activations, static_terms
+from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
 from .objective import denoising_loss, draw_noise
@@ -263,7 +263,8 @@ class TrainingSession:
         return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
                 f"{time.perf_counter() - started:.1f} s{caching}"]
 
-    def estimate(self, raise_oom: bool = False, measured: list | None = None) -> MemoryEstimate:
+    def estimate(self, raise_oom: bool = False, measured: list | None = None,
+                 sides: tuple[float, ...] = PROBE_SIDES) -> MemoryEstimate:
         """Exact static terms, plus probed activations on CUDA (throwaway steps: the run's RNG stream is untouched)."""
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
@@ -277,7 +278,7 @@ class TrainingSession:
                 return probe_activations(estimate, self.throwaway_step,
                                          self.largest_batch(self.compiled_batch if at_run_shape else 1),
                                          self.memory.batch_size, self.adapter.device, *self.held_between_steps(),
-                                         at_run_shape=at_run_shape, measured=measured)
+                                         at_run_shape=at_run_shape, measured=measured, sides=sides)
         except Exception as error:
             if not is_out_of_memory(error) or raise_oom:
                 raise

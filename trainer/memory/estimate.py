@@ -74,31 +74,37 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def _probe_sizes(height: int, width: int, multiple: int = 8) -> list[tuple[int, int]]:
-    """A quarter of the area and the full size: the line through them is exact at the real size (one real-size
-    forward+backward is the only way to see every kernel's workspace), the quarter gives the slope."""
+PROBE_SIDES = (0.5, 1.0)
+
+
+def _probe_sizes(height: int, width: int, sides: tuple[float, ...] = PROBE_SIDES,
+                 multiple: int = 8) -> list[tuple[int, int]]:
+    """By default a quarter of the area and the full size: the line through them is exact at the real size (one
+    real-size forward+backward is the only way to see every kernel's workspace), the quarter gives the slope."""
     def at(fraction: float, side: int) -> int:
         return max(multiple, round(side * fraction / multiple) * multiple)
-    return [(at(0.5, height), at(0.5, width)), (height, width)]
+    return [(at(fraction, height), at(fraction, width)) for fraction in sides]
 
 
 def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Tensor], sample: tuple,
                       batch_size: int, device: torch.device, gradients_kept: int = 0,
                       state_held: int = 0, at_run_shape: bool = False,
-                      measured: list[tuple[int, int, float]] | None = None) -> MemoryEstimate:
+                      measured: list[tuple[int, int, float]] | None = None,
+                      sides: tuple[float, ...] = PROBE_SIDES) -> MemoryEstimate:
     """Runs forward+backward at a quarter of the area and at full size (`step(batch)`; gradients are cleared by
     the caller) and fills in activations and workspace for the real batch and latent size, and `other`: what the
     process holds beyond the estimate's terms. `gradients_kept` / `state_held`: bytes of gradients kept between
     steps (a flat gradient) and of optimizer state already allocated, both part of the probes' baseline.
     `at_run_shape`: `sample` is already the run's batch; one probe at full size measures activations and
     workspace together. `measured` gets each probe's (latent area, transient bytes, seconds) as it ends: what
-    the auto-fit planner models from, also when a later probe runs out of memory."""
+    the auto-fit planner models from, also when a later probe runs out of memory. `sides`: the probes' sizes as
+    fractions of the latent's sides; a single one only fills `measured` (a line needs two points)."""
     if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
         return estimate
     latent, cond = sample
     height, width = latent.shape[-2:]
     points = []
-    for h, w in [(height, width)] if at_run_shape else _probe_sizes(height, width):
+    for h, w in [(height, width)] if at_run_shape else _probe_sizes(height, width, sides):
         small = F.interpolate(latent, size=(h, w), mode="nearest")
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
@@ -113,6 +119,8 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         if measured is not None:
             measured.append((*points[-1], seconds))
     torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
+    if len(points) < 2 and not at_run_shape:
+        return estimate
     # The probe's delta holds the LoRA gradients (when backward allocates them), activations and workspace.
     new_gradients = estimate.gradients - gradients_kept
     if at_run_shape:

@@ -15,7 +15,7 @@ from ..settings import AutoFit, BaseWeights, MemorySettings
 from ..step.micro_steps import GraphDoesNotFit
 from ..step.precision import DTYPES
 from .allocator import memory_fraction, trim_graph_memory
-from .estimate import GIB, MemoryEstimate
+from .estimate import GIB, PROBE_SIDES, MemoryEstimate
 from .ladder import next_rung
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
 
@@ -92,16 +92,18 @@ class Probe:
     """One estimate of the session's current settings under the card's cap: `estimate` is None where even the
     probe ran out of memory; `measured` holds each probe step that ended, (latent area, transient bytes, seconds)."""
 
-    def __init__(self, session: TrainingSession, card: CardBudget):
+    def __init__(self, session: TrainingSession, card: CardBudget, sides: tuple[float, ...] = PROBE_SIDES):
         self.measured: list[tuple[int, int, float]] = []
         self.budget = card.usable()
         try:
             with probes_capped_at(self.budget, session.adapter.device):
-                self.estimate = session.estimate(raise_oom=True, measured=self.measured)
+                self.estimate = session.estimate(raise_oom=True, measured=self.measured, sides=sides)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
             session.free_failed_step(error)  # its traceback holds the probe's activations: the next probe needs them
+            self.estimate = None
+        if self.estimate is not None and self.estimate.total is None:  # a single size measures no line
             self.estimate = None
         self.budget = card.usable()  # again: the probe loaded library kernels outside PyTorch
         self.extra = session.micro_step.extra_memory(self.estimate) if self.estimate is not None else 0
@@ -154,9 +156,13 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     session.configure(memory)
     fastest = Probe(session, card)
     if fastest.fits():
+        how = "as planned" if session.memory.gradient_checkpointing else "with no recompute"
         lines.append(f"auto-fit: estimated peak {fastest.peak / GIB:.2f} GiB fits the {fastest.budget / GIB:.2f} GiB "
-                     f"budget with no recompute: {session.memory.describe()}")
+                     f"budget {how}: {session.memory.describe()}")
         return fastest.estimate, lines
+    if not fastest.measured and not session.memory.gradient_checkpointing:
+        # Even the quarter-size step ran out of memory: a sixteenth of the area still gives the slope
+        fastest.measured = Probe(session, card, sides=(0.25,)).measured
     session.configure(replace(session.memory, gradient_checkpointing=True, checkpoint_share=1.0))
     full = Probe(session, card)
     model = activation_model(fastest, full)
@@ -172,8 +178,8 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
                 return estimate, lines
     elif full.fits():
         lines.append(f"auto-fit: estimated peak {full.peak / GIB:.2f} GiB fits the {full.budget / GIB:.2f} GiB budget "
-                     f"with every block recomputed (no model of partial shares: {fastest.why_not()} at quarter "
-                     f"size): {session.memory.describe()}")
+                     f"with every block recomputed (no model of partial shares: with no recompute even a step at a "
+                     f"sixteenth of the image's area ran out of memory): {session.memory.describe()}")
         return full.estimate, lines
     estimate, ladder_lines = walk_ladder(session, card)
     return estimate, lines + ladder_lines

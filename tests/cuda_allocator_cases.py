@@ -23,7 +23,7 @@ from trainer.step.checkpointing import checkpoint_blocks, uses_randomness  # noq
 from trainer.lora import inject_lora, seed_lora_dropout  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
 from trainer.step.precision import Precision  # noqa: E402
-from trainer.session import graphs_incompatible  # noqa: E402
+from trainer.step.micro_steps import graphs_incompatible  # noqa: E402
 from trainer.settings import FastPath, LoraSettings  # noqa: E402
 
 DEVICE = torch.device("cuda")

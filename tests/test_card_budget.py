@@ -7,6 +7,7 @@ from helpers import TinyNet, sd_targets
 from bridge.cast_weights import projected_weight_bytes
 from trainer import session as session_module
 from trainer.memory import fit
+from trainer.step.micro_steps import graphs_incompatible
 from trainer.errors import LeanLoRAError
 from trainer.memory.estimate import GIB
 from trainer.lora import inject_lora
@@ -166,8 +167,8 @@ def test_probes_are_capped_and_uncapped_where_pytorch_cannot_tell_the_cap(monkey
 def test_only_random_forwards_keep_steps_from_being_graphed():
     # Streamed weights are graphed under cudaMallocAsync too (SD1.5 2 GiB and SDXL 3 GiB in a ComfyUI server, H200,
     # 3 Dec 2026); LoRA dropout draws inside the step, which a replay would repeat.
-    assert session_module.graphs_incompatible(False) is None
-    assert "dropout" in session_module.graphs_incompatible(True)
+    assert graphs_incompatible(False) is None
+    assert "dropout" in graphs_incompatible(True)
 
 
 def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_rung_probes():

@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import time
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from .cache import CachedSample, batches, collate
-from .errors import LeanLoRAError, is_compile_error, is_out_of_memory, one_line
+from .errors import LeanLoRAError, is_out_of_memory, one_line
 from .files import sanitize_name
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
@@ -24,18 +23,15 @@ from .model import ModelAdapter
 from .objective import denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer
 from .report import Recovery
-from .settings import BaseWeights, CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
+from .settings import CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
 from .step.activation_offload import ActivationOffload
 from .step.checkpointing import (RankedUnits, checkpoint_blocks, uncheckpoint_blocks, units_for_share,
                                  uses_randomness)
-from .step.compiled_blocks import compile_blocks, inductor_cache_counts, inductor_cache_dir
+from .step.compiled_blocks import compile_before_first_step, compile_blocks
 from .step.frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
-from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step
+from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step, graphs_incompatible
 from .step.precision import Precision, norms_in_compute_dtype
 from .training_state import TrainingState, restore_rng_states, rng_states
-
-# Beside ComfyUI's copy of the model, what its sampler and VAE decode take at sample sizes (SDXL 1024²: ~1 GiB)
-SAMPLING_WORKSPACE = 1 * GIB
 
 
 class TrainingSession:
@@ -186,13 +182,13 @@ class TrainingSession:
                               f"allocator rounding; {budget / GIB:.2f} GiB left for training")
         if budget is None:
             self.configure(memory)
-            lines = self.compile_now()
+            lines = compile_before_first_step(self)
             estimate = self.estimate()
         else:
             # The planner's probes run uncompiled (each plan's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
             estimate, lines = fit_to_card(self, memory, card)
-            lines += self.compile_now()
+            lines += compile_before_first_step(self)
             if self.compiled_batch:
                 estimate = self.estimate()  # the compiled run's own, for the report
         self.micro_step.check_headroom(estimate)
@@ -201,67 +197,9 @@ class TrainingSession:
         self.estimated_peak = estimate.total
         return estimate, lines
 
-    @contextlib.contextmanager
-    def room_for_sampling(self):
-        """While ComfyUI renders samples mid-run it loads its own copy of the model beside the training copy.
-        Where the budget has no room for both (auto-fit), the training copy's frozen weights wait in CPU RAM
-        meanwhile and the CUDA graphs are captured again afterwards (they replay fixed addresses): a second or
-        two per sampling, instead of a sampler that overflows the card. Yields whether it made room."""
-        device, budget = self.adapter.device, getattr(self.micro_step, "budget", None)
-        if device.type != "cuda" or budget is None or self.estimated_peak is None:
-            yield False
-            return
-        dtype = self.precision.compute_dtype or torch.float32
-        comfy_model = self.adapter.projected_weight_bytes(self.unet, dtype, BaseWeights.AS_LOADED, 1.0)
-        if self.estimated_peak + comfy_model + SAMPLING_WORKSPACE <= budget:
-            yield False
-            return
-        self.micro_step.forget_graphs()
-        park_frozen_on_cpu(self.unet)
-        try:
-            yield True
-        finally:
-            place_on_device(self.unet, device)
-
     def comfy_reserve(self) -> int:
         """VRAM the host application keeps for itself (ComfyUI's --reserve-vram), from the adapter."""
         return int(self.adapter.reserved_vram())
-
-    def compile_now(self) -> list[str]:
-        """With compile on: compiles before step 1 with one forward+backward on the largest bucket's batch
-        (gradients discarded), so compile time is reported on its own and a compiler failing in backward is
-        caught here."""
-        if not self.is_compiled:
-            return []
-        started, batch, cached = time.perf_counter(), self.run_batch_size(), inductor_cache_counts()
-        retried = None  # (inductor options dropped, the error compiling with them), once compiled without them
-        while not self.compiled.failed:
-            try:
-                # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
-                # would be compiled, then thrown away at step 1 by a second full compile).
-                self.throwaway_step(self.largest_batch(batch))
-                break
-            except Exception as error:
-                if is_out_of_memory(error):
-                    self.free_failed_step(error)
-                    return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
-                            "memory estimate probes uncompiled steps)"]
-                if not is_compile_error(error):
-                    raise
-                dropped = self.compiled.drop_options()  # backward compiles here: forward's retry cannot see it
-                if not dropped:
-                    self.compiled.fall_back(error)
-                retried = (dropped, error)
-        if self.compiled.failed:
-            return []
-        if retried:
-            self.compiled.note_dropped(*retried)
-        self.compiled_batch = batch
-        hits, misses = (now - before for now, before in zip(inductor_cache_counts(), cached))
-        caching = (f" ({misses} graphs built, {hits} loaded from inductor's disk cache in {inductor_cache_dir()}; "
-                   "later runs load what was built, after a restart too)") if hits + misses else ""
-        return [f"torch.compile: the diffusion model's {len(self.compiled.units)} blocks compiled in "
-                f"{time.perf_counter() - started:.1f} s{caching}"]
 
     def estimate(self, raise_oom: bool = False, measured: list | None = None,
                  sides: tuple[float, ...] = PROBE_SIDES) -> MemoryEstimate:
@@ -269,7 +207,7 @@ class TrainingSession:
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=flat.state_shapes() if flat is not None else None)
-        # Compiled blocks: probe the shape compile_now compiled, once (another probe shape would cost a full
+        # Compiled blocks: probe the shape compile_before_first_step compiled, once (another probe shape would cost a full
         # compile); before or without a compile step, probe uncompiled.
         at_run_shape = self.is_compiled and self.compiled_batch == self.run_batch_size()
         uncompiled = self.compiled.uncompiled() if self.is_compiled and not at_run_shape else contextlib.nullcontext()
@@ -502,13 +440,3 @@ class TrainingSession:
                              "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "
                              "ComfyUI with --disable-cuda-malloc to capture them compiled (faster)")
         return self.notes + [n for n in extra if n not in self.notes]
-
-
-def graphs_incompatible(random_forward: bool) -> str | None:
-    """Why this run's steps cannot be CUDA graphs, None when they can. Streamed weights are graphed under both
-    allocators: the streamed capture that aborted a ComfyUI server under cudaMallocAsync (SD1.5 auto-fit 2 GiB)
-    was broken by a gradient accumulator an auto-fit probe left on the default stream (see
-    micro_steps._pin_gradient_accumulators), not by streaming."""
-    if random_forward:
-        return "the model's dropout draws random numbers inside the step"
-    return None

@@ -24,6 +24,7 @@ from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_nam
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .lora_import import ContinuedLora, continue_from_file
 from .loop import StepInfo
+from .memory.fit import room_for_sampling
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
@@ -235,7 +236,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         try:
             tensors = exporter.tensors() if state_dict is None else state_dict
             if state_dict is None:  # mid-run: the training copy is on the device
-                with session.room_for_sampling() as made_room:
+                with room_for_sampling(session) as made_room:
                     paths = on_sample(step, tensors)
                 samples.made_room += made_room
             else:  # the final samples: the run was released before them

@@ -12,6 +12,7 @@ import torch
 from ..errors import LeanLoRAError, is_out_of_memory
 from ..optimizers import optimizer_state_bytes
 from ..settings import AutoFit, BaseWeights, MemorySettings
+from ..step.frozen_weights import park_frozen_on_cpu, place_on_device
 from ..step.micro_steps import GraphDoesNotFit
 from ..step.precision import DTYPES
 from .allocator import memory_fraction, trim_graph_memory
@@ -337,3 +338,30 @@ def budget_bytes(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0
     """Bytes training's own allocations may take now under an auto_fit setting (see CardBudget)."""
     budget = card_budget(auto_fit, device, comfy_reserve)
     return None if budget is None else budget.usable()
+
+
+# Beside ComfyUI's copy of the model, what its sampler and VAE decode take at sample sizes (SDXL 1024²: ~1 GiB)
+SAMPLING_WORKSPACE = 1 * GIB
+
+
+@contextlib.contextmanager
+def room_for_sampling(session: TrainingSession):
+    """While ComfyUI renders samples mid-run it loads its own copy of the model beside the training copy.
+    Where the budget has no room for both (auto-fit), the training copy's frozen weights wait in CPU RAM
+    meanwhile and the CUDA graphs are captured again afterwards (they replay fixed addresses): a second or
+    two per sampling, instead of a sampler that overflows the card. Yields whether it made room."""
+    device, budget = session.adapter.device, getattr(session.micro_step, "budget", None)
+    if device.type != "cuda" or budget is None or session.estimated_peak is None:
+        yield False
+        return
+    dtype = session.precision.compute_dtype or torch.float32
+    comfy_model = session.adapter.projected_weight_bytes(session.unet, dtype, BaseWeights.AS_LOADED, 1.0)
+    if session.estimated_peak + comfy_model + SAMPLING_WORKSPACE <= budget:
+        yield False
+        return
+    session.micro_step.forget_graphs()
+    park_frozen_on_cpu(session.unet)
+    try:
+        yield True
+    finally:
+        place_on_device(session.unet, device)

@@ -464,3 +464,13 @@ def build_micro_step(fast_path: FastPath, compute_loss: ComputeLoss, precision: 
     if incompatible:
         return EagerMicroStep(compute_loss, precision, offload), f"fast path: CUDA graphs off because {incompatible}"
     return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload), None
+
+
+def graphs_incompatible(random_forward: bool) -> str | None:
+    """Why this run's steps cannot be CUDA graphs, None when they can. Streamed weights are graphed under both
+    allocators: the streamed capture that aborted a ComfyUI server under cudaMallocAsync (SD1.5 auto-fit 2 GiB)
+    was broken by a gradient accumulator an auto-fit probe left on the default stream (see
+    micro_steps._pin_gradient_accumulators), not by streaming."""
+    if random_forward:
+        return "the model's dropout draws random numbers inside the step"
+    return None

@@ -1,9 +1,9 @@
 """fp8 storage and CPU streaming of the training copy's frozen weights, through ComfyUI's per-call cast ops.
 
 Layers that can cast per call (ComfyUI's ops: `comfy_cast_weights`) upcast each weight only while that layer runs.
-With gradient checkpointing the upcast copies live for one block at a time. Without it, a Linear layer keeps its
-fp8 weight for backward and upcasts again there (_ScaledLinear), so fp8 saves memory at any checkpoint share;
-a conv's upcast copy stays for backward (autograd's conv keeps what it computed with).
+With gradient checkpointing the upcast copies live for one block at a time. In a block that is not recomputed, a
+Linear layer keeps its fp8 weight for backward and upcasts again there (_ScaledLinear), so fp8 saves memory at any
+checkpoint share; a conv's upcast copy stays for backward (autograd's conv keeps what it computed with).
 
 ComfyUI's generic cast (`cast_bias_weight`) copies the fp8 weight, casts it to the *input's* dtype and then
 applies weight functions: under autocast a conv after GroupNorm gets an fp32 input, so SDXL's largest convs
@@ -192,7 +192,10 @@ class _Fp8Compute:
         if isinstance(self, torch.nn.Conv2d):
             return self._conv_forward(input, weight, bias)
         if scale_in_gemm:  # the fp8 values exactly (e4m3 -> dtype is exact): the scale is the GEMM's alpha
-            return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE), stored)
+            # Outside recomputed blocks backward comes long after: keep the fp8 weight, not the copy (2x the bytes).
+            # Inside one the copy lives only through the block's own backward: keep it, no second upcast.
+            keep = None if getattr(self, "leanlora_recomputed", False) else stored
+            return scaled_linear(input.to(dtype), weight, bias, getattr(self, FP8_SCALE_VALUE), keep)
         return torch.nn.functional.linear(input, weight, bias)
 
 

@@ -184,6 +184,9 @@ def test_a_smaller_share_unwraps_the_last_units_and_off_restores_every_forward(a
     for share, expected in ((1.0, 15), (0.4, 6), (0.8, 12), (0.2, 3)):
         session.configure(_memory(share))
         assert _wrapped(session) == {id(u) for u in units[:expected]}
+        # what fp8 layers read to keep their fp8 weight (outside recomputed blocks) or its upcast copy (inside)
+        assert [all(m.leanlora_recomputed for m in u.modules()) for u in units] == [True] * expected + \
+            [False] * (15 - expected)
         calls.clear()
         session.loss(session.largest_batch()).backward()
         session.optimizer.zero_grad(set_to_none=True)

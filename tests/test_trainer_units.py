@@ -178,6 +178,31 @@ def test_scaled_linear_keeps_the_fp8_weight_for_backward_not_its_upcast_copy():
     torch.testing.assert_close(out, scaled_linear(x, upcast, None, 0.25), rtol=0, atol=0)
 
 
+def test_an_fp8_linear_keeps_fp8_outside_recomputed_blocks_and_its_upcast_copy_inside():
+    """Inside a recomputed block what the recompute saves lives only through that block's backward: the layer
+    keeps the upcast copy there (no second upcast, the step as fast as before); outside it keeps the fp8 weight."""
+    from bridge.cast_weights import store_weights_fp8
+    from comfy import ops
+    from trainer.step.checkpointing import checkpoint_blocks, uncheckpoint_blocks
+    from trainer.step.frozen_weights import FP8
+    generator = torch.Generator().manual_seed(0)
+    block = torch.nn.Sequential(ops.manual_cast.Linear(16, 8, bias=False))
+    block[0].weight = torch.nn.Parameter(torch.randn(8, 16, generator=generator), requires_grad=False)
+    store_weights_fp8(block)
+    x = torch.randn(2, 16, generator=generator).to(torch.bfloat16).requires_grad_()
+
+    def saved_dtypes():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            block[0](x)
+        return saved
+    assert FP8 in saved_dtypes()
+    checkpoint_blocks([block])
+    assert FP8 not in saved_dtypes()  # the layer called directly, as the recompute calls it
+    uncheckpoint_blocks([block])
+    assert FP8 in saved_dtypes()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel is CUDA-only")
 def test_fused_fp8_dequantize_equals_the_eager_form_on_cuda():
     from trainer.step import frozen_weights

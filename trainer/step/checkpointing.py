@@ -37,8 +37,17 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], preserve_rng_state: boo
         if getattr(block.forward, "leanlora_checkpointed", False):
             continue  # wrapped by an earlier, smaller share: a second wrap would recompute it twice
         block.forward = _checkpointed(block.forward, preserve_rng_state, block.__dict__.get("forward", _UNWRAPPED))
+        _mark_recomputed(block, True)
         count += 1
     return count
+
+
+def _mark_recomputed(block: torch.nn.Module, recomputed: bool) -> None:
+    """Layers read this to choose what to keep for backward: inside a recomputed block what the recompute saves
+    lives for that block's backward only, outside it until backward reaches the layer (bridge/cast_weights.py
+    keeps fp8 weights there instead of their upcast copies)."""
+    for module in block.modules():
+        module.leanlora_recomputed = recomputed
 
 
 def uncheckpoint_blocks(blocks: Iterable[torch.nn.Module]) -> int:
@@ -52,6 +61,7 @@ def uncheckpoint_blocks(blocks: Iterable[torch.nn.Module]) -> int:
             del block.forward
         else:
             block.forward = wrapper.leanlora_unwrapped
+        _mark_recomputed(block, False)
         count += 1
     return count
 

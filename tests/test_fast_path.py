@@ -348,7 +348,7 @@ def test_graphed_steps_with_activation_offload_train_like_eager_steps():
 
 
 def test_compile_fallback_keeps_checkpointing_wrapped_around_blocks():
-    """compile_now falls back after checkpointing has wrapped the compiled blocks: the blocks must run eagerly and
+    """compile_before_first_step falls back after checkpointing has wrapped the compiled blocks: the blocks must run eagerly and
     stay checkpointed (each block saves its input for backward, not its activations)."""
     from trainer.step.checkpointing import checkpoint_blocks
     from trainer.step.compiled_blocks import CompiledBlocks

@@ -439,15 +439,15 @@ def test_the_compile_step_compiles_the_batch_shape_the_run_steps_with(adapter, d
     else step 1 compiles everything again (campaign 6, SDXL batch 8: 64 s compiling batch 1, then 77 s more).
     Where the bucket holds fewer images than the batch size (two images, batch 4), its batches hold them all."""
     from torch._dynamo.utils import counters
-    from trainer.session import TrainingSession
+    from trainer import session as session_module
     graphs_after_compile_step = []
-    compile_now = TrainingSession.compile_now
+    compile_step = session_module.compile_before_first_step
 
     def counted(session):
-        lines = compile_now(session)
+        lines = compile_step(session)
         graphs_after_compile_step.append(counters["stats"]["unique_graphs"])
         return lines
-    monkeypatch.setattr(TrainingSession, "compile_now", counted)
+    monkeypatch.setattr(session_module, "compile_before_first_step", counted)
     torch._dynamo.reset()
     counters.clear()
     # two images: every step is a batch of both, the compile step's shape

@@ -57,7 +57,7 @@ class CompiledBlocks:
                 # Static shapes: blocks share one code object, so dynamo's automatic dynamic shapes would make the
                 # sizes symbolic after the second block shape (slower kernels for every later shape) without saving
                 # a compile (parameter shapes stay specialized). Each new batch shape (another aspect bucket, a
-                # bucket's smaller remainder) costs one compile, once per process; compile_now compiles the run's.
+                # bucket's smaller remainder) costs one compile, once per process; compile_before_first_step compiles the run's.
                 compiled[options] = torch.compile(eager, dynamic=False, options=dict(options))
             try:
                 return compiled[options](*args, **kwargs)

@@ -45,7 +45,7 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
 
 def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySettings, str] | None:
     """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing rungs trade activations only:
-    skipped here, they stay for the probes (fit_to_budget), so a card that needs fp8 weights gets fp8 with as little
+    skipped here, they stay for the probes (fit_to_card), so a card that needs fp8 weights gets fp8 with as little
     checkpointing as its activations need, not fp8 with every block recomputed."""
     walked = memory
     while True:
@@ -161,6 +161,9 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
         lines.append(f"auto-fit: estimated peak {fastest.peak / GIB:.2f} GiB fits the {fastest.budget / GIB:.2f} GiB "
                      f"budget {how}: {session.memory.describe()}")
         return fastest.estimate, lines
+    if session.memory.base_weights.streamed:  # streaming recomputes every block: no share to choose
+        estimate, ladder_lines = walk_ladder(session, card)
+        return estimate, lines + ladder_lines
     if not fastest.measured and not session.memory.gradient_checkpointing:
         # Even the quarter-size step ran out of memory: a sixteenth of the area still gives the slope
         fastest.measured = Probe(session, card, sides=(0.25,)).measured

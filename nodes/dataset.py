@@ -59,14 +59,18 @@ def folder_problem(folder: str, input_dir: str | Path) -> str | None:
         return (f"folder {folder.strip()!r} {what} ({path}); pick a folder from the list (press R to refresh "
                 f"it), copy the images into a folder inside ComfyUI's input folder ({input_dir}), or type an "
                 "absolute path")
-    if (confined := confinement(input_dir, why)) is not None:
-        try:
-            leaving = confined.links_out(sorted(path.iterdir()))
-        except OSError:
-            leaving = []  # unreadable: the scan names the reason
-        if leaving:
-            return confined.refusal(path, leaving)
-    return None
+    return links_problem(path, confinement(input_dir, why))
+
+
+def links_problem(path: Path, confined: Confinement | None) -> str | None:
+    """The refusal of a folder holding links that lead out of the confinement (None: none, or not confined)."""
+    if confined is None or not path.is_dir():
+        return None
+    try:
+        leaving = confined.links_out(sorted(path.iterdir()))
+    except OSError:
+        return None  # unreadable: the scan names the reason
+    return confined.refusal(path, leaving) if leaving else None
 
 
 class LeanLoRADataset:

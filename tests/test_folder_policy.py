@@ -1,4 +1,4 @@
-"""Which dataset folders a workflow may name (issue 34, item 6): any folder on a ComfyUI that listens only on
+"""Which dataset folders (and files in them) a workflow may name (issue 34, item 6): any on a ComfyUI that listens only on
 loopback or whose admin opted in (LEANLORA_ALLOW_ANY_FOLDER=1); else only folders inside ComfyUI's input folder,
 symlinks resolved. The server-level cases are in tests/test_hostile_server.py (loopback) and
 test_a_server_reachable_from_other_machines_reads_only_input_folders below."""
@@ -176,3 +176,38 @@ def test_a_server_reachable_from_other_machines_reads_only_input_folders(tmp_pat
         server.stop()
         if env_before is not None:
             os.environ[ALLOW_ANY_FOLDER] = env_before
+
+
+def test_continue_from_and_resume_stay_in_the_loras_folder_whatever_the_policy(tmp_path, monkeypatch):
+    """The other paths a workflow names (through a link, which skips ComfyUI's list check) are confined to the
+    loras folder on any server: an absolute path, '..' out of it, or a link in it leading out are refused naming
+    the field, and the file outside is never read."""
+    import importlib
+    import importlib.util
+    import sys
+    import folder_paths
+    repo = Path(__file__).resolve().parents[1]
+    name = "leanlora_pack_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, repo / "__init__.py", submodule_search_locations=[str(repo)])
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    train, settings = (importlib.import_module(f"{name}.nodes.{sub}") for sub in ("train", "settings"))
+    pack_error = importlib.import_module(f"{name}.trainer.errors").LeanLoRAError  # the pack's own class
+    loras, private = tmp_path / "models" / "loras", tmp_path / "private"
+    loras.mkdir(parents=True)
+    private.mkdir()
+    for stem in ("stolen", "elsewhere"):
+        (private / f"{stem}.leanlora-state").write_bytes(b"not read")
+        (private / f"{stem}.safetensors").write_bytes(b"not read")
+    (loras / "linked.leanlora-state").symlink_to(private / "stolen.leanlora-state")
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras", ([str(loras)], {".safetensors"}))
+    monkeypatch.setenv(ALLOW_ANY_FOLDER, "1")  # the opt-in is for dataset folders only
+    for choice in (str(private / "elsewhere.leanlora-state"), "../../private/elsewhere.leanlora-state",
+                   "linked.leanlora-state"):
+        with pytest.raises(pack_error, match=r"^resume: the training state .* is not in the loras folder"):
+            train.resolve_resume(choice, "my_lora")
+    config = settings.LeanLoRALoraConfig()
+    for choice in (str(private / "elsewhere.safetensors"), "../../private/elsewhere.safetensors"):
+        with pytest.raises(pack_error, match=r"^continue_from: .* is not in the loras folder"):
+            config.execute(16, 16.0, 0.0, "attention", continue_from=choice)

@@ -1,7 +1,8 @@
-"""Which dataset folders (and files in them) a workflow may name (issue 34, item 6): any on a ComfyUI that listens only on
-loopback or whose admin opted in (LEANLORA_ALLOW_ANY_FOLDER=1); else only folders inside ComfyUI's input folder,
-symlinks resolved. The server-level cases are in tests/test_hostile_server.py (loopback) and
-test_a_server_reachable_from_other_machines_reads_only_input_folders below."""
+"""Which dataset folders, and files in them, a workflow may name (issue 34, item 6): any on a ComfyUI that listens
+only on loopback or whose admin opted in (LEANLORA_ALLOW_ANY_FOLDER=1); else only folders inside ComfyUI's input
+folder, symlinks resolved, holding no link that leads out of it. The server-level cases are in
+tests/test_hostile_server.py (loopback) and test_a_server_reachable_from_other_machines_reads_only_input_folders
+below."""
 import os
 import shutil
 from pathlib import Path
@@ -117,7 +118,8 @@ def test_an_image_made_a_link_out_of_input_after_the_scan_is_skipped_when_cachin
                         lambda caption, w, h: {"c_crossattn": torch.zeros(1, 77, 4)}, stats=stats)
     assert [entry.name for entry in cache] == ["own.png"] and len(encoded) == 1
     [(name, reason)] = stats.skipped
-    assert name == "later.png" and reason.startswith("a link to a file outside ComfyUI's input folder") and WHY in reason
+    assert name == "later.png" and WHY in reason
+    assert reason.startswith("a link to a file outside ComfyUI's input folder")
 
 
 def test_a_confined_fingerprint_does_not_read_through_a_link_out_of_input(tmp_path):
@@ -189,7 +191,8 @@ def test_continue_from_and_resume_stay_in_the_loras_folder_whatever_the_policy(t
     repo = Path(__file__).resolve().parents[1]
     name = "leanlora_pack_under_test"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, repo / "__init__.py", submodule_search_locations=[str(repo)])
+        spec = importlib.util.spec_from_file_location(name, repo / "__init__.py",
+                                                      submodule_search_locations=[str(repo)])
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     train, settings = (importlib.import_module(f"{name}.nodes.{sub}") for sub in ("train", "settings"))

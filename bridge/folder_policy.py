@@ -4,7 +4,14 @@ Anyone who can queue a prompt names the Dataset node's folder. On a ComfyUI that
 the machine's own user, who may train on any folder. On one reachable from other machines (`--listen 0.0.0.0`,
 a LAN address, a cloud box) it could be anyone, so folders must then be inside ComfyUI's input folder (where
 ComfyUI's own uploads go), with symlinks resolved: absolute paths and links leading out of it are refused unless
-the admin opts in with the environment variable LEANLORA_ALLOW_ANY_FOLDER=1."""
+the admin opts in with the environment variable LEANLORA_ALLOW_ANY_FOLDER=1. The same holds for each file in an
+allowed folder: an image, caption or metadata.csv that is a link leading out of input/ is refused before it is
+opened (trainer/dataset.py Confinement), so a link planted in a dataset folder cannot read /etc or a home folder.
+
+The other paths a workflow names are ComfyUI's own lists, validated by ComfyUI against them: continue_from is a file
+of the loras folder (folder_paths.get_full_path, as ComfyUI's LoRA loader reads it) and resume a training state
+there (nodes/train.py resolve_resume refuses one whose real path leaves its folder); output_name becomes a plain
+file stem (files.sanitize_name) under the loras folder and output/leanlora_samples, so it names no folder."""
 from __future__ import annotations
 
 import ipaddress

@@ -4,8 +4,8 @@ from pathlib import Path
 import folder_paths
 
 from ..bridge.folder_policy import folder_confinement
-from ..trainer.dataset import (IMAGE_EXTENSIONS, MAX_REPEATS, MAX_RESOLUTION, folder_fingerprint, resolve_folder,
-                               scan_folder)
+from ..trainer.dataset import (IMAGE_EXTENSIONS, MAX_REPEATS, MAX_RESOLUTION, Confinement, folder_fingerprint,
+                               resolve_folder, scan_folder)
 from ..trainer.errors import LeanLoRAError
 from .common import CATEGORY
 
@@ -34,16 +34,24 @@ def input_subfolders(input_dir: str | Path) -> list[str]:
     return sorted(found, key=str.casefold)
 
 
+def confinement(input_dir: str | Path, why: str | None) -> Confinement | None:
+    """The folder policy's `why` (None: any folder and any link may be read) as the scan's confinement to input/,
+    which also covers each file in the folder: a link to /etc/passwd named a.png or a.txt is refused."""
+    return Confinement(Path(os.path.normpath(input_dir)), why) if why is not None else None
+
+
 def folder_problem(folder: str, input_dir: str | Path) -> str | None:
     """Why `folder` cannot be a dataset before anything loads (VALIDATE_INPUTS), or None: the folder policy's
-    refusals, a folder that is not there, or the placeholder of an empty list."""
+    refusals (of the folder, and of links inside it that lead out of input/), a folder that is not there, or the
+    placeholder of an empty list."""
     input_dir = os.path.normpath(input_dir)
     if folder == NO_FOLDER:
         return (f"folder: ComfyUI's input folder ({input_dir}) holds no folder of images yet; copy the training "
                 "images into a new folder there and press R to refresh the list, or choose 'type a folder path' "
                 "in the list and give an absolute path")
+    why = folder_confinement()
     try:
-        path = resolve_folder(folder, input_dir, folder_confinement())
+        path = resolve_folder(folder, input_dir, why)
     except LeanLoRAError as error:
         return f"{error}"
     if not path.is_dir():
@@ -51,7 +59,18 @@ def folder_problem(folder: str, input_dir: str | Path) -> str | None:
         return (f"folder {folder.strip()!r} {what} ({path}); pick a folder from the list (press R to refresh "
                 f"it), copy the images into a folder inside ComfyUI's input folder ({input_dir}), or type an "
                 "absolute path")
-    return None
+    return links_problem(path, confinement(input_dir, why))
+
+
+def links_problem(path: Path, confined: Confinement | None) -> str | None:
+    """The refusal of a folder holding links that lead out of the confinement (None: none, or not confined)."""
+    if confined is None or not path.is_dir():
+        return None
+    try:
+        leaving = confined.links_out(sorted(path.iterdir()))
+    except OSError:
+        return None  # unreadable: the scan names the reason
+    return confined.refusal(path, leaving) if leaving else None
 
 
 class LeanLoRADataset:
@@ -100,11 +119,14 @@ class LeanLoRADataset:
         sizes, modification times and caption texts, so an edited caption or an added/deleted image is seen."""
         if not isinstance(folder, str):  # fed through a link: unknown until run, so always re-scan
             return float("nan")
+        input_dir, why = folder_paths.get_input_directory(), folder_confinement()
         try:
-            return folder_fingerprint(resolve_folder(folder, folder_paths.get_input_directory(), folder_confinement()))
+            return folder_fingerprint(resolve_folder(folder, input_dir, why), confinement(input_dir, why))
         except LeanLoRAError:
             return float("nan")  # execute raises the clear error
 
     def execute(self, folder, resolution, repeats, trigger_word, framing):
-        path = resolve_folder(folder, folder_paths.get_input_directory(), folder_confinement())
-        return (scan_folder(path, resolution, repeats, trigger_word, buckets=FRAMING[framing]),)
+        input_dir, why = folder_paths.get_input_directory(), folder_confinement()
+        path = resolve_folder(folder, input_dir, why)
+        return (scan_folder(path, resolution, repeats, trigger_word, buckets=FRAMING[framing],
+                            confinement=confinement(input_dir, why)),)

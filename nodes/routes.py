@@ -8,7 +8,7 @@ from pathlib import Path
 from ..bridge.folder_policy import ALLOW_ANY_FOLDER, folder_confinement
 from ..trainer.dataset import resolve_folder, scan_folder
 from ..trainer.errors import LeanLoRAError
-from .dataset import folder_problem, input_subfolders
+from .dataset import confinement, folder_problem, input_subfolders, links_problem
 
 DATASET_PREVIEW = "/leanlora/dataset_preview"
 THUMBNAILS = 6
@@ -33,14 +33,18 @@ def folder_preview(folder: str, input_dir: str | Path) -> tuple[int, dict]:
         resolve_folder(folder, input_dir)  # an empty name or '..' out of input/
     except LeanLoRAError as error:
         return 400, {**answer, "error": str(error)}
+    why = preview_confinement()
     try:
-        path = resolve_folder(folder, input_dir, preview_confinement())
+        path = resolve_folder(folder, input_dir, why)
     except LeanLoRAError as error:
         return 403, {**answer, "error": str(error)}
+    confined = confinement(input_dir, why)
+    if refused := links_problem(path, confined):  # a link in the folder leading out of input/
+        return 403, {**answer, "error": refused}
     if problem := folder_problem(folder, input_dir):
         return 404, {**answer, "error": problem}
     try:
-        dataset = scan_folder(path, 64)
+        dataset = scan_folder(path, 64, confinement=confined)
     except LeanLoRAError as error:  # empty, no usable image: counts are 0, the reason is shown
         return 200, {**answer, "images": 0, "captions": 0, "skipped": 0, "thumbnails": [], "problem": str(error)}
     thumbnails = []

@@ -84,6 +84,24 @@ def test_the_preview_refuses_folders_outside_input_and_paths_out_of_it(comfy_ser
         "filename": "secret.png", "subfolder": str(outside), "type": "input"}).ok
 
 
+def test_the_preview_refuses_a_folder_inside_input_holding_a_link_out_of_it(comfy_server, tmp_path):
+    """A link planted among the images (here a caption) leading out of input/: 403 naming the file and the
+    setting, no counts and no thumbnails, even on this loopback server (any page can call localhost)."""
+    outside = tmp_path / "private_notes"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("SECRET-TOKEN=hunter2")
+    planted = comfy_server.base_dir / "input" / "planted_set"
+    planted.mkdir()
+    _picture(planted / "p0.png", "red")
+    (planted / "p0.txt").symlink_to(outside / "secret.txt")
+    answer = preview(comfy_server, "planted_set")
+    assert answer.status_code == 403, answer.text
+    body = answer.json()
+    assert "p0.txt is a link to a file outside ComfyUI's input folder" in body["error"], body
+    assert "LEANLORA_ALLOW_ANY_FOLDER=1" in body["error"] and "hunter2" not in answer.text
+    assert "images" not in body and "thumbnails" not in body
+
+
 def test_a_missing_folder_fails_validation_naming_the_field_and_the_fix(comfy_server):
     """Refused when queued: the checkpoint never loads and no job starts."""
     with pytest.raises(PromptRejected) as rejected:

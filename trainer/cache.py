@@ -75,14 +75,19 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 stats: CacheStats | None = None, preprocess: str = PREPROCESS) -> list[CachedSample]:
     """Encodes what the store does not hold yet (without a store: everything) and counts into `stats`. A hit
     skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP.
-    An image that has become unusable since the scan (deleted, truncated, undecodable) is skipped and listed in
-    `stats`; only when none is left is that an error."""
+    An image that has become unusable since the scan (deleted, truncated, undecodable, replaced by a link that
+    leads out of the dataset's confinement) is skipped and listed in `stats`; only when none is left is that an
+    error."""
     stats = stats if stats is not None else CacheStats()
     run_texts: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}  # a repeated caption is encoded once
     cached = []
     total = len(dataset.samples)
     for index, sample in enumerate(dataset.samples):
         width, height = dataset.target_size(sample)
+        if dataset.confinement is not None and dataset.confinement.leads_out(sample.path):  # made a link since the scan
+            stats.skipped.append((sample.path.name, dataset.confinement.link_reason))
+            on_item(index + 1, total)
+            continue
         try:
             latent, hit = _fetch(
                 store, lambda: _image_key(sample.path, f"{preprocess} {width}x{height}", image_encoder_id),

@@ -79,6 +79,35 @@ def _grouped(entries: tuple[tuple[str, str], ...], limit: int = 8) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Confinement:
+    """Files a workflow names must stay inside `root` once links are resolved (bridge/folder_policy.py says
+    when); `why` says why and which setting lifts it, for the error."""
+    root: Path
+    why: str
+
+    def leads_out(self, path: Path) -> bool:
+        """Whether `path` (a link, or inside one) resolves to somewhere outside root; never opens the file."""
+        return not Path(os.path.realpath(path)).is_relative_to(Path(os.path.realpath(self.root)))
+
+    def links_out(self, entries) -> list[str]:
+        """The names of the entries (paths in one folder) that are links leading out of root."""
+        return [p.name for p in entries if p.is_symlink() and self.leads_out(p)]
+
+    @property
+    def link_reason(self) -> str:
+        """Why one file is not read (a skipped image's reason)."""
+        return (f"a link to a file outside ComfyUI's input folder ({self.root}), which this server does not read; "
+                f"replace it with a copy of the file. Why: {self.why}")
+
+    def refusal(self, folder: Path, names: list[str]) -> str:
+        listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        one = len(names) == 1
+        return (f"dataset folder {folder}: {listed} {'is a link' if one else 'are links'} to "
+                f"{'a file' if one else 'files'} outside ComfyUI's input folder ({self.root}), which this server "
+                f"does not read; replace {'it' if one else 'each'} with a copy of the file. Why: {self.why}")
+
+
+@dataclass(frozen=True)
 class Dataset:
     folder: Path
     samples: tuple[Sample, ...]
@@ -87,6 +116,7 @@ class Dataset:
     skipped: tuple[tuple[str, str], ...] = field(default=())  # (file name, reason)
     buckets: bool = False  # aspect-ratio buckets instead of square center crops
     notes: tuple[tuple[str, str], ...] = field(default=())  # (file name or "metadata.csv line N", what was done)
+    confinement: Confinement | None = None  # checked again when each image is read (cache.build_cache)
 
     def __post_init__(self):
         check_numbers(self.resolution, self.repeats)
@@ -160,17 +190,23 @@ def _resolve_folder(folder: str, input_dir: str | Path) -> Path:
     return inside
 
 
-def folder_fingerprint(folder: Path) -> str:
+def folder_fingerprint(folder: Path, confinement: Confinement | None = None) -> str:
     """Changes whenever a scan of the folder could: a file added, removed, renamed or rewritten (name, size,
-    modification time), and any change to a caption file's text even within the clock's resolution."""
+    modification time), and any change to a caption file's text even within the clock's resolution. A link
+    leading out of `confinement` counts by its own name and target, never by what it points to."""
     digest = hashlib.sha256(str(folder).encode())
     try:
         with os.scandir(folder) as listing:
-            entries = sorted((entry for entry in listing if entry.is_file()), key=lambda entry: entry.name)
+            entries = sorted(listing, key=lambda entry: entry.name)
     except OSError as error:
         return f"unreadable: {error}"  # scan_folder raises the clear error
     for entry in entries:
         try:
+            if confinement is not None and entry.is_symlink() and confinement.leads_out(Path(entry.path)):
+                digest.update(f"{entry.name}\0link\0{os.readlink(entry.path)}\0".encode())
+                continue
+            if not entry.is_file():
+                continue
             stat = entry.stat()
             digest.update(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
             if Path(entry.name).suffix.lower() in (".txt", ".csv") and stat.st_size <= 1 << 20:
@@ -340,9 +376,11 @@ def _check_image(path: Path) -> tuple[str | None, tuple[int, int], list[str]]:
 
 
 def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_word: str = "",
-                buckets: bool = False) -> Dataset:
+                buckets: bool = False, confinement: Confinement | None = None) -> Dataset:
     """Finds images and their captions: `<image>.txt` next to the image wins, then `metadata.csv`; a caption
-    whose name differs from its image's only in case is matched when that is unambiguous."""
+    whose name differs from its image's only in case is matched when that is unambiguous. With `confinement`,
+    a folder holding a link that leads out of its root (an image, a caption, metadata.csv, anything) is an
+    error before any file is opened: a link planted in a dataset folder must not read /etc or ~/.ssh."""
     try:
         folder = Path(folder).expanduser()
     except RuntimeError as error:
@@ -352,13 +390,16 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
                             "or a folder name inside ComfyUI's input folder")
     check_numbers(resolution, repeats)  # before the scan, which may take a while
 
-    notes: list[tuple[str, str]] = []
-    csv_captions = _read_caption_csv(folder, notes)
     try:
         entries = sorted(folder.iterdir())
     except OSError as error:
         raise LeanLoRAError(f"dataset folder {folder} cannot be listed ({error.strerror or error}); fix its "
                             "permissions") from error
+    if confinement is not None:
+        if leaving := confinement.links_out(entries):
+            raise LeanLoRAError(confinement.refusal(folder, leaving))
+    notes: list[tuple[str, str]] = []
+    csv_captions = _read_caption_csv(folder, notes)
     files = [p for p in entries if p.is_file()]
     # a link to nothing (or to what cannot be read) is not silently dropped: it is listed with its reason
     broken = [(p.name, "a link to a file that does not exist") for p in entries if p.is_symlink() and not p.exists()]
@@ -426,7 +467,7 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
         details = "; ".join(f"{name}: {reason}" for name, reason in skipped[:5])
         raise LeanLoRAError(f"dataset folder {folder} has no usable images ({len(skipped)} files skipped: {details}); "
                             f"add images ({', '.join(IMAGE_EXTENSIONS)})")
-    return Dataset(folder, tuple(samples), resolution, repeats, tuple(skipped), buckets, tuple(notes))
+    return Dataset(folder, tuple(samples), resolution, repeats, tuple(skipped), buckets, tuple(notes), confinement)
 
 
 def load_image(path: Path, size: int | tuple[int, int]) -> torch.Tensor:

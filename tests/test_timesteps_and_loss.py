@@ -276,3 +276,38 @@ def test_the_train_node_trains_with_the_knobs_and_the_lora_file_records_them(com
         == {"ss_noise_offset": "0.1", "ss_min_snr_gamma": "5.0", "ss_timestep_sampling": "shift",
             "ss_discrete_flow_shift": "2.0", "ss_loss_type": "huber", "ss_huber_schedule": "constant",
             "ss_huber_c": "0.05"}
+
+
+@pytest.mark.comfy
+def test_a_saved_train_node_loads_its_values_with_the_knobs_at_their_defaults_and_hidden(comfy_server, tiny_assets):
+    """The template's Train node was saved before the knobs existed: in ComfyUI's own frontend each saved value
+    lands in its widget, the knobs take their defaults, and they show only with Show Advanced."""
+    import json
+    import browser_ui
+    if browser_ui.missing() is not None:
+        pytest.skip(str(browser_ui.missing()))
+    template = next(t for t in browser_ui.TEMPLATES if t.stem == "leanlora_train_then_generate")
+    saved = next(n for n in json.loads(template.read_text())["nodes"] if n["type"] == "LeanLoRATrain")
+    with browser_ui.browser_page(comfy_server.url) as page:
+        page.load_template(template.stem)
+        node = page.evaluate("""() => { const n = app.graph._nodes.find(n => n.type === 'LeanLoRATrain');
+            const inputs = n.widgets.filter(w => w.serialize !== false);
+            const shown = () => n.widgets.filter(w => n.isWidgetVisible(w)).map(w => w.name);
+            const before = shown();
+            n.showAdvanced = true;
+            // a node saved with every input of the version before the knobs (validation_every_n_steps last, 7)
+            const full = inputs.slice(0, -6).map(w => w.value);
+            full[full.length - 1] = 7;
+            const m = LiteGraph.createNode('LeanLoRATrain');
+            m.configure({id: 998, type: m.type, pos: [0, 0], size: [400, 600], flags: {}, order: 0, mode: 0,
+                         inputs: [], outputs: [], properties: {}, widgets_values: full});
+            const loaded = m.widgets.filter(w => w.serialize !== false).map(w => w.value);
+            return {names: inputs.map(w => w.name), values: inputs.map(w => w.value), shown: before,
+                    advanced: shown(), full: full, loaded: loaded}; }""")
+    knobs = ["noise_offset", "min_snr_gamma", "timestep_sampling", "timestep_shift", "loss", "huber_c"]
+    old = saved["widgets_values"]
+    assert node["names"][-6:] == knobs and len(node["values"]) > len(old)
+    assert node["values"][:len(old)] == old
+    assert node["values"][-6:] == [0.0, 0.0, "family default", 3.0, "MSE", 0.1]
+    assert not set(knobs) & set(node["shown"]) and set(knobs) <= set(node["advanced"])
+    assert node["loaded"] == node["full"] + [0.0, 0.0, "family default", 3.0, "MSE", 0.1]

@@ -311,3 +311,26 @@ def test_a_saved_train_node_loads_its_values_with_the_knobs_at_their_defaults_an
     assert node["values"][-6:] == [0.0, 0.0, "family default", 3.0, "MSE", 0.1]
     assert not set(knobs) & set(node["shown"]) and set(knobs) <= set(node["advanced"])
     assert node["loaded"] == node["full"] + [0.0, 0.0, "family default", 3.0, "MSE", 0.1]
+
+
+def test_comfyuis_eps_v_and_flow_models_get_their_own_min_snr_weighting(comfy_objects):
+    """The prediction min-SNR weights by comes from the MODEL's own model_sampling (ComfyUI's classes): eps and
+    v_prediction (ModelSamplingDiscrete's patch) weight differently, a flow schedule (ModelSamplingSD3) is refused."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete, ModelSamplingSD3
+    from bridge.comfy_adapter import ComfyAdapter
+    model, clip, vae = comfy_objects
+    g = torch.Generator().manual_seed(0)
+    output, target = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    sigma = torch.tensor([0.5, 7.0])
+    weighted = {}
+    for patch in ("eps", "v_prediction"):
+        adapter = ComfyAdapter(ModelSamplingDiscrete().patch(model, patch, False)[0], clip, vae)
+        loss = LossFunction.of(LossKind.MSE, 0.1, 5.0, adapter.identity().prediction)
+        weights = min_snr_weights(sigma, 5.0, patch == "v_prediction")
+        per_image = ((output - target) ** 2).mean(dim=(1, 2, 3))
+        weighted[patch] = loss(output, target, sigma)
+        torch.testing.assert_close(weighted[patch], (per_image * weights).mean())
+    assert not torch.allclose(weighted["eps"], weighted["v_prediction"])
+    flow = ComfyAdapter(ModelSamplingSD3().patch(model, 3.0)[0], clip, vae)
+    with pytest.raises(LeanLoRAError, match="min_snr_gamma: got 5, but this model is trained by flow matching"):
+        LossFunction.of(LossKind.MSE, 0.1, 5.0, flow.identity().prediction)

@@ -3,6 +3,7 @@
 Renaming a label here changes no training; workflows saved with a label keep loading as long as it stays listed
 (an old label can map to the same value as its new name)."""
 from ..trainer.errors import LeanLoRAError
+from ..trainer.objective import LossKind, TimestepSampling
 from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, Allocator, Attention, AutoFit, BaseWeights,
                                 CheckpointDepth, FastPath, LatentCache, LoraTargets, LoraWeights)
 
@@ -30,6 +31,11 @@ LABELS = {
     "checkpoint_depth": {"per layer": CheckpointDepth.LAYER, "per block": CheckpointDepth.BLOCK},
     "allocator": {"expandable segments": Allocator.EXPANDABLE_SEGMENTS, "as started": Allocator.AS_STARTED},
     "targets": {"attention": LoraTargets.ATTENTION, "attention+feed-forward": LoraTargets.ATTENTION_FEED_FORWARD},
+    # Train's timesteps and loss (None: the model family's own sampling)
+    "timestep_sampling": {"family default": None, "uniform": TimestepSampling.UNIFORM,
+                          "logit-normal": TimestepSampling.LOGIT_NORMAL,
+                          "shifted sigmoid": TimestepSampling.SHIFTED_SIGMOID},
+    "loss": {"MSE": LossKind.MSE, "Huber": LossKind.HUBER, "smooth L1": LossKind.SMOOTH_L1},
 }
 
 

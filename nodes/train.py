@@ -13,7 +13,8 @@ from ..trainer.settings import LR_SCHEDULES, LatentCache, SampleSettings, TrainS
 from ..trainer.training_state import STATE_SUFFIX, find_latest_state
 from .common import CATEGORY, pil_to_image
 from .jobs import JOBS, Job
-from .labels import RESUME_LATEST, RESUME_OFF
+from .labels import RESUME_LATEST, RESUME_OFF, choices, values_of
+from .settings import ADVANCED
 from .monitor import LATEST_TRAINING
 from .plot import loss_chart
 
@@ -274,6 +275,31 @@ class LeanLoRATrain:
                     "in green beside the training loss: a rising curve means the LoRA is overfitting."}),
                 "validation_every_n_steps": ("INT", {"default": 50, "min": 0, "max": 1000000, "tooltip":
                     "How often the validation loss is measured (and at the end); 0: at the end only."}),
+                # Timesteps and loss: last, so that saved workflows' widget values keep their positions; advanced
+                # (right-click > Show Advanced). The defaults train exactly as before these inputs existed.
+                "noise_offset": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "round": False,
+                                           **ADVANCED, "tooltip":
+                    "0: off. kohya's noise offset: a random per-channel constant of this size is added to the noise, "
+                    "so the LoRA can learn darker darks and brighter brights. 0.05-0.1 is usual."}),
+                "min_snr_gamma": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.5, **ADVANCED,
+                                            "tooltip":
+                    "0: off. Min-SNR-γ loss weighting (kohya's): the nearly clean timesteps count less; 5 is usual. "
+                    "For eps- and v-prediction models (SD1.x/SD2.x/SDXL); flow models (Flux, Z-Image, Qwen-Image) "
+                    "refuse it."}),
+                "timestep_sampling": (choices("timestep_sampling"), {"default": "family default", **ADVANCED,
+                                                                     "tooltip":
+                    "How noise levels are drawn: the model family's default (uniform for SD, logit-normal for flow "
+                    "models), uniform, logit-normal (more steps in the middle), or shifted sigmoid (logit-normal "
+                    "moved towards the noisy end by timestep_shift). Validation keeps the family default."}),
+                "timestep_shift": ("FLOAT", {"default": 3.0, "min": 0.1, "max": 100.0, "step": 0.1, **ADVANCED,
+                                             "tooltip":
+                    "The shift of 'shifted sigmoid' (kohya's discrete_flow_shift, 3 by default; 1 is no shift)."}),
+                "loss": (choices("loss"), {"default": "MSE", **ADVANCED, "tooltip":
+                    "MSE (the usual), Huber or smooth L1 (torch's: quadratic for errors below huber_c, linear above, "
+                    "so outliers pull less). Validation loss is always MSE."}),
+                "huber_c": ("FLOAT", {"default": 0.1, "min": 0.001, "max": 100.0, "step": 0.001, **ADVANCED,
+                                      "tooltip": "Huber's delta and smooth L1's beta (constant over the run); 0.1 is "
+                                                 "kohya's."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -298,14 +324,18 @@ class LeanLoRATrain:
     def execute(self, model, clip, vae, dataset, memory, lora_config, steps, learning_rate, lr_schedule, warmup_steps,
                 seed, output_name, save_every_n_steps=0, keep_last_saves=0, resume=RESUME_OFF, sample_prompts="",
                 sample_every_n_steps=0, sample_size=512, sample_steps=20, sample_cfg=7.0, sample_seed=0,
-                validation_fraction=0.0, validation_every_n_steps=50, unique_id=None):
+                validation_fraction=0.0, validation_every_n_steps=50, noise_offset=0.0, min_snr_gamma=0.0,
+                timestep_sampling="family default", timestep_shift=3.0, loss="MSE", huber_c=0.1, unique_id=None):
         global _partial_runs
         from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
         from ..bridge.samples import SampleRenderer
         from ..trainer.train_lora import train_lora
         settings = TrainSettings(steps, learning_rate, seed, output_name, lr_schedule, warmup_steps,
                                  save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name),
-                                 validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps)
+                                 validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps,
+                                 noise_offset=noise_offset, min_snr_gamma=min_snr_gamma, timestep_shift=timestep_shift,
+                                 huber_c=huber_c,
+                                 **values_of({"timestep_sampling": timestep_sampling, "loss": loss}))
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
                                                   sample_cfg, sample_seed, output_name)
         adapter = ComfyAdapter(model, clip, vae)  # a model no family knows fails here, before any work

@@ -9,6 +9,7 @@ import pytest
 from helpers import PACK, node_module as _node_module, sd_targets
 
 REPO = Path(__file__).resolve().parents[1]
+TRAIN_FIELDS = ("timestep_sampling", "loss")  # Train's dropdowns in the table; the rest are Memory / LoRA Config's
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,8 @@ def test_every_label_maps_to_a_value_and_back(labels):
     for field, table in labels.LABELS.items():
         for label, value in table.items():
             assert labels.label_of(field, value) == label, (field, label)
-            kind = settings.LoraSettings if field == "targets" else settings.MemorySettings
+            kind = settings.LoraSettings if field == "targets" else settings.TrainSettings \
+                if field in TRAIN_FIELDS else settings.MemorySettings
             assert getattr(kind(**{field: value}), field) == value, (field, label)
 
 
@@ -29,7 +31,8 @@ def test_the_dropdowns_are_the_table_and_todays_labels_still_load(labels):
     node_settings = _node_module("settings")
     trainer_settings = importlib.import_module(f"{PACK}.trainer.settings")
     inputs = node_settings.LeanLoRAMemorySettings.INPUT_TYPES()
-    inputs = {**inputs["required"], **inputs["optional"], **node_settings.LeanLoRALoraConfig.INPUT_TYPES()["required"]}
+    inputs = {**inputs["required"], **inputs["optional"], **node_settings.LeanLoRALoraConfig.INPUT_TYPES()["required"],
+              **_node_module("train").LeanLoRATrain.INPUT_TYPES()["optional"]}
     for field, table in labels.LABELS.items():
         options, extra = inputs[field]
         assert options == list(table) and extra["default"] in table, field

@@ -3,6 +3,7 @@ eps / v-prediction / flow matching: noise comes from the model's own schedule an
 output would make the model's own `calculate_denoised` return the clean latent."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
@@ -17,20 +18,30 @@ Predict = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.
 
 class TimestepSampling(Enum):
     """How a step picks its noise levels among the model's own (`model_sampling.sigmas`, ascending; a flow model's
-    carry its shift already). The family chooses (ModelFamily.timestep_sampling)."""
+    carry its shift already). The family chooses (ModelFamily.timestep_sampling) unless the run does
+    (TrainSettings.timestep_sampling). The values are kohya's `ss_timestep_sampling` words in KOHYA_SAMPLING."""
     UNIFORM = "uniform"            # every level equally often: DDPM training, kohya's default for SD
     LOGIT_NORMAL = "logit-normal"  # sigmoid(N(0, 1)) of the way up the schedule: SD3's and kohya's "sigmoid" for
     #                                flow models, fewer steps at the nearly clean and nearly pure-noise ends
+    SHIFTED_SIGMOID = "shifted-sigmoid"  # kohya's "shift": the logit-normal position t moved to t*s / (1 + (s-1)*t),
+    #                                      towards the noisy end for s > 1 (on top of a flow schedule's own shift)
+
+
+KOHYA_SAMPLING = {TimestepSampling.UNIFORM: "uniform", TimestepSampling.LOGIT_NORMAL: "sigmoid",
+                  TimestepSampling.SHIFTED_SIGMOID: "shift"}
+DEFAULT_SHIFT = 3.0  # kohya's discrete_flow_shift default
 
 
 def sample_sigmas(model_sampling, batch: int, generator: torch.Generator,
-                  sampling: TimestepSampling = TimestepSampling.UNIFORM) -> torch.Tensor:
+                  sampling: TimestepSampling = TimestepSampling.UNIFORM, shift: float = DEFAULT_SHIFT) -> torch.Tensor:
     sigmas = getattr(model_sampling, "sigmas", None)
     if sigmas is None:
         raise LeanLoRAError(f"this model's noise schedule ({type(model_sampling).__name__}) has no table of noise "
                             "levels (model_sampling.sigmas) to train with")
-    if sampling is TimestepSampling.LOGIT_NORMAL:
+    if sampling is not TimestepSampling.UNIFORM:
         position = torch.sigmoid(torch.randn(batch, generator=generator))
+        if sampling is TimestepSampling.SHIFTED_SIGMOID:
+            position = position * shift / (1 + (shift - 1) * position)
         index = (position * (len(sigmas) - 1)).round().long()
     else:
         index = torch.randint(0, len(sigmas), (batch,), generator=generator)
@@ -47,20 +58,74 @@ def output_target(model_sampling, sigma: torch.Tensor, noisy: torch.Tensor, clea
 
 
 def draw_noise(model_sampling, shape: torch.Size, generator: torch.Generator,
-               sampling: TimestepSampling = TimestepSampling.UNIFORM) -> dict[str, torch.Tensor]:
+               sampling: TimestepSampling = TimestepSampling.UNIFORM, noise_offset: float = 0.0,
+               shift: float = DEFAULT_SHIFT) -> dict[str, torch.Tensor]:
     """Noise, noise levels and the model's timesteps for one batch, on the CPU: drawn from the CPU generator so
     a seed gives the same run on any device, and computed from a CPU `model_sampling` so no step waits for the
-    GPU (a replayed CUDA graph gets them as plain inputs)."""
+    GPU (a replayed CUDA graph gets them as plain inputs).
+    noise_offset (kohya's): noise += offset * N(0, 1) per image and channel, drawn after the noise levels, and only
+    when on, so a run without it draws exactly what it always did and one with it the same noise levels."""
     noise = torch.randn(shape, generator=generator)
-    sigma = sample_sigmas(model_sampling, shape[0], generator, sampling)
+    sigma = sample_sigmas(model_sampling, shape[0], generator, sampling, shift)
+    if noise_offset:
+        noise = noise + noise_offset * torch.randn((*shape[:2], *[1] * (len(shape) - 2)), generator=generator)
     return {"noise": noise, "sigma": sigma, "timestep": model_sampling.timestep(sigma).float()}
 
 
+class LossKind(Enum):
+    """How the output is scored against the target; the values are kohya's `ss_loss_type` words."""
+    MSE = "l2"
+    HUBER = "huber"          # torch's Huber: squared below huber_c, then linear with slope huber_c
+    SMOOTH_L1 = "smooth_l1"  # torch's smooth L1 with beta = huber_c: Huber divided by huber_c
+
+
+@dataclass(frozen=True)
+class LossFunction:
+    """The training loss of an output against its target at noise levels `sigma`. The default is plain MSE, computed
+    as it always was (one F.mse_loss over the batch: bit for bit today's). min_snr_gamma > 0 (kohya's min-SNR-γ)
+    weights each image's mean loss by min(SNR, γ) / SNR for eps-prediction and min(SNR, γ) / (SNR + 1) for
+    v-prediction, with SNR = 1 / sigma² (ComfyUI's discrete schedules: sigma² = (1 - ᾱ) / ᾱ, so SNR = ᾱ / (1 - ᾱ)
+    as kohya's all_snr); it has no meaning for flow matching, where LossFunction.of refuses it."""
+    kind: LossKind = LossKind.MSE
+    huber_c: float = 0.1  # kohya's default; the Huber delta and smooth-L1 beta (a constant huber_schedule)
+    min_snr_gamma: float = 0.0  # 0: off
+    v_prediction: bool = False
+
+    @classmethod
+    def of(cls, kind: LossKind, huber_c: float, min_snr_gamma: float, prediction: str) -> "LossFunction":
+        """The loss for a model of `prediction` (FamilyIdentity.prediction: epsilon, v or flow)."""
+        if min_snr_gamma and prediction not in ("epsilon", "v"):
+            raise LeanLoRAError(f"min_snr_gamma: got {min_snr_gamma:g}, but this model is trained by {prediction} "
+                                "matching, not eps- or v-prediction: min-SNR weighting is defined on a DDPM schedule's "
+                                "signal-to-noise ratio and does not apply (kohya offers it for SD models only). Set "
+                                "min_snr_gamma to 0, and choose the timestep_sampling instead")
+        return cls(kind, huber_c, min_snr_gamma, prediction == "v")
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        score = {LossKind.MSE: F.mse_loss,
+                 LossKind.HUBER: lambda o, t, **kw: F.huber_loss(o, t, delta=self.huber_c, **kw),
+                 LossKind.SMOOTH_L1: lambda o, t, **kw: F.smooth_l1_loss(o, t, beta=self.huber_c, **kw)}[self.kind]
+        if not self.min_snr_gamma:
+            return score(output, target)
+        per_image = score(output, target, reduction="none").mean(dim=tuple(range(1, output.dim())))
+        return (per_image * min_snr_weights(sigma, self.min_snr_gamma, self.v_prediction)).mean()
+
+
+PLAIN_MSE = LossFunction()
+
+
+def min_snr_weights(sigma: torch.Tensor, gamma: float, v_prediction: bool) -> torch.Tensor:
+    """kohya's apply_snr_weight per image, from ComfyUI's sigmas: SNR = 1 / sigma² (device work only)."""
+    snr = sigma.float().pow(-2)
+    return snr.clamp(max=gamma) / (snr + 1 if v_prediction else snr)
+
+
 def denoising_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
-                   noise: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+                   noise: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor,
+                   loss: LossFunction = PLAIN_MSE) -> torch.Tensor:
     """Everything after the random draws: only device work, no host synchronisation (capturable)."""
     noisy = model_sampling.noise_scaling(sigma, noise, clean)
     with torch.no_grad():
         target = output_target(model_sampling, sigma, noisy, clean).float()
     output = predict(model_sampling.calculate_input(sigma, noisy), timestep, cond)
-    return F.mse_loss(output.float(), target)
+    return loss(output.float(), target, sigma)

@@ -20,7 +20,7 @@ from .memory.allocator import apply_allocator_settings, backend as allocator_bac
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
-from .objective import denoising_loss, draw_noise
+from .objective import PLAIN_MSE, LossFunction, denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer
 from .report import Recovery
 from .settings import CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
@@ -48,6 +48,9 @@ class TrainingSession:
         self.generator = torch.Generator().manual_seed(train.seed)
         # Random draws and timesteps are computed from a CPU copy of the schedule: no step waits for the GPU.
         self.sampling_on_cpu = copy.deepcopy(adapter.model_sampling).to("cpu")
+        self.timestep_sampling = train.timestep_sampling or adapter.timestep_sampling
+        self.loss_function = LossFunction.of(train.loss, train.huber_c, train.min_snr_gamma,
+                                             adapter.identity().prediction if train.min_snr_gamma else "epsilon")
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
         self.checkpointed = 0.0  # the checkpoint share wrapped now
@@ -273,7 +276,8 @@ class TrainingSession:
         """One batch with its random draws, on the device. Copies go through pinned memory without blocking,
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
-        draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator, self.adapter.timestep_sampling)
+        draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator, self.timestep_sampling,
+                           self.train.noise_offset, self.train.timestep_shift)
         if seed_lora_dropout(self.unet) is not None:  # drawn only with dropout: other runs keep their noise
             draws["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=self.generator)
         return self._on_device({"clean": clean, **draws, **{f"cond.{name}": value for name, value in cond.items()}})
@@ -284,13 +288,13 @@ class TrainingSession:
             return {name: t.to(device) for name, t in tensors.items()}
         return {name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}
 
-    def compute_loss(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def compute_loss(self, inputs: dict[str, torch.Tensor], loss: LossFunction | None = None) -> torch.Tensor:
         if "dropout_seed" in inputs:  # read by the forward and by checkpointing's recompute in backward
             seed_lora_dropout(self.unet).feed(inputs["dropout_seed"])
         cond = {name[len("cond."):]: t for name, t in inputs.items() if name.startswith("cond.")}
         predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
         return denoising_loss(self.adapter.model_sampling, predict, inputs["clean"], cond, inputs["noise"],
-                              inputs["sigma"], inputs["timestep"])
+                              inputs["sigma"], inputs["timestep"], loss or self.loss_function)
 
     def loss(self, batch) -> torch.Tensor:
         return self.compute_loss(self.inputs(batch))
@@ -299,7 +303,8 @@ class TrainingSession:
         """The training loss of one batch whose draws are given (validation): forward only, without gradients,
         with the run's precision, eagerly (outside CUDA graphs; compiled blocks would compile a no-grad variant)
         and in eval mode (LoRA dropout off). Every random stream, the optimizer and the gradients stay as they
-        were: training goes on as if it had not run."""
+        were: training goes on as if it had not run. Always plain MSE, whatever the training loss is (Huber,
+        min-SNR weighting): with the fixed draws, validation numbers stay comparable between runs."""
         was_training = self.unet.training
         device = self.adapter.device
         uncompiled = self.compiled.uncompiled() if self.is_compiled else contextlib.nullcontext()
@@ -307,7 +312,7 @@ class TrainingSession:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
                     uncompiled, self.precision.autocast():
                 self.unet.eval()
-                return self.compute_loss(self._on_device(inputs)).float()
+                return self.compute_loss(self._on_device(inputs), PLAIN_MSE).float()
         finally:
             self.unet.train(was_training)
 

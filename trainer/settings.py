@@ -4,11 +4,13 @@ Validated on construction so bad values fail at the node that produced them, bef
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 from .errors import LeanLoRAError
+from .objective import DEFAULT_SHIFT, LossKind, TimestepSampling
 from .optimizers import OPTIMIZERS
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -234,6 +236,13 @@ class TrainSettings:
     resume_from: Path | None = None  # a training state (training_state.py) to go on from
     validation_fraction: float = 0.0  # 0: off; else this share of the images is held out for validation loss
     validation_every_steps: int = 50  # validation loss every N steps (and at the end); 0: at the end only
+    # Timesteps and loss (trainer/objective.py); the defaults train exactly as runs before these existed
+    noise_offset: float = 0.0  # kohya's noise_offset: noise += offset * N(0, 1) per image and channel
+    min_snr_gamma: float = 0.0  # 0: off; else kohya's min-SNR-γ weighting (eps and v models; 5 is usual)
+    timestep_sampling: TimestepSampling | None = None  # None: the model family's
+    timestep_shift: float = DEFAULT_SHIFT  # the shift of TimestepSampling.SHIFTED_SIGMOID
+    loss: LossKind = LossKind.MSE
+    huber_c: float = 0.1  # Huber's delta / smooth L1's beta
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
@@ -250,6 +259,36 @@ class TrainSettings:
                  "one image is held out, at least one left to train on)")
         _require(isinstance(self.validation_every_steps, int) and self.validation_every_steps >= 0,
                  "validation_every_n_steps", f"got {self.validation_every_steps!r}; use 0 (at the end only) or more")
+        _require(_number(self.noise_offset) and 0 <= self.noise_offset <= 1, "noise_offset",
+                 f"got {self.noise_offset!r}; use 0 (off) up to 1 (0.05-0.1 is usual)")
+        _require(_number(self.min_snr_gamma) and 0 <= self.min_snr_gamma <= 100, "min_snr_gamma",
+                 f"got {self.min_snr_gamma!r}; use 0 (off) or a positive γ up to 100 (5 is usual)")
+        if self.timestep_sampling is not None:
+            _require_member(self, "timestep_sampling", TimestepSampling)
+        _require(_number(self.timestep_shift) and 0 < self.timestep_shift <= 100, "timestep_shift",
+                 f"got {self.timestep_shift!r}; use a positive shift up to 100 (3 is kohya's, 1 is no shift)")
+        _require_member(self, "loss", LossKind)
+        _require(_number(self.huber_c) and 0 < self.huber_c <= 100, "huber_c",
+                 f"got {self.huber_c!r}; use a positive value up to 100 (0.1 is kohya's)")
+
+    def objective_values(self) -> dict[str, str]:
+        """The timestep and loss knobs as the report and the training state word them (the family's sampling is
+        "default")."""
+        sampling = self.timestep_sampling.value if self.timestep_sampling else "default"
+        return {"noise_offset": f"{self.noise_offset:g}", "min_snr_gamma": f"{self.min_snr_gamma:g}",
+                "timestep_sampling": sampling, "timestep_shift": f"{self.timestep_shift:g}",
+                "loss": self.loss.value, "huber_c": f"{self.huber_c:g}"}
+
+    def objective_changes(self) -> dict[str, str]:
+        """Those knobs set away from their defaults (empty for a run as before they existed)."""
+        return {key: value for key, value in self.objective_values().items() if OBJECTIVE_DEFAULTS[key] != value}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+OBJECTIVE_DEFAULTS = TrainSettings().objective_values()  # what a training state from before the knobs trained with
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_nam
 from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
 from .lora_import import ContinuedLora, continue_from_file
 from .loop import StepInfo
+from .objective import KOHYA_SAMPLING, LossFunction, LossKind, TimestepSampling
 from .memory.fit import room_for_sampling
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from .settings import OBJECTIVE_DEFAULTS, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
                              save_training_state, state_path)
@@ -88,6 +89,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
               f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets.value}",
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
+    if train.min_snr_gamma:  # refused for flow models here, before any encoding
+        LossFunction.of(train.loss, train.huber_c, train.min_snr_gamma, adapter.identity().prediction)
+    if train.objective_changes():
+        report.append("timesteps and loss: " + ", ".join(f"{key} {value}"
+                                                          for key, value in train.objective_changes().items()))
 
     held_out_count(train.validation_fraction, len(dataset.samples))  # too few images: said before any encoding
     resumed: TrainingState | None = None
@@ -195,7 +201,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         emit(kind="validation", step=step, loss=value, first_step=first_step)
 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
-                      "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule}
+                      "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
+                      **train.objective_values()}
     exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,
                             len(held_out))
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
@@ -295,8 +302,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             notes = session.resume_from(resumed)
             line = (f"resumed from {Path(train.resume_from).name}: step {resumed.step} of {train.steps}, trained "
                     f"with {resumed.settings.get('memory') or 'the same settings'}")
-            changed = [f"{key} {resumed.settings[key]} -> {value}" for key, value in state_settings.items()
-                       if key in ("seed", "learning_rate", "lr_schedule") and resumed.settings.get(key, value) != value]
+            # a state from before the timestep and loss knobs trained with their defaults
+            before = {**OBJECTIVE_DEFAULTS, **resumed.settings}
+            changed = [f"{key} {before[key]} -> {value}" for key, value in state_settings.items()
+                       if key in ("seed", "learning_rate", "lr_schedule", *OBJECTIVE_DEFAULTS)
+                       and before.get(key, value) != value]
             for text in [line, *(["resume: changed since the state: " + ", ".join(changed)] if changed else []),
                          *notes]:
                 report.append(text)
@@ -485,9 +495,23 @@ class LoraExporter:
                                               "ss_lr_warmup_steps": str(train.warmup_steps),
                                               "ss_num_train_images": str((len(dataset.samples) - self.held_out) * dataset.repeats),
                                               "ss_enable_bucket": str(dataset.buckets),
+                                              **objective_metadata(train, self.adapter.timestep_sampling),
                                               "leanlora_partial": str(partial),
                                               **(self.continued.metadata(steps_done) if self.continued else {})})
         return state_dict, with_file_hashes(state_dict, metadata)
+
+
+def objective_metadata(train: TrainSettings, family_sampling) -> dict[str, str]:
+    """The timestep and loss knobs in kohya's keys and words ("None" where kohya's option is unset)."""
+    sampling = train.timestep_sampling or family_sampling
+    huber = train.loss is not LossKind.MSE
+    return {"ss_noise_offset": str(train.noise_offset) if train.noise_offset else "None",
+            "ss_min_snr_gamma": str(train.min_snr_gamma) if train.min_snr_gamma else "None",
+            "ss_loss_type": train.loss.value, "ss_huber_schedule": "constant" if huber else "None",
+            "ss_huber_c": str(train.huber_c) if huber else "None",
+            "ss_timestep_sampling": KOHYA_SAMPLING[sampling],
+            **({"ss_discrete_flow_shift": str(train.timestep_shift)}
+               if sampling is TimestepSampling.SHIFTED_SIGMOID else {})}
 
 
 def batch_used(cache: list, repeats: int, batch_size: int) -> int:

@@ -62,6 +62,8 @@ class ValidationSet:
     def build(cls, samples: list[CachedSample], every: int, model_sampling, seed: int,
               draws_per_image: int = DRAWS_PER_IMAGE,
               sampling: TimestepSampling = TimestepSampling.UNIFORM) -> "ValidationSet":
+        # The family's timestep sampling, no noise offset, and TrainingSession.forward_loss scores them with plain
+        # MSE: the run's timestep and loss knobs stay out, so validation numbers compare between runs with other knobs
         generator = torch.Generator().manual_seed(seed + DRAW_STREAM)
         draws = [[draw_noise(model_sampling, sample.latent.shape, generator, sampling) for _ in range(draws_per_image)]
                  for sample in samples]

@@ -1,7 +1,7 @@
 // LeanLoRA's browser side (plain JS, no build step; ComfyUI serves it from WEB_DIRECTORY):
 // - Memory Settings: `card` leads; the widgets the card plans are "advanced" (right-click > Show Advanced, shown by
 //   themselves with card = manual); a workflow saved before `card` existed loads as manual with its values.
-// - Train: a live panel drawn from the pack's websocket messages (leanlora.progress / .saved / .partial_saved):
+// - Train: its timestep and loss inputs are "advanced" like those of Memory Settings; a live panel drawn from the pack's websocket messages (leanlora.progress / .saved / .partial_saved):
 //   the phase before step 1, step / loss / s/step / time left / VRAM, a loss chart, samples by step and prompt,
 //   and where the file went. The last state is kept in localStorage, so a page reloaded mid-run redraws it.
 // - Dataset: the folder list (input/ subfolders, from the server) gains a "type a folder path" entry for any other
@@ -26,6 +26,18 @@ const SMOOTHING = 0.9; // exponential moving average of the loss, as the server'
 // ---- Memory Settings -------------------------------------------------------------------------------------------
 
 function setupMemoryNode(node) {
+  markAdvanced(node);
+  const card = node.widgets?.find((w) => w.name === "card");
+  if (!card) return;
+  const callback = card.callback;
+  card.callback = function (value, ...rest) {
+    if (value === "manual" && !node.showAdvanced) node.toggleAdvanced?.();
+    return callback?.apply(this, [value, ...rest]);
+  };
+}
+
+function markAdvanced(node) {
+  // inputs the server marks {advanced: true} (Memory Settings' planned widgets, Train's timesteps and loss)
   for (const widget of node.widgets ?? []) {
     if (!widget.options?.advanced) continue;
     widget.advanced = true; // litegraph draws it only with showAdvanced (right-click > Show Advanced)
@@ -43,13 +55,6 @@ function setupMemoryNode(node) {
     return result;
   };
   fitHeight(node);
-  const card = node.widgets?.find((w) => w.name === "card");
-  if (!card) return;
-  const callback = card.callback;
-  card.callback = function (value, ...rest) {
-    if (value === "manual" && !node.showAdvanced) node.toggleAdvanced?.();
-    return callback?.apply(this, [value, ...rest]);
-  };
 }
 
 function fitHeight(node) {
@@ -309,6 +314,7 @@ function redraw(id, now = false) {
 
 function setupTrainNode(node) {
   ensureStyle();
+  markAdvanced(node); // before the panel: it is no input widget
   const root = el("div", "leanlora-panel");
   const parts = {
     phase: el("div", "ll-phase", root), bar: el("div", null, el("div", "ll-bar", root)),

@@ -8,11 +8,10 @@ import torch
 
 import comfy.ldm.modules.attention as comfy_attention
 import comfy.model_base
-import comfy.model_sampling
 import comfy.utils
 from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
-from .common import call_diffusion_model
+from .common import call_diffusion_model, prediction_of
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
     from ...trainer.step.checkpointing import most_memory_per_flop_first
@@ -54,8 +53,8 @@ class SdUnet:
     def identity(self, base, model_sampling) -> FamilyIdentity:
         """SD1.x / SD2.x / SDXL and the prediction type (model_sampling: the MODEL's own, which ComfyUI's
         ModelSamplingDiscrete node may have patched), as kohya's metadata names them."""
-        v_prediction = isinstance(model_sampling, comfy.model_sampling.V_PREDICTION)
-        prediction = "v" if v_prediction else "epsilon"
+        prediction = prediction_of(model_sampling)  # "flow" too, for a schedule patched to flow matching
+        v_prediction = prediction == "v"
         if isinstance(base, (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner)):
             # kohya: SDXL LoRAs follow Stability's ldm layout, SD1/SD2 LoRAs diffusers' module names
             return FamilyIdentity("SDXL", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base",

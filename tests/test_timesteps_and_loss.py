@@ -17,7 +17,7 @@ from trainer.dataset import scan_folder
 from trainer.errors import LeanLoRAError
 from trainer.model import FamilyIdentity
 from trainer.objective import (PLAIN_MSE, LossFunction, LossKind, TimestepSampling, denoising_loss, draw_noise,
-                               min_snr_weights, sample_sigmas)
+                               min_snr_weights, output_target, sample_sigmas)
 from trainer.settings import LoraSettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import state_path
@@ -132,11 +132,16 @@ def test_the_defaults_draw_and_score_exactly_as_before():
     replay = torch.Generator().manual_seed(7)
     assert torch.equal(drawn["noise"], torch.randn(shape, generator=replay))
     assert torch.equal(drawn["sigma"], schedule.sigmas[torch.randint(0, 100, (2,), generator=replay)])
-    clean = torch.randn(shape)
-    answer = torch.randn(shape)
+    values = torch.Generator().manual_seed(8)  # not the global generator: earlier tests move it
+    clean, answer = torch.randn(shape, generator=values), torch.randn(shape, generator=values)
     loss = denoising_loss(schedule, lambda x, t, c: answer, clean, {}, drawn["noise"], drawn["sigma"],
                           drawn["timestep"])
-    assert torch.equal(loss, F.mse_loss(answer, drawn["noise"]))  # eps: the target is the noise
+    # the formula before the knobs: one mse_loss against the schedule's own target (for eps, the noise as
+    # recovered from the noisy latent: equal to it up to rounding)
+    noisy = schedule.noise_scaling(drawn["sigma"], drawn["noise"], clean)
+    target = output_target(schedule, drawn["sigma"], noisy, clean).float()
+    assert torch.equal(loss, F.mse_loss(answer, target))
+    torch.testing.assert_close(target, drawn["noise"])
     assert TrainSettings().objective_changes() == {}
 
 

@@ -122,13 +122,17 @@ class Page:
                     plan: text('.ll-plan'), gallery}; }""", node_id)
 
     def wait_panel(self, predicate, timeout_s: float = 300, node_id: str = TRAIN_ID) -> dict:
+        return self._wait(lambda: self.panel(node_id), predicate, timeout_s, "the panel never got there")
+
+    def _wait(self, read, predicate, timeout_s: float, failure: str) -> dict:
+        """read() every 100 ms until predicate(what it read) holds; TimeoutError with the last reading if not."""
         deadline = time.monotonic() + timeout_s
         while True:
-            panel = self.panel(node_id)
-            if predicate(panel):
-                return panel
+            shown = read()
+            if predicate(shown):
+                return shown
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the panel never got there: {json.dumps(panel)[:2000]}")
+                raise TimeoutError(f"{failure}: {json.dumps(shown)[:2000]}")
             self.page.wait_for_timeout(100)
 
     def chart_pixels(self, node_id: str = TRAIN_ID) -> int:
@@ -161,14 +165,8 @@ class Page:
                     values: [...p.folder.options.values]}; }""", node_id)
 
     def wait_dataset(self, node_id: int, predicate, timeout_s: float = 60) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            shown = self.dataset_preview(node_id)
-            if predicate(shown):
-                return shown
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the Dataset node never showed it: {shown}")
-            self.page.wait_for_timeout(100)
+        return self._wait(lambda: self.dataset_preview(node_id), predicate, timeout_s,
+                          "the Dataset node never showed it")
 
     def screenshot(self, path: Path) -> None:
         self.close_dialogs()

@@ -468,6 +468,17 @@ async function previewDataset(node) {
 // for the browser tests (tests/test_browser.py) and the console: the panels' states by node id
 window.LeanLoRA = { panels, stateOf, TYPE_PATH };
 
+// Runs `extra(node, ...arguments)` after a node class's own `hook` (litegraph's onNodeCreated, onConfigure), keeping
+// its result: the frontend's and other packs' handlers still run first.
+function after(nodeType, hook, extra) {
+  const own = nodeType.prototype[hook];
+  nodeType.prototype[hook] = function () {
+    const result = own?.apply(this, arguments);
+    extra(this, ...arguments);
+    return result;
+  };
+}
+
 app.registerExtension({
   name: "LeanLoRA.panel",
   async setup() {
@@ -481,46 +492,17 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === MEMORY) {
-      const created = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const result = created?.apply(this, arguments);
-        setupMemoryNode(this);
-        return result;
-      };
-      const configure = nodeType.prototype.onConfigure;
-      nodeType.prototype.onConfigure = function (info) {
-        const result = configure?.apply(this, arguments);
-        migrateMemoryValues(this, info);
-        return result;
-      };
+      after(nodeType, "onNodeCreated", (node) => setupMemoryNode(node));
+      after(nodeType, "onConfigure", (node, info) => migrateMemoryValues(node, info));
     }
     if (nodeData.name === DATASET) {
-      const created = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const result = created?.apply(this, arguments);
-        setupDatasetNode(this);
-        return result;
-      };
-      const configure = nodeType.prototype.onConfigure;
-      nodeType.prototype.onConfigure = function () {
-        const result = configure?.apply(this, arguments);
-        previewDataset(this); // a loaded workflow's folder
-        return result;
-      };
+      after(nodeType, "onNodeCreated", (node) => setupDatasetNode(node));
+      after(nodeType, "onConfigure", (node) => previewDataset(node)); // a loaded workflow's folder
     }
     if (nodeData.name === TRAIN) {
-      const created = nodeType.prototype.onNodeCreated;
-      nodeType.prototype.onNodeCreated = function () {
-        const result = created?.apply(this, arguments);
-        setupTrainNode(this);
-        return result;
-      };
-      const configure = nodeType.prototype.onConfigure;
-      nodeType.prototype.onConfigure = function () {
-        const result = configure?.apply(this, arguments);
-        requestAnimationFrame(() => render(this)); // a reloaded page: the panel from the last state kept
-        return result;
-      };
+      after(nodeType, "onNodeCreated", (node) => setupTrainNode(node));
+      // a reloaded page: the panel from the last state kept
+      after(nodeType, "onConfigure", (node) => requestAnimationFrame(() => render(node)));
     }
   },
 });

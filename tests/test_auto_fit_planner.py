@@ -80,7 +80,7 @@ class SimulatedSession:
                     return MemoryEstimate(static, 0, 0, 0)
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated card)")
             if measured is not None:
-                measured.append((area, transient, 0.0))
+                measured.append((area, transient))
         if len(sides) < 2:
             return MemoryEstimate(static, 0, 0, 0)  # as probe_activations: no line through one point
         lora = sum(p.numel() * 4 for p in self.params)

@@ -9,7 +9,6 @@ own batch shape: compiled graphs are specialized to shapes, and another probe sh
 On CPU there is no VRAM to plan, and no probe runs."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -89,14 +88,14 @@ def _probe_sizes(height: int, width: int, sides: tuple[float, ...] = PROBE_SIDES
 def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Tensor], sample: tuple,
                       batch_size: int, device: torch.device, gradients_kept: int = 0,
                       state_held: int = 0, at_run_shape: bool = False,
-                      measured: list[tuple[int, int, float]] | None = None,
+                      measured: list[tuple[int, int]] | None = None,
                       sides: tuple[float, ...] = PROBE_SIDES) -> MemoryEstimate:
     """Runs forward+backward at a quarter of the area and at full size (`step(batch)`; gradients are cleared by
     the caller) and fills in activations and workspace for the real batch and latent size, and `other`: what the
     process holds beyond the estimate's terms. `gradients_kept` / `state_held`: bytes of gradients kept between
     steps (a flat gradient) and of optimizer state already allocated, both part of the probes' baseline.
     `at_run_shape`: `sample` is already the run's batch; one probe at full size measures activations and
-    workspace together. `measured` gets each probe's (latent area, transient bytes, seconds) as it ends: what
+    workspace together. `measured` gets each probe's (latent area, transient bytes) as it ends: what
     the auto-fit planner models from, also when a later probe runs out of memory. `sides`: the probes' sizes as
     fractions of the latent's sides; a single one only fills `measured` (a line needs two points)."""
     if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
@@ -109,15 +108,13 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        started = time.perf_counter()
         step((small, cond))
         torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - started
         # What stayed allocated after the step (a library's first workspace) is not the step's transient memory.
         stayed = max(0, torch.cuda.memory_allocated(device) - baseline)
         points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline - stayed))
         if measured is not None:
-            measured.append((*points[-1], seconds))
+            measured.append(points[-1])
     torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
     if len(points) < 2 and not at_run_shape:
         return estimate

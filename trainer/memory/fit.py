@@ -59,6 +59,15 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
             return kept, description
 
 
+def static_bytes(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int],
+                 params: list) -> int:
+    """Device bytes of frozen weights (as `memory` stores them), fp32 LoRA, its gradients and the optimizer's state."""
+    dtype = DTYPES[memory.mixed_precision] or torch.float32
+    lora = sum(p.numel() * 4 for p in params)
+    return weight_bytes(dtype, memory.base_weights, memory.stream_share) + 2 * lora + \
+        optimizer_state_bytes(memory.optimizer, params)
+
+
 def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
                 budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
@@ -67,10 +76,7 @@ def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, Bas
     adapter's projected_weight_bytes)."""
     lines = []
     while True:
-        dtype = DTYPES[memory.mixed_precision] or torch.float32
-        lora = sum(p.numel() * 4 for p in params)
-        static = weight_bytes(dtype, memory.base_weights, memory.stream_share) + 2 * lora + \
-            optimizer_state_bytes(memory.optimizer, params)
+        static = static_bytes(memory, weight_bytes, params)
         if static <= budget * STATIC_SHARE:
             return memory, lines
         rung = next_static_rung(memory, device)
@@ -91,10 +97,10 @@ def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, Bas
 
 class Probe:
     """One estimate of the session's current settings under the card's cap: `estimate` is None where even the
-    probe ran out of memory; `measured` holds each probe step that ended, (latent area, transient bytes, seconds)."""
+    probe ran out of memory; `measured` holds each probe step that ended, (latent area, transient bytes)."""
 
     def __init__(self, session: TrainingSession, card: CardBudget, sides: tuple[float, ...] = PROBE_SIDES):
-        self.measured: list[tuple[int, int, float]] = []
+        self.measured: list[tuple[int, int]] = []
         self.budget = card.usable()
         try:
             with probes_capped_at(self.budget, session.adapter.device):
@@ -126,14 +132,14 @@ def activation_model(none: Probe, full: Probe) -> ActivationModel | None:
     where the every-unit probe, or even the no-recompute probe's quarter-size step, ran out of memory."""
     if full.estimate is None or len(full.measured) < 2 or not none.measured:
         return None
-    (area_q, bytes_q, _), (area_f, bytes_f, _) = full.measured
+    (area_q, bytes_q), (area_f, bytes_f) = full.measured
     slope_full = (bytes_f - bytes_q) / (area_f - area_q)
     intercept = bytes_f - slope_full * area_f  # per-step workspace, LoRA gradients included
     if len(none.measured) == 2:
-        (area_a, bytes_a, _), (area_b, bytes_b, _) = none.measured
+        (area_a, bytes_a), (area_b, bytes_b) = none.measured
         slope_none = (bytes_b - bytes_a) / (area_b - area_a)
     else:  # the full-size step ran out of memory: the quarter one and the workspace measured above
-        area_a, bytes_a, _ = none.measured[0]
+        area_a, bytes_a = none.measured[0]
         slope_none = (bytes_a - intercept) / area_a
     return ActivationModel(none=max(slope_none, slope_full), full=slope_full, workspace=full.estimate.workspace)
 
@@ -193,24 +199,18 @@ def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe,
                 weight_bytes: Callable[[torch.dtype, BaseWeights, float], int]) -> tuple[Plan | None, Plan | None]:
     """The planner's choice from the session's settings (storage as configured, recompute free to move)."""
     params, memory = session.params, session.memory
-    lora = sum(p.numel() * 4 for p in params)
     dtype = DTYPES[memory.mixed_precision] or torch.float32
     units = session.checkpoint_units(memory.checkpoint_depth)
     conv_bytes = [sum(m.weight.numel() for m in unit.modules() if isinstance(m, torch.nn.Conv2d)
                       and not m.weight.requires_grad) * dtype.itemsize for unit in units]
 
-    def static_bytes(plan: MemorySettings) -> int:  # as plan_static counts them
-        dtype = DTYPES[plan.mixed_precision] or torch.float32
-        return weight_bytes(dtype, plan.base_weights, plan.stream_share) + 2 * lora + \
-            optimizer_state_bytes(plan.optimizer, params)
-
     latent = session.largest_batch()[0]
     batch_area = latent.shape[-2] * latent.shape[-1] * session.run_batch_size()
     graph_extra = lambda transient: session.micro_step.extra_memory(  # noqa: E731
         MemoryEstimate(0, 0, 0, 0, activations=transient, workspace=0))
-    # static_bytes counts fp32 LoRA as plan_static does; what the probe measured beyond its own terms stays
-    other = full.estimate.other
-    return choose(replace(memory, gradient_checkpointing=False), static_bytes, model, units, batch_area, other,
+    other = full.estimate.other  # what the probe measured beyond its own terms stays
+    return choose(replace(memory, gradient_checkpointing=False),
+                  lambda plan: static_bytes(plan, weight_bytes, params), model, units, batch_area, other,
                   graph_extra, full.budget * FIT_HEADROOM, RECOMPUTE_COST,
                   held_upcasts=lambda count: sum(conv_bytes[count:]))
 
@@ -357,7 +357,7 @@ def room_for_sampling(session: TrainingSession):
     if device.type != "cuda" or budget is None or session.estimated_peak is None:
         yield False
         return
-    dtype = session.precision.compute_dtype or torch.float32
+    dtype = session.precision.compute_dtype
     comfy_model = session.adapter.projected_weight_bytes(session.unet, dtype, BaseWeights.AS_LOADED, 1.0)
     if session.estimated_peak + comfy_model + SAMPLING_WORKSPACE <= budget:
         yield False

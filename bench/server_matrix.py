@@ -33,6 +33,7 @@ import queue
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -97,6 +98,9 @@ class Job:
     output_name: str | None = None     # the LoRA's name; None: one per job (matrix_<run tag>)
     peer_inputs: dict = field(default_factory=dict)  # kind "peer": TrainLoraNode inputs beside its defaults
     lora_dropout: float = 0.0          # LeanLoRA LoRA Config's dropout (graphed since 0c3427a; eager before)
+    kill_after: int | None = None      # SIGKILL the ComfyUI process once this many steps were reported (a crash);
+    #                                    the next job starts a server on the same folders (its states, its LoRAs)
+    trace_every: int = 0               # every N steps: trainer clock, NVML used and the server's RSS (a soak)
 
 
 @dataclass
@@ -114,6 +118,9 @@ class Server:
     # processes counted" (NVML): comfy-aimdo allocates outside PyTorch, where the per-process cap cannot reach
     aimdo_headroom: bool = False
     est_start_s: float = 15.0
+    # after every job, what the idle server holds (NVML over the baseline, its RSS), and after the last job the same
+    # once ComfyUI's cached models were unloaded (POST /free): what a job leaves behind (issue 34)
+    held_memory: bool = False
 
 
 def _fit(card: float) -> str:
@@ -354,8 +361,51 @@ def plan_cards() -> list[Server]:
     return sdxl + sd15
 
 
+def plan_requeue() -> list[Server]:
+    """Issue 34's records. 20 re-queues in one SD1.5 server capped to 4 GiB across auto-fit (card 4 GiB, the card
+    on auto), streamed weights (leanest), compile and cancel, each followed by a KSampler: what the idle server holds
+    after each job (NVML over the baseline, RSS), and once ComfyUI's cached models are unloaded at the end. Then a
+    crash: the same 600 steps straight, killed (SIGKILL) at a random step, and resumed from the last state in a new
+    server on the same folders; the resumed LoRA against the straight one."""
+    import random
+    card4 = {**FAST, "card": "4 GiB"}
+    jobs = []
+    for cycle in range(4):
+        jobs += [Job(f"card_4_{cycle}", card4, steps=40, est_step_s=0.04, est_setup_s=15),
+                 Job(f"leanest_{cycle}", settings("leanest"), steps=40, est_step_s=0.09, est_setup_s=10),
+                 Job(f"cancel_card_4_{cycle}", card4, steps=2000, cancel_after=16, est_step_s=0.04, est_setup_s=12),
+                 Job(f"compile_lean_{cycle}", settings("lean", compile=True), steps=40, est_step_s=0.035,
+                     est_setup_s=90, timeout_s=300) if cycle == 0 else
+                 Job(f"free_vram_{cycle}", settings("fast", auto_fit="free VRAM"), steps=40, est_step_s=0.04,
+                     est_setup_s=12),
+                 Job(f"template_{cycle}", TEMPLATE, steps=40, est_step_s=0.04, est_setup_s=12)]
+    memory = settings("fast", optimizer="AdamW8bit")
+    saves = {"save_every_n_steps": 100}
+    kill_at = random.randint(250, 550)
+    crash = Server("kill_resume_sd15", "sd15", [
+        Job("straight", memory, steps=600, train_extra=saves, output_name="crash_straight", est_step_s=0.03,
+            est_setup_s=15),
+        Job("killed", memory, steps=600, train_extra=saves, output_name="crash_killed", kill_after=kill_at,
+            est_step_s=0.03, est_setup_s=10),
+        Job("resumed", memory, steps=600, train_extra={**saves, "resume": "latest state of this output name"}, output_name="crash_killed",
+            est_step_s=0.03, est_setup_s=15)],
+        card_gib=24, lora_identity=("straight", "resumed"), est_start_s=12)
+    return [Server("requeue20_sd15_4", "sd15", jobs, card_gib=4, held_memory=True, est_start_s=12), crash]
+
+
+def plan_soak() -> list[Server]:
+    """Issue 34's soak: SDXL 1024² on a 6 GiB card (the card widget), saves every 500 steps and samples every 1,000,
+    s/step, device memory and RSS traced every 100 steps. As many steps as one device command allows (2,500)."""
+    soak = {"save_every_n_steps": 500, "sample_every_n_steps": 1000,
+            "sample_prompts": "a red circle on a blue background"}
+    return [Server("soak_sdxl_6", "sdxl", [
+        Job("soak", {**FAST, "card": "6 GiB"}, steps=2500, train_extra=soak, trace_every=100, est_step_s=0.14,
+            est_setup_s=60, timeout_s=560)], card_gib=6, held_memory=True)]
+
+
 PLANS = {"core": plan_core, "more": plan_more, "extra": plan_extra, "all": plan_all, "v033": plan_v033,
-         "smoke": plan_smoke, "resume": plan_resume, "cards": plan_cards}
+         "smoke": plan_smoke, "resume": plan_resume, "cards": plan_cards,
+         "requeue": plan_requeue, "soak": plan_soak}
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -656,6 +706,8 @@ class MatrixServer:
 
     def __init__(self, spec: Server, comfyui: Path, base: Path, assets_dir: Path, web_root: Path, cpu: bool,
                  nvml: NvmlSampler, restarts: int = 0):
+        """restarts > 0: the server after a lost one, in fresh folders (whatever broke stays behind); a deliberate
+        kill (Job.kill_after) restarts without counting, on the same folders."""
         self.spec, self.comfyui, self.cpu, self.nvml = spec, comfyui, cpu, nvml
         self.base = base / (spec.name if restarts == 0 else f"{spec.name}_restart{restarts}")
         self.log_path = self.base / "comfyui.log"
@@ -679,6 +731,7 @@ class MatrixServer:
         self.start_s = 0.0
         self.nvml_baseline = 0  # device-level used memory before this server started
         self.object_info: dict = {}
+        self.after_start: dict | None = None
 
     def start(self, timeout: float = 180) -> None:
         args = ["--listen", "127.0.0.1", "--port", str(self.port), "--base-directory", str(self.base),
@@ -720,6 +773,7 @@ class MatrixServer:
         self.events = Events(self.url, self.client_id)
         self.start_s = time.monotonic() - started
         self.object_info = http(f"{self.url}/object_info", timeout=60)
+        self.after_start = self.held(settle_s=1.0) if self.spec.held_memory else None
 
     def alive_process(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -738,6 +792,37 @@ class MatrixServer:
             return http(f"{self.url}/system_stats", timeout=10)
         except Exception:
             return None
+
+    def rss(self) -> int | None:
+        """The server process's resident host memory (ComfyUI runs inside the launcher's process)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, AttributeError, ValueError):
+            pass
+        return None
+
+    def held(self, settle_s: float = 2.0) -> dict:
+        """What the idle server holds: device memory over the baseline (NVML) and host RSS, after a settle."""
+        time.sleep(settle_s)
+        held = {"rss_gib": round(self.rss() / GIB, 3) if self.rss() else None}
+        if self.nvml.available:
+            held["device_over_baseline_gib"] = round((self.nvml.used() - self.nvml_baseline) / GIB, 3)
+        stats = self.system_stats()
+        if stats and stats.get("devices"):
+            device = stats["devices"][0]
+            held["comfy_torch_reserved_gib"] = round(((device.get("torch_vram_total") or 0)) / GIB, 3)
+        return held
+
+    def free_and_measure(self) -> dict:
+        """ComfyUI's own cached models unloaded (POST /free, as its menu's "Unload models" does), then what is
+        held: against the idle server right after it started, what every job together left behind."""
+        try:
+            http(f"{self.url}/free", {"unload_models": True, "free_memory": True}, timeout=30)
+        except Exception as error:  # noqa: BLE001 - recorded
+            return {"error": f"POST /free: {type(error).__name__}: {error}"}
+        return {**self.held(settle_s=5.0), "after_start": self.after_start}
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -828,7 +913,8 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
     prompt_id = answer["prompt_id"]
     steps: list[tuple[int, float]] = []
     phases: list[tuple[float, str]] = []
-    first_step_at = interrupt_at = train_started = None
+    first_step_at = interrupt_at = train_started = killed_at = None
+    trace: list[dict] = []
     train_peak = caching_peak = None
     entry = None
     status = None
@@ -863,6 +949,17 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                     server.nvml.start_phase()
                 elif train_started is not None and train_peak is None and node != train_node:
                     train_peak = server.nvml.phase_peak()
+        while job.trace_every and steps and steps[-1][0] >= (len(trace) + 1) * job.trace_every:
+            rss = server.rss()
+            trace.append({"step": steps[-1][0], "trainer_s": round(steps[-1][1], 2),
+                          "device_used_over_baseline_gib": round((server.nvml.used() - server.nvml_baseline) / GIB, 3)
+                          if server.nvml.available else None, "rss_gib": round(rss / GIB, 3) if rss else None})
+        if job.kill_after and killed_at is None and steps and steps[-1][0] >= job.kill_after:
+            killed_at = steps[-1][0]
+            os.kill(server.proc.pid, signal.SIGKILL)  # a crash: no handler, no cleanup, no final save
+            server.proc.wait()
+            status = "killed"
+            break
         if job.cancel_after and interrupt_at is None and steps and steps[-1][0] >= job.cancel_after:
             try:
                 http(f"{server.url}/interrupt", {}, timeout=10)
@@ -893,6 +990,10 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
             pass
         row["error"] = (f"no result after {timeout_s:.0f} s (interrupted; server restarted for the next job)"
                         if status == "timeout" else f"the time budget ended the job after {timeout_s:.0f} s")
+    elif status == "killed":
+        states = sorted(p.name for p in (server.base / "models" / "loras").glob(
+            f"{job.output_name or 'matrix_' + run_tag}_step*.leanlora-state"))
+        row.update(killed_at_step=killed_at, states_left=states)
     elif status == "server died":
         row["error"] = f"the ComfyUI process exited (code {server.proc.returncode}) during the job"
     else:
@@ -946,6 +1047,8 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         row["cancel"] = {"after_step": job.cancel_after,
                          "latency_s": round(finished - interrupt_at, 2) if interrupt_at else None,
                          "partial_loras": sorted(p.name for p in partial)}
+    if trace:
+        row["trace"] = trace
     row["status"] = status
     alive = server.alive()
     row["server_alive_after"] = alive
@@ -953,8 +1056,13 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
     if stats:
         row["system_stats_after"] = [{k: d.get(k) for k in ("name", "vram_total", "vram_free", "torch_vram_total",
                                                             "torch_vram_free")} for d in stats.get("devices", [])]
-    expected_ok = (status == "cancelled" and row["cancel"]["partial_loras"]) if job.cancel_after else status == "ok"
-    row["passed"] = bool(expected_ok and alive)
+    if job.kill_after:  # passed: killed as planned with a state on disk to resume from
+        row["passed"] = bool(status == "killed" and row.get("states_left"))
+    else:
+        expected_ok = (status == "cancelled" and row["cancel"]["partial_loras"]) if job.cancel_after else status == "ok"
+        row["passed"] = bool(expected_ok and alive)
+    if alive and server.spec.held_memory:
+        row["held_after"] = server.held()
     if not row["passed"]:
         row["log_tail"] = server.log_tail()
         row["abort_lines"] = server.abort_lines()
@@ -1153,10 +1261,16 @@ def run_matrix(args) -> dict:
                   f"s/step {row.get('s_per_step')}, NVML peak {row.get('nvml_peak_gib')}, wall {row.get('wall_s')} s"
                   + (f" — {row['error'][:300]}" if row.get("error") else ""), flush=True)
             save()
-            if not row["server_alive_after"] or row["status"] in ("timeout", "out of budget"):
+            if row["status"] == "killed":  # deliberate: the next server starts on the same folders
+                server.stop()
+                server = None
+            elif not row["server_alive_after"] or row["status"] in ("timeout", "out of budget"):
                 server.stop()
                 server, restarts = None, restarts + 1
         if server is not None:
+            if spec.held_memory:
+                result.setdefault("held_after_free", {})[spec.name] = server.free_and_measure()
+                save()
             server.stop()
     save()
     return result

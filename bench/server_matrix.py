@@ -371,14 +371,14 @@ def plan_requeue() -> list[Server]:
     card4 = {**FAST, "card": "4 GiB"}
     jobs = []
     for cycle in range(4):
-        jobs += [Job(f"card_4_{cycle}", card4, steps=40, est_step_s=0.04, est_setup_s=15),
-                 Job(f"leanest_{cycle}", settings("leanest"), steps=40, est_step_s=0.09, est_setup_s=10),
+        jobs += [Job(f"card_4_{cycle}", card4, steps=24, est_step_s=0.04, est_setup_s=15),
+                 Job(f"leanest_{cycle}", settings("leanest"), steps=24, est_step_s=0.09, est_setup_s=10),
                  Job(f"cancel_card_4_{cycle}", card4, steps=2000, cancel_after=16, est_step_s=0.04, est_setup_s=12),
-                 Job(f"compile_lean_{cycle}", settings("lean", compile=True), steps=40, est_step_s=0.035,
+                 Job(f"compile_lean_{cycle}", settings("lean", compile=True), steps=24, est_step_s=0.035,
                      est_setup_s=90, timeout_s=300) if cycle == 0 else
-                 Job(f"free_vram_{cycle}", settings("fast", auto_fit="free VRAM"), steps=40, est_step_s=0.04,
+                 Job(f"free_vram_{cycle}", settings("fast", auto_fit="free VRAM"), steps=24, est_step_s=0.04,
                      est_setup_s=12),
-                 Job(f"template_{cycle}", TEMPLATE, steps=40, est_step_s=0.04, est_setup_s=12)]
+                 Job(f"template_{cycle}", TEMPLATE, steps=24, est_step_s=0.04, est_setup_s=12)]
     memory = settings("fast", optimizer="AdamW8bit")
     saves = {"save_every_n_steps": 100}
     kill_at = random.randint(250, 550)

@@ -16,7 +16,8 @@ from .errors import LeanLoRAError, is_out_of_memory, one_line
 from .files import sanitize_name
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
-from .memory.allocator import apply_allocator_settings, backend as allocator_backend, trim_graph_memory
+from .memory.allocator import (apply_allocator_settings, backend as allocator_backend, trim_graph_memory,
+                               trim_host_memory)
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
@@ -424,6 +425,7 @@ class TrainingSession:
             torch.cuda.synchronize(self.adapter.device)
             torch.cuda.empty_cache()  # the native allocator's cache; under cudaMallocAsync the pool is trimmed
             trim_graph_memory(self.adapter.device)  # and the driver's graph pool (uncounted by PyTorch)
+        trim_host_memory()
 
     def report_notes(self) -> list[str]:
         extra = (self.micro_step.notes if self.micro_step is not None else []) + \

@@ -90,6 +90,30 @@ def trim_graph_memory(device: torch.device) -> None:
         trim(torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device())
 
 
+def trim_host_memory() -> None:
+    """Gives host memory back after a job: PyTorch's pinned-memory cache (streamed weights, offloaded activations
+    and batch copies are pinned; freed pinned blocks stay cached for the process's life) and glibc's free heap
+    (large tensors freed inside the heap are not returned until trimmed). On an H200 a ComfyUI server's RSS grew
+    ~0.4 GiB per job over 20 re-queues without this."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch._C._host_emptyCache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    import ctypes
+    import ctypes.util
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows): nothing to trim this way
+        return None
+    function.argtypes, function.restype = [ctypes.c_size_t], ctypes.c_int
+    return function
+
+
 @functools.cache
 def _graph_mem_trim() -> Callable[[int], int] | None:
     """cudaDeviceGraphMemTrim of the CUDA runtime this process loaded (PyTorch's), found by its path in the

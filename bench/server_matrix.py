@@ -364,10 +364,7 @@ def plan_cards() -> list[Server]:
 def plan_requeue() -> list[Server]:
     """Issue 34's records. 20 re-queues in one SD1.5 server capped to 4 GiB across auto-fit (card 4 GiB, the card
     on auto), streamed weights (leanest), compile and cancel, each followed by a KSampler: what the idle server holds
-    after each job (NVML over the baseline, RSS), and once ComfyUI's cached models are unloaded at the end. Then a
-    crash: the same 600 steps straight, killed (SIGKILL) at a random step, and resumed from the last state in a new
-    server on the same folders; the resumed LoRA against the straight one."""
-    import random
+    after each job (NVML over the baseline, RSS), and once ComfyUI's cached models are unloaded at the end."""
     card4 = {**FAST, "card": "4 GiB"}
     jobs = []
     for cycle in range(4):
@@ -379,6 +376,15 @@ def plan_requeue() -> list[Server]:
                  Job(f"free_vram_{cycle}", settings("fast", auto_fit="free VRAM"), steps=24, est_step_s=0.04,
                      est_setup_s=12),
                  Job(f"template_{cycle}", TEMPLATE, steps=24, est_step_s=0.04, est_setup_s=12)]
+    return [Server("requeue20_sd15_4", "sd15", jobs, card_gib=4, held_memory=True, est_start_s=12)]
+
+
+def plan_soak(steps: int = 1800) -> list[Server]:
+    """Issue 34's crash and soak. A crash: 600 SD1.5 steps straight, then the same run killed (SIGKILL) at a random
+    step and resumed from its last state in a new server on the same folders; the resumed LoRA against the straight
+    one. The soak: SDXL 1024² on a 6 GiB card (the card widget), saves every 500 steps and samples every 1,000,
+    s/step, device memory and RSS traced every 100 steps; as many steps as one device command leaves room for."""
+    import random
     memory = settings("fast", optimizer="AdamW8bit")
     saves = {"save_every_n_steps": 100}
     kill_at = random.randint(250, 550)
@@ -387,19 +393,13 @@ def plan_requeue() -> list[Server]:
             est_setup_s=15),
         Job("killed", memory, steps=600, train_extra=saves, output_name="crash_killed", kill_after=kill_at,
             est_step_s=0.03, est_setup_s=10),
-        Job("resumed", memory, steps=600, train_extra={**saves, "resume": "latest state of this output name"}, output_name="crash_killed",
-            est_step_s=0.03, est_setup_s=15)],
+        Job("resumed", memory, steps=600, train_extra={**saves, "resume": "latest state of this output name"},
+            output_name="crash_killed", est_step_s=0.03, est_setup_s=15)],
         card_gib=24, lora_identity=("straight", "resumed"), est_start_s=12)
-    return [Server("requeue20_sd15_4", "sd15", jobs, card_gib=4, held_memory=True, est_start_s=12), crash]
-
-
-def plan_soak() -> list[Server]:
-    """Issue 34's soak: SDXL 1024² on a 6 GiB card (the card widget), saves every 500 steps and samples every 1,000,
-    s/step, device memory and RSS traced every 100 steps. As many steps as one device command allows (2,500)."""
     soak = {"save_every_n_steps": 500, "sample_every_n_steps": 1000,
             "sample_prompts": "a red circle on a blue background"}
-    return [Server("soak_sdxl_6", "sdxl", [
-        Job("soak", {**FAST, "card": "6 GiB"}, steps=2500, train_extra=soak, trace_every=100, est_step_s=0.14,
+    return [crash, Server("soak_sdxl_6", "sdxl", [
+        Job("soak", {**FAST, "card": "6 GiB"}, steps=steps, train_extra=soak, trace_every=100, est_step_s=0.14,
             est_setup_s=60, timeout_s=560)], card_gib=6, held_memory=True)]
 
 

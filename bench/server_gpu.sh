@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU server matrix, as one device command on the GPU machine (repo root, .gpu/ carried; see
 # bench/prepare_gpu_carry.sh, run with ComfyUI 0.33's source for the v033 plan):
-#   bash bench/server_gpu.sh PLAN OUT_DIR      PLAN: core | cards | more | extra | all | v033 | resume   (python -m bench.server_matrix --plan P --list)
+#   bash bench/server_gpu.sh PLAN OUT_DIR      PLAN: core | cards | more | extra | all | v033 | resume | requeue | soak   (python -m bench.server_matrix --plan P --list)
 # Installs the carried wheels into /tmp/site, unpacks ComfyUI (0.3.75; for v033 also 0.33), runs the plan with a
 # time budget that ends the whole command within LIMIT_S (default 530 s), and leaves four files in OUT_DIR:
 # results.json (every job), table.md, console.txt (nvidia-smi + the matrix's progress lines), logs.tgz (each

@@ -278,6 +278,9 @@ class ComfyAdapter:
                 cond: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.family.predict(unet, x, timestep, cond, dict(self.transformer_options))
 
+    def resolution_shift(self, latent_size: tuple[int, int]) -> float:
+        return self.family.resolution_shift(self.model_sampling, latent_size)
+
     # --- the LoRA file: the family's identity and naming ---
     def identity(self) -> FamilyIdentity:
         return self.family.identity(self.base, self.model_sampling)

@@ -546,3 +546,38 @@ def test_each_familys_template_is_current_and_trains_then_samples_on_its_models(
     assert entry["status"]["status_str"] == "success", execution_error(entry)
     assert entry["outputs"]["13"]["images"] and "trained 3/3 steps" in entry["outputs"]["14"]["text"][0]
     assert (comfy_server.base_dir / "models" / "loras" / f"my_{family}_lora.safetensors").is_file()
+
+
+def test_flux_dev_trains_each_size_at_the_shift_comfyui_samples_it_with(family_objects):
+    """FLUX.1-dev's own table is the 1024² schedule (shift 1.15); ComfyUI's ModelSamplingFlux node samples 512² at
+    mu 0.63. The family moves a 512² latent's draws there (and leaves 1024², and a schedule the user set, alone)."""
+    import math
+
+    import comfy.model_sampling
+    from trainer.objective import TimestepSampling, sample_sigmas
+    adapter = _adapter(family_objects["flux_dev"])
+    schedule = adapter.model_sampling
+    assert isinstance(schedule, comfy.model_sampling.ModelSamplingFlux) and schedule.shift == pytest.approx(1.15)
+    assert adapter.resolution_shift((128, 128)) == pytest.approx(1.0)  # 1024²: 4096 tokens
+    mu_512 = 0.5 + (1.15 - 0.5) * (1024 - 256) / (4096 - 256)  # ComfyUI's node at 512x512 with its defaults
+    assert adapter.resolution_shift((64, 64)) == pytest.approx(math.exp(mu_512 - 1.15))
+    # the draws: the node's own schedule at 512² gives the same sigma at the same logit-normal position
+    draws = sample_sigmas(schedule, 4096, torch.Generator().manual_seed(0), TimestepSampling.LOGIT_NORMAL,
+                          resolution_shift=adapter.resolution_shift((64, 64)))
+    position = torch.sigmoid(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+    node = comfy.model_sampling.ModelSamplingFlux()
+    node.set_parameters(shift=mu_512)
+    assert torch.allclose(draws, node.sigma(position), atol=1e-3)  # the table's 10,000 steps: up to ~3 apart
+    unshifted = sample_sigmas(schedule, 4096, torch.Generator().manual_seed(0), TimestepSampling.LOGIT_NORMAL)
+    assert draws.mean() < unshifted.mean() - 0.05  # a smaller image: less noise, as sampled
+    # uniform: the same draws, moved the same way
+    uniform = sample_sigmas(schedule, 4096, torch.Generator().manual_seed(1), TimestepSampling.UNIFORM,
+                            resolution_shift=adapter.resolution_shift((64, 64)))
+    index = torch.randint(0, len(schedule.sigmas), (4096,), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(uniform, node.sigma((index + 1) / len(schedule.sigmas)), atol=1e-3)
+    # a schedule the user set (the node at another size; schnell's 1.0) is trained as it is
+    patched = comfy.model_sampling.ModelSamplingFlux()
+    patched.set_parameters(shift=0.9)
+    assert adapter.family.resolution_shift(patched, (64, 64)) == 1.0
+    for family in ("sd15", "z_image", "qwen_image"):
+        assert _adapter(family_objects[family]).resolution_shift((64, 64)) == 1.0

@@ -167,6 +167,9 @@ class TinyAdapter:
     def predict(self, unet, x, timestep, cond):
         return unet(x, timestep, cond["context"])
 
+    def resolution_shift(self, latent_size) -> float:
+        return 1.0
+
     def free(self, unet) -> None:
         unet.to("cpu")
 

@@ -32,20 +32,31 @@ KOHYA_SAMPLING = {TimestepSampling.UNIFORM: "uniform", TimestepSampling.LOGIT_NO
 DEFAULT_SHIFT = 3.0  # kohya's discrete_flow_shift default
 
 
+def _shifted(position: torch.Tensor, shift: float) -> torch.Tensor:
+    return position * shift / (1 + (shift - 1) * position)
+
+
 def sample_sigmas(model_sampling, batch: int, generator: torch.Generator,
-                  sampling: TimestepSampling = TimestepSampling.UNIFORM, shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+                  sampling: TimestepSampling = TimestepSampling.UNIFORM, shift: float = DEFAULT_SHIFT,
+                  resolution_shift: float = 1.0) -> torch.Tensor:
+    """`resolution_shift` (the family's, for this latent size; 1: none) moves every mode's position along the table
+    the same way as SHIFTED_SIGMOID's shift: on a flow schedule shifting by s is mu += log(s) in
+    exp(mu) / (exp(mu) + 1/t - 1), so the table's shift becomes the one the model samples this size with."""
     sigmas = getattr(model_sampling, "sigmas", None)
     if sigmas is None:
         raise LeanLoRAError(f"this model's noise schedule ({type(model_sampling).__name__}) has no table of noise "
                             "levels (model_sampling.sigmas) to train with")
+    last = len(sigmas) - 1
     if sampling is not TimestepSampling.UNIFORM:
         position = torch.sigmoid(torch.randn(batch, generator=generator))
         if sampling is TimestepSampling.SHIFTED_SIGMOID:
-            position = position * shift / (1 + (shift - 1) * position)
-        index = (position * (len(sigmas) - 1)).round().long()
+            position = _shifted(position, shift)
+        index = (_shifted(position, resolution_shift) * last).round().long()
     else:
         index = torch.randint(0, len(sigmas), (batch,), generator=generator)
-    return sigmas.cpu()[index]
+        if resolution_shift != 1.0:  # the same draws; only their place on the table moves
+            index = (_shifted((index + 1) / len(sigmas), resolution_shift) * len(sigmas) - 1).round().long()
+    return sigmas.cpu()[index.clamp(0, last)]
 
 
 def output_target(model_sampling, sigma: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
@@ -59,14 +70,14 @@ def output_target(model_sampling, sigma: torch.Tensor, noisy: torch.Tensor, clea
 
 def draw_noise(model_sampling, shape: torch.Size, generator: torch.Generator,
                sampling: TimestepSampling = TimestepSampling.UNIFORM, noise_offset: float = 0.0,
-               shift: float = DEFAULT_SHIFT) -> dict[str, torch.Tensor]:
+               shift: float = DEFAULT_SHIFT, resolution_shift: float = 1.0) -> dict[str, torch.Tensor]:
     """Noise, noise levels and the model's timesteps for one batch, on the CPU: drawn from the CPU generator so
     a seed gives the same run on any device, and computed from a CPU `model_sampling` so no step waits for the
     GPU (a replayed CUDA graph gets them as plain inputs).
     noise_offset (kohya's): noise += offset * N(0, 1) per image and channel, drawn after the noise levels, and only
     when on, so a run without it draws exactly what it always did and one with it the same noise levels."""
     noise = torch.randn(shape, generator=generator)
-    sigma = sample_sigmas(model_sampling, shape[0], generator, sampling, shift)
+    sigma = sample_sigmas(model_sampling, shape[0], generator, sampling, shift, resolution_shift)
     if noise_offset:
         noise = noise + noise_offset * torch.randn((*shape[:2], *[1] * (len(shape) - 2)), generator=generator)
     return {"noise": noise, "sigma": sigma, "timestep": model_sampling.timestep(sigma).float()}

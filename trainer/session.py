@@ -54,6 +54,11 @@ class TrainingSession:
                                              adapter.identity().prediction if train.min_snr_gamma else "epsilon")
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
+        shifts = sorted({(tuple(sample.latent.shape[-2:]), adapter.resolution_shift(tuple(sample.latent.shape[-2:])))
+                         for sample in cache})
+        if any(shift != 1.0 for _, shift in shifts):  # the family's schedule moves with the image size (Flux dev)
+            self.notes.append("noise levels: shifted per image size as the model samples that size (" + ", ".join(
+                f"{h * 8}x{w * 8}: x{shift:.2f}" for (h, w), shift in shifts) + " along the schedule)")
         self.checkpointed = 0.0  # the checkpoint share wrapped now
         self._checkpoint_units: tuple[CheckpointDepth, RankedUnits] | None = None
         self.steps_done = 0  # optimizer steps applied (run() keeps it); a rebuilt LR schedule resumes from here
@@ -278,7 +283,8 @@ class TrainingSession:
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
         draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator, self.timestep_sampling,
-                           self.train.noise_offset, self.train.timestep_shift)
+                           self.train.noise_offset, self.train.timestep_shift,
+                           self.adapter.resolution_shift(tuple(clean.shape[-2:])))
         if seed_lora_dropout(self.unet) is not None:  # drawn only with dropout: other runs keep their noise
             draws["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=self.generator)
         return self._on_device({"clean": clean, **draws, **{f"cond.{name}": value for name, value in cond.items()}})

@@ -120,3 +120,6 @@ class TransformerFamily:
 
     def diffusers_module_names(self, base) -> dict[str, str] | None:
         return None
+
+    def resolution_shift(self, model_sampling, latent_size: tuple[int, int]) -> float:
+        return 1.0  # a fixed shift (ComfyUI's AuraFlow-style schedules): the table as it is at every size

@@ -2,12 +2,14 @@
 the full model), flow matching, CLIP-L's pooled vector and T5-XXL's sequence, the guidance embedding."""
 from __future__ import annotations
 
+import math
 import types
 
 import torch
 
 import comfy.ldm.flux.layers as flux_layers
 import comfy.model_base
+import comfy.model_sampling
 
 from .common import TransformerFamily, prediction_of
 
@@ -17,6 +19,10 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.model import FamilyIdentity
     from trainer.settings import LoraTargets, SampleLimits
+
+
+# (image tokens, mu) at both ends of FLUX.1-dev's resolution-dependent shift (ComfyUI's ModelSamplingFlux node)
+FLUX_SHIFT_LOW, FLUX_SHIFT_HIGH = (256, 0.5), (4096, 1.15)
 
 
 class Flux(TransformerFamily):
@@ -50,6 +56,20 @@ class Flux(TransformerFamily):
                               "flux-1-schnell" if schnell else "flux-1-dev",
                               "https://github.com/black-forest-labs/flux", prediction_of(model_sampling),
                               recorded_as=("flux1", "flux-1", "flux.1", "flux"))
+
+    def resolution_shift(self, model_sampling, latent_size: tuple[int, int]) -> float:
+        """FLUX.1-dev samples with a shift that grows with the image (Black Forest Labs' mu: 0.5 at 256 image
+        tokens, 1.15 at 4096, linear between; ComfyUI's ModelSamplingFlux node with its defaults), while the MODEL's
+        own table is the 1024² one (shift 1.15). A smaller image trains where it is sampled: at 512², mu 0.63, so
+        the noise levels move down by exp(0.63 - 1.15) (kohya's `flux_shift`). A schedule the user set (any other
+        shift: the ModelSamplingFlux node at a chosen size, schnell's 1.0) is trained as it is."""
+        if not isinstance(model_sampling, comfy.model_sampling.ModelSamplingFlux) or \
+                abs(model_sampling.shift - FLUX_SHIFT_HIGH[1]) > 1e-6:
+            return 1.0
+        tokens = (latent_size[0] // 2) * (latent_size[1] // 2)  # 2x2 latent patches
+        (low_tokens, low_mu), (high_tokens, high_mu) = FLUX_SHIFT_LOW, FLUX_SHIFT_HIGH
+        mu = low_mu + (high_mu - low_mu) * (tokens - low_tokens) / (high_tokens - low_tokens)
+        return math.exp(mu - model_sampling.shift)
 
     def describe(self, base) -> str:
         unet = base.diffusion_model

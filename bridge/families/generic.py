@@ -94,3 +94,6 @@ class Generic:
 
     def diffusers_module_names(self, base) -> dict[str, str] | None:
         return None
+
+    def resolution_shift(self, model_sampling, latent_size: tuple[int, int]) -> float:
+        return 1.0  # an unknown model's schedule is trained as its table says

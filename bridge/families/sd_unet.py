@@ -168,6 +168,9 @@ class SdUnet:
         return {ldm[: -len(".weight")]: diffusers[: -len(".weight")]
                 for diffusers, ldm in diffusers_to_ldm.items() if diffusers.endswith(".weight")}
 
+    def resolution_shift(self, model_sampling, latent_size: tuple[int, int]) -> float:
+        return 1.0  # discrete DDPM schedules do not move with the image size
+
 
 # The cost model of partial checkpointing (trainer/checkpointing.most_memory_per_flop_first).
 # The model, per unit of the ldm UNet at `tokens` positions (its output's height x width), counts what autograd

@@ -382,7 +382,7 @@ def plan_requeue() -> list[Server]:
 def plan_soak(steps: int = 1800) -> list[Server]:
     """Issue 34's crash and soak. A crash: 600 SD1.5 steps straight, then the same run killed (SIGKILL) at a random
     step and resumed from its last state in a new server on the same folders; the resumed LoRA against the straight
-    one. The soak: SDXL 1024² on a 6 GiB card (the card widget), saves every 500 steps and samples every 1,000,
+    one, and the same straight run twice (run-to-run drift on the GPU). The soak: SDXL 1024² on a 6 GiB card (the card widget), saves every 500 steps and samples every 1,000,
     s/step, device memory and RSS traced every 100 steps; as many steps as one device command leaves room for."""
     import random
     memory = settings("fast", optimizer="AdamW8bit")
@@ -396,9 +396,13 @@ def plan_soak(steps: int = 1800) -> list[Server]:
         Job("resumed", memory, steps=600, train_extra={**saves, "resume": "latest state of this output name"},
             output_name="crash_killed", est_step_s=0.03, est_setup_s=15)],
         card_gib=24, lora_identity=("straight", "resumed"), est_start_s=12)
+    # the same 600 steps twice: how far two uninterrupted GPU runs drift apart (the crash's yardstick)
+    repeat = Server("repeat_sd15", "sd15", [
+        Job(name, memory, steps=600, train_extra=saves, output_name=f"repeat_{name}", est_step_s=0.03, est_setup_s=15)
+        for name in ("first", "second")], card_gib=24, lora_identity=("first", "second"), est_start_s=12)
     soak = {"save_every_n_steps": 500, "sample_every_n_steps": 1000,
             "sample_prompts": "a red circle on a blue background"}
-    return [crash, Server("soak_sdxl_6", "sdxl", [
+    return [crash, repeat, Server("soak_sdxl_6", "sdxl", [
         Job("soak", {**FAST, "card": "6 GiB"}, steps=steps, train_extra=soak, trace_every=100, est_step_s=0.14,
             est_setup_s=60, timeout_s=560)], card_gib=6, held_memory=True)]
 

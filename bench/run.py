@@ -138,6 +138,9 @@ def presets() -> dict:
              "lean+bf16w": replace(base["lean"], lora_weights="bf16_stochastic_rounding"),
              "lean+compile": replace(base["lean"], compile=True),
              "balanced+compile": replace(base["balanced"], compile=True),
+             # selective checkpointing (issue 32's lever): matmul/conv/attention outputs kept, the rest recomputed
+             "balanced+sac": replace(base["balanced"], selective_recompute=True),
+             "gc+fp8+8bit+sac": M("bf16", True, 1, 1, "AdamW8bit", "fp8", selective_recompute=True),
              # lean's parts compiled: what each costs at equal (compiled) settings
              "gc+fp8+compile": M("bf16", True, 1, 1, "AdamW", "fp8", compile=True),
              "gc+fp8+8bit+compile": M("bf16", True, 1, 1, "AdamW8bit", "fp8", compile=True),

@@ -283,3 +283,72 @@ def test_describe_names_the_share():
     assert "gradient checkpointing on (per layer)," in MemorySettings().describe()
     assert "gradient checkpointing off" in MemorySettings(gradient_checkpointing=False, checkpoint_share=0.4).describe()
     assert replace(MemorySettings(), checkpoint_share=1).checkpoint_share == 1  # an int share is fine
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that run (what selective checkpointing serves from its cache never runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+EXPENSIVE = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _backward_ops(adapter, unet, memory, inputs=None):
+    session = _session(adapter, unet)
+    session.configure(memory)
+    inputs = inputs or session.inputs(session.largest_batch())
+    loss = session.compute_loss(inputs)
+    with _OpCounter() as counter:
+        loss.backward()
+    return counter.counts, [p.grad.clone() for p in session.params], inputs, session
+
+
+def test_selective_recompute_repeats_only_the_cheap_ops_and_gives_the_same_gradients(adapter, two_level_unet):
+    """Full checkpointing runs every unit's forward again in backward; selective checkpointing keeps the matmul,
+    convolution and attention outputs, so backward runs exactly the expensive ops an unwrapped model's does, and
+    only the cheap ones (norms, activations) again. The gradients are the unwrapped model's."""
+    plain, plain_grads, inputs, _ = _backward_ops(adapter, two_level_unet, _memory(checkpointing=False))
+    full, _, _, _ = _backward_ops(adapter, two_level_unet, _memory(), inputs)
+    selective, selective_grads, _, session = _backward_ops(adapter, two_level_unet,
+                                                           _memory(selective_recompute=True), inputs)
+    expensive = lambda counts: sum(counts.get(op, 0) for op in EXPENSIVE)  # noqa: E731
+    assert expensive(full) > expensive(plain) > 0
+    assert expensive(selective) == expensive(plain)
+    norms = lambda counts: counts.get("native_layer_norm", 0) + counts.get("native_group_norm", 0)  # noqa: E731
+    assert norms(plain) == 0 and norms(selective) == norms(full) > 0  # recomputed in backward
+    for a, b in zip(plain_grads, selective_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
+    assert "selective: matmul/attention outputs kept" in session.memory.describe()
+
+
+def test_switching_between_selective_and_full_rewraps_every_unit_once(adapter, two_level_unet):
+    session = _session(adapter, two_level_unet)
+    session.configure(_memory(0.6, selective_recompute=True))
+    units = session.adapter.checkpoint_blocks(session.unet)
+    wrapped = [u for u in units if getattr(u.forward, "leanlora_checkpointed", False)]
+    assert len(wrapped) == 9 and all(u.forward.leanlora_selective for u in wrapped)
+    session.configure(_memory(1.0))
+    wrapped = [u for u in units if getattr(u.forward, "leanlora_checkpointed", False)]
+    assert len(wrapped) == 15 and not any(u.forward.leanlora_selective for u in wrapped)
+    assert all(not getattr(u.forward.leanlora_unwrapped, "leanlora_checkpointed", False) for u in wrapped)
+    session.configure(_memory(checkpointing=False))
+    assert _wrapped(session) == set()
+
+
+def test_selective_recompute_with_fp8_weights_gives_the_unwrapped_gradients(adapter, two_level_unet):
+    """fp8 layers inside a recomputed unit upcast again in backward; their matmul output is kept all the same."""
+    fp8 = dict(base_weights=BaseWeights.FP8)
+    plain, plain_grads, inputs, _ = _backward_ops(adapter, two_level_unet, _memory(checkpointing=False, **fp8))
+    selective, selective_grads, _, _ = _backward_ops(adapter, two_level_unet,
+                                                     _memory(selective_recompute=True, **fp8), inputs)
+    assert sum(selective.get(op, 0) for op in EXPENSIVE) == sum(plain.get(op, 0) for op in EXPENSIVE)
+    for a, b in zip(plain_grads, selective_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()

@@ -60,6 +60,7 @@ class TrainingSession:
             self.notes.append("noise levels: shifted per image size as the model samples that size (" + ", ".join(
                 f"{h * 8}x{w * 8}: x{shift:.2f}" for (h, w), shift in shifts) + " along the schedule)")
         self.checkpointed = 0.0  # the checkpoint share wrapped now
+        self.selective = False  # whether those units keep their matmul/attention outputs (selective checkpointing)
         self._checkpoint_units: tuple[CheckpointDepth, RankedUnits] | None = None
         self.steps_done = 0  # optimizer steps applied (run() keeps it); a rebuilt LR schedule resumes from here
         self.recoveries: list[Recovery] = []
@@ -92,13 +93,17 @@ class TrainingSession:
             # whenever a rung stores them, are upcast a block at a time
             self.adapter.group_upcasts(self.unet)
         share = memory.checkpoint_share if memory.gradient_checkpointing else 0.0
-        if share != self.checkpointed:
+        if memory.selective_recompute and memory.compile:
+            # compiled code runs as inductor kernels: selective checkpointing's policy never sees the ops it keeps
+            memory = replace(memory, selective_recompute=False)
+            self._set_note("selective recompute: ", "off with torch.compile (the compiled blocks recompute whole)")
+        if share != self.checkpointed or memory.selective_recompute != self.selective:
             # The first `count` units of the best-first order are wrapped, the rest not: auto-fit moves both ways.
             units = self.checkpoint_units(memory.checkpoint_depth)
             count = units_for_share(len(units), share) if share else 0
-            checkpoint_blocks(units[:count], preserve_rng_state=random_forward)
+            checkpoint_blocks(units[:count], preserve_rng_state=random_forward, selective=memory.selective_recompute)
             uncheckpoint_blocks(units[count:])
-            self.checkpointed = share
+            self.checkpointed, self.selective = share, memory.selective_recompute
             self._set_note("gradient checkpointing: ",
                            f"{count} of {len(units)} blocks recomputed, those that free the most activation memory "
                            "per recomputed FLOP" if 0 < count < len(units) else None)

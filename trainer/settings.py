@@ -145,6 +145,8 @@ class MemorySettings:
     lora_weights: LoraWeights = LoraWeights.FP32
     checkpoint_depth: CheckpointDepth = CheckpointDepth.LAYER
     checkpoint_share: float = 1.0  # with checkpointing: the fraction of units recomputed (trainer/step/checkpointing.py)
+    # with checkpointing: keep matmul, convolution and attention outputs, recompute only the cheap ops between them
+    selective_recompute: bool = False
     stream_share: float = 1.0  # with fp8 streamed: the fraction of the fp8 weights kept in CPU RAM, largest first
 
     def __post_init__(self):
@@ -176,11 +178,16 @@ class MemorySettings:
     def _share_text(self) -> str:
         return f", {self.checkpoint_share:.0%} of the blocks" if self.checkpoint_share < 1 else ""
 
+    @property
+    def _selective_text(self) -> str:
+        return ", selective: matmul/attention outputs kept" if self.selective_recompute else ""
+
     def describe(self) -> str:
         """The settings in the report's words (its own phrases: the UI's labels live in nodes/labels.py)."""
         depth = f"per {self.checkpoint_depth.value}"
         return (f"precision {self.mixed_precision}, gradient checkpointing "
-                f"{f'on ({depth}{self._share_text})' if self.gradient_checkpointing else 'off'}, batch {self.batch_size} x accumulation "
+                f"{f'on ({depth}{self._share_text}{self._selective_text})' if self.gradient_checkpointing else 'off'}, "
+                f"batch {self.batch_size} x accumulation "
                 f"{self.gradient_accumulation} = effective batch {self.effective_batch}, optimizer {self.optimizer}, "
                 + _BASE_WEIGHTS_TEXT[self.base_weights]
                 + (f" ({self.stream_share:.0%} of them)"

@@ -1,24 +1,47 @@
 """Gradient checkpointing: keep only block inputs during the forward pass and recompute each block's
-activations during backward, trading ~30% more compute for most of the activation memory."""
+activations during backward, trading ~30% more compute for most of the activation memory. Selective
+checkpointing keeps the outputs of the expensive ops (matmuls, convolutions, attention) as well and recomputes only
+the cheap ones between them (norms, activations, adds): most of the FLOPs are not repeated, part of the memory
+is still saved."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 _UNWRAPPED = object()  # the block had no forward of its own (the class's): unwrapping deletes the wrapper
+# What selective checkpointing keeps: the ops whose recompute costs FLOPs. Composite ops (linear, conv2d,
+# scaled_dot_product_attention) reach the policy as these.
+_ATEN = torch.ops.aten
+_KEPT_OPS = frozenset(getattr(_ATEN, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(_ATEN, name))
 
 
-def _checkpointed(forward, preserve_rng_state: bool, own_forward):
+def _keep_expensive_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SELECTIVE_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, _keep_expensive_outputs)
+
+
+def _checkpointed(forward, preserve_rng_state: bool, own_forward, selective: bool):
+    extra = {"context_fn": _SELECTIVE_CONTEXTS} if selective else {}
+
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         # Non-reentrant: works with kwargs and with inputs that do not require grad (frozen base weights).
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **extra,
+                          **kwargs)
     run.leanlora_checkpointed = True
+    run.leanlora_selective = selective
     run.leanlora_unwrapped = own_forward
     return run
 
@@ -28,15 +51,20 @@ def uses_randomness(module: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
 
 
-def checkpoint_blocks(blocks: Iterable[torch.nn.Module], preserve_rng_state: bool = True) -> int:
+def checkpoint_blocks(blocks: Iterable[torch.nn.Module], preserve_rng_state: bool = True,
+                      selective: bool = False) -> int:
     """Wraps each block's forward in place (on the training copy only). Returns how many were wrapped.
     preserve_rng_state=False skips saving/restoring the RNG per block: only correct without dropout, and needed
-    for CUDA-graph capture (reading the CUDA RNG state is not a capturable operation)."""
+    for CUDA-graph capture (reading the CUDA RNG state is not a capturable operation). selective: keep the
+    expensive ops' outputs, recompute the rest (a block wrapped the other way is wrapped again)."""
     count = 0
     for block in blocks:
         if getattr(block.forward, "leanlora_checkpointed", False):
-            continue  # wrapped by an earlier, smaller share: a second wrap would recompute it twice
-        block.forward = _checkpointed(block.forward, preserve_rng_state, block.__dict__.get("forward", _UNWRAPPED))
+            if block.forward.leanlora_selective == selective:
+                continue  # wrapped by an earlier, smaller share: a second wrap would recompute it twice
+            uncheckpoint_blocks([block])
+        block.forward = _checkpointed(block.forward, preserve_rng_state, block.__dict__.get("forward", _UNWRAPPED),
+                                      selective)
         _mark_recomputed(block, True)
         count += 1
     return count

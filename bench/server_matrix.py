@@ -290,7 +290,9 @@ def plan_resume() -> list[Server]:
 
 
 def lora_difference(a: Path, b: Path) -> dict:
-    """How far two LoRA files are apart: bit-identical, max |a - b| and max |a| over all tensors."""
+    """How far two LoRA files are apart: bit-identical, max |a - b| and max |a| over all tensors, and ||a - b|| /
+    ||a|| over all of them (Adam moves a weight whose gradient is mostly noise by ~lr per step in either direction,
+    so the max alone says little after hundreds of steps)."""
     from safetensors.torch import load_file
     ta, tb = load_file(a), load_file(b)
     if ta.keys() != tb.keys():
@@ -298,7 +300,10 @@ def lora_difference(a: Path, b: Path) -> dict:
     weights = [k for k in ta if not k.endswith(".alpha")]
     diff = max((ta[k].float() - tb[k].float()).abs().max().item() for k in weights)
     scale = max(ta[k].float().abs().max().item() for k in weights)
-    return {"identical": all(torch_equal(ta[k], tb[k]) for k in ta), "max_abs_diff": diff, "max_abs": scale}
+    squared = lambda tensors: sum(float(t.float().pow(2).sum()) for t in tensors)  # noqa: E731
+    relative = (squared(ta[k] - tb[k] for k in weights) / max(squared(ta[k] for k in weights), 1e-30)) ** 0.5
+    return {"identical": all(torch_equal(ta[k], tb[k]) for k in ta), "max_abs_diff": diff, "max_abs": scale,
+            "relative_l2": relative}
 
 
 def torch_equal(a, b) -> bool:

@@ -265,7 +265,10 @@ def test_the_train_node_trains_with_the_knobs_and_the_lora_file_records_them(com
     from test_node_ux import train_only_prompt
     info = comfy_server.object_info()["LeanLoRATrain"]["input"]["optional"]
     knobs = ["noise_offset", "min_snr_gamma", "timestep_sampling", "timestep_shift", "loss", "huber_c"]
-    assert list(info)[-6:] == knobs  # last: saved UI workflows' widget positions still load
+    names = list(info)
+    start = names.index("noise_offset")
+    # after every input saved UI workflows have (their widget positions still load), followed only by later knobs
+    assert names[start:start + 6] == knobs and names[start - 1] == "validation_every_n_steps"
     assert all(info[name][1].get("advanced") for name in knobs)
     assert info["timestep_sampling"][0] == ["family default", "uniform", "logit-normal", "shifted sigmoid"]
     prompt = train_only_prompt(steps=3, output_name="knobs_node", noise_offset=0.1, min_snr_gamma=5.0,

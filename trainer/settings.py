@@ -159,6 +159,10 @@ class MemorySettings:
         _require_member(self, "lora_weights", LoraWeights)
         _require(self.lora_weights is LoraWeights.FP32 or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
+        _require(self.lora_weights is LoraWeights.FP32 or self.optimizer not in ("Prodigy", "AdamWScheduleFree"),
+                 "lora_weights", f"bf16 LoRA weights are stepped in chunks, one optimizer step each, which {self.optimizer}'s "
+                 "whole-model statistics (Prodigy's step size, schedule-free's average) cannot take: set lora_weights "
+                 "to fp32 or choose another optimizer")
         _require_member(self, "checkpoint_depth", CheckpointDepth)
         _require_share(self, "checkpoint_share",
                        "1 = every block recomputed, 0.5 = the half that frees the most memory per recompute")
@@ -243,6 +247,7 @@ class TrainSettings:
     timestep_shift: float = DEFAULT_SHIFT  # the shift of TimestepSampling.SHIFTED_SIGMOID
     loss: LossKind = LossKind.MSE
     huber_c: float = 0.1  # Huber's delta / smooth L1's beta
+    ema_decay: float = 0.0  # 0: off; else an EMA of the LoRA weights is what is saved (trainer/ema.py)
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
@@ -251,8 +256,10 @@ class TrainSettings:
         _require_choice(self, "lr_schedule", LR_SCHEDULES)
         _require(0 <= self.warmup_steps < self.steps, "warmup_steps",
                  f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")
-        _require(0 < self.learning_rate < 1, "learning_rate",
-                 f"got {self.learning_rate}; use a small positive value such as 1e-4")
+        # up to 10 for Prodigy, whose rate (1.0 is usual) multiplies the step it estimates; the optimizer is a
+        # Memory Settings value, so optimizers.check_learning_rate checks the pair when training starts
+        _require(_number(self.learning_rate) and 0 < self.learning_rate <= 10, "learning_rate",
+                 f"got {self.learning_rate}; use a small positive value such as 1e-4 (1.0 for Prodigy)")
         fraction = self.validation_fraction
         _require(isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction < 1,
                  "validation_fraction", f"got {fraction!r}; use 0 (off) or a share below 1 such as 0.1 (at least "
@@ -268,6 +275,8 @@ class TrainSettings:
         _require(_number(self.timestep_shift) and 0 < self.timestep_shift <= 100, "timestep_shift",
                  f"got {self.timestep_shift!r}; use a positive shift up to 100 (3 is kohya's, 1 is no shift)")
         _require_member(self, "loss", LossKind)
+        _require(_number(self.ema_decay) and (self.ema_decay == 0 or 0.5 <= self.ema_decay < 1), "ema_decay",
+                 f"got {self.ema_decay!r}; use 0 (off) or a decay from 0.5 up to but below 1 (0.999 is usual)")
         _require(_number(self.huber_c) and 0 < self.huber_c <= 100, "huber_c",
                  f"got {self.huber_c!r}; use a positive value up to 100 (0.1 is kohya's)")
 
@@ -279,6 +288,14 @@ class TrainSettings:
                 "timestep_sampling": sampling, "timestep_shift": f"{self.timestep_shift:g}",
                 "loss": self.loss.value, "huber_c": f"{self.huber_c:g}"}
 
+    def option_values(self) -> dict[str, str]:
+        """Train's other training options (EMA, captions, multires noise, masked loss) as the report and the training
+        state word them."""
+        return {"ema_decay": f"{self.ema_decay:g}"}
+
+    def option_changes(self) -> dict[str, str]:
+        return {key: value for key, value in self.option_values().items() if OPTION_DEFAULTS[key] != value}
+
     def objective_changes(self) -> dict[str, str]:
         """Those knobs set away from their defaults (empty for a run as before they existed)."""
         return {key: value for key, value in self.objective_values().items() if OBJECTIVE_DEFAULTS[key] != value}
@@ -289,6 +306,7 @@ def _number(value) -> bool:
 
 
 OBJECTIVE_DEFAULTS = TrainSettings().objective_values()  # what a training state from before the knobs trained with
+OPTION_DEFAULTS = TrainSettings().option_values()
 
 
 @dataclass(frozen=True)

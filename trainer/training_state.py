@@ -45,6 +45,7 @@ class TrainingState:
     settings: dict[str, str] = field(default_factory=dict)  # for the report: what the run trained with
     output_name: str = ""
     validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) so far
+    ema: dict | None = None  # ema.LoraEMA.state_dict() with Train's ema_decay on (states before it: None)
 
 
 def _flatten(value, tensors: dict[str, torch.Tensor], prefix: str):
@@ -83,7 +84,7 @@ def save_training_state(path: Path, state: TrainingState) -> Path:
     body = {"step": state.step, "lora": state.lora, "optimizer_name": state.optimizer_name,
             "optimizer": state.optimizer, "scaler": state.scaler, "rng": state.rng, "data": state.data,
             "losses": state.losses, "fingerprints": state.fingerprints, "settings": state.settings,
-            "output_name": state.output_name, "validation_losses": state.validation_losses}
+            "output_name": state.output_name, "validation_losses": state.validation_losses, "ema": state.ema}
     skeleton = _flatten(body, tensors, "state")
     metadata = {"format": FORMAT, "state": json.dumps(skeleton), "step": str(state.step),
                 "output_name": state.output_name}
@@ -258,6 +259,10 @@ def check_state_values(state: TrainingState, path: Path, images: int | None = No
         if _non_finite(tensor):
             raise LeanLoRAError(f"training state {path} holds NaN/inf values in its optimizer state ({where}, shape "
                                 f"{tuple(tensor.shape)}): the file is damaged or was edited; {pick}")
+    for where, tensor in _tensors_in(state.ema, "state.ema"):
+        if _non_finite(tensor):
+            raise LeanLoRAError(f"training state {path} holds NaN/inf values in its EMA of the LoRA weights ({where}): "
+                                f"the file is damaged or was edited; {pick}")
     for group in (state.optimizer or {}).get("param_groups", []) if isinstance(state.optimizer, dict) else []:
         for key in ("lr", "initial_lr"):
             if key in group and not (_is_number(group[key]) and group[key] >= 0):

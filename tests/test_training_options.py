@@ -164,3 +164,129 @@ def test_ema_with_schedule_free_and_bad_decays_are_refused(tmp_path):
     for decay in (-0.1, 0.2, 1.0, float("nan")):
         with pytest.raises(LeanLoRAError, match=r"^ema_decay: got "):
             TrainSettings(ema_decay=decay)
+
+
+# --- captions -----------------------------------------------------------------------------------------------------
+
+TAGS = ["red circle", "blue background", "soft light", "flat colours", "centred"]
+
+
+def tagged_dataset(folder: Path, trigger: str = "ohwx"):
+    """The tiny dataset with comma-separated tag captions (each image's tags in its own order) and a trigger word."""
+    import tiny_assets
+    folder = tiny_assets.build_tiny_dataset(folder, n=4)
+    for i, path in enumerate(sorted(folder.glob("*.txt"))):
+        path.write_text(", ".join(TAGS[i:] + TAGS[:i]) + "\n")
+    return scan_folder(folder, 64, trigger_word=trigger)
+
+
+class CaptionRecorder(TinyAdapter):
+    """The tiny adapter, noting the captions it encodes and, per training forward, the caption it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoded: dict[str, torch.Tensor] = {}
+        self.used: list[str] = []
+
+    def encode_text(self, caption, width, height):
+        cond = super().encode_text(caption, width, height)
+        self.encoded[caption] = cond["context"]
+        return cond
+
+    def predict(self, unet, x, timestep, cond):
+        if torch.is_grad_enabled():
+            self.used += [next(text for text, context in self.encoded.items() if context.shape == row.shape
+                               and torch.equal(context, row)) for row in cond["context"].split(1)]
+        return super().predict(unet, x, timestep, cond)
+
+
+def caption_run(tmp_path: Path, steps: int = 60, stop_after_steps=None, resume_from=None, **knobs):
+    adapter = CaptionRecorder()
+    events = []
+    dataset = tagged_dataset(tmp_path / "data")
+    outcome = train_lora(adapter, dataset, EAGER, LORA, TrainSettings(steps=steps, learning_rate=1e-3, seed=0,
+                                                                      output_name="captions", resume_from=resume_from,
+                                                                      **knobs),
+                         tmp_path / "out", lambda **event: events.append(event),
+                         lambda: stop_after_steps is not None and sum(e["kind"] == "step" for e in events) >= stop_after_steps)
+    return outcome, adapter, dataset
+
+
+def test_a_caption_variant_keeps_the_trigger_and_the_first_tags_and_varies_the_rest():
+    from trainer.captions import CaptionOptions, caption_variant
+    caption = "ohwx, " + ", ".join(TAGS)
+    generator = torch.Generator().manual_seed(0)
+    shuffled = [caption_variant(caption, "ohwx", CaptionOptions(shuffle_tags=True, keep_tokens=2), generator)
+                for _ in range(50)]
+    for variant in shuffled:
+        tags = variant.split(", ")
+        assert tags[:3] == ["ohwx", *TAGS[:2]] and sorted(tags[3:]) == sorted(TAGS[2:])
+    assert len(set(shuffled)) == 6  # every order of the 3 free tags appears
+    dropped = [caption_variant(caption, "ohwx", CaptionOptions(tag_dropout=0.3, keep_tokens=1), generator)
+               for _ in range(2000)]
+    kept = [len(variant.split(", ")) - 2 for variant in dropped]  # free tags left of 4
+    assert all(variant.startswith(f"ohwx, {TAGS[0]}") for variant in dropped)
+    assert sum(kept) / (4 * len(kept)) == pytest.approx(0.7, abs=0.03)
+    assert caption_variant("ohwx", "ohwx", CaptionOptions(tag_dropout=0.9), generator) == "ohwx"
+
+
+def test_a_seeded_run_trains_on_seeded_caption_variants_and_drops_captions_at_the_rate(tmp_path):
+    knobs = {"shuffle_tags": True, "keep_tokens": 1, "tag_dropout": 0.2, "caption_dropout": 0.25,
+             "caption_variants": 3}
+    outcome, adapter, dataset = caption_run(tmp_path, **knobs)
+    from trainer.captions import caption_variants
+    settings = TrainSettings(**knobs)
+    allowed = {text for i, sample in enumerate(dataset.samples)
+               for text in caption_variants(sample.caption, "ohwx", settings.caption_options(), 0, i)}
+    written = {sample.caption for sample in dataset.samples}
+    assert set(adapter.encoded) == allowed | written | {"ohwx"}  # encoded once each, before training
+    assert len(adapter.used) == 60 and set(adapter.used) <= allowed | {"ohwx"}
+    dropped = adapter.used.count("ohwx") / 60
+    assert 0.1 < dropped < 0.45  # 0.25 of 60 draws (binomial: 15 +- 3.4)
+    varied = [text for text in adapter.used if text != "ohwx"]
+    assert len(set(varied)) >= 6 and not set(varied) <= written  # the variants, not the captions as written
+    first_tags = {sample.caption.split(", ")[1] for sample in dataset.samples}
+    assert all(text.split(", ")[1] in first_tags for text in varied)  # keep_tokens 1: each image's first tag
+    assert "captions: 3 variants per image + the dropped caption" in outcome.report
+    from safetensors import safe_open
+    with safe_open(str(outcome.lora_path), "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_shuffle_caption"], meta["ss_keep_tokens"], meta["ss_caption_tag_dropout_rate"],
+            meta["ss_caption_dropout_rate"]) == ("True", "1", "0.2", "0.25")
+    again, adapter_again, _ = caption_run(tmp_path / "again", **knobs)
+    assert adapter_again.used == adapter.used and again.losses == outcome.losses  # seeded
+    plain, plain_adapter, _ = caption_run(tmp_path / "plain")
+    assert set(plain_adapter.used) <= written and set(plain_adapter.encoded) == written  # off: as written, as before
+
+
+def test_exact_resume_keeps_the_caption_draws(tmp_path):
+    knobs = {"shuffle_tags": True, "tag_dropout": 0.2, "caption_dropout": 0.25}
+    whole, whole_adapter, _ = caption_run(tmp_path / "whole", steps=8, **knobs)
+    stopped, _, _ = caption_run(tmp_path / "parts", steps=8, stop_after_steps=3, **knobs)
+    resumed, resumed_adapter, _ = caption_run(tmp_path / "parts", steps=8, resume_from=state_path(stopped.lora_path),
+                                              **knobs)
+    assert resumed_adapter.used == whole_adapter.used[3:]
+    assert resumed.losses == whole.losses and same(resumed.lora_state_dict, whole.lora_state_dict)
+
+
+def test_caption_settings_name_the_field():
+    for knobs, field in (({"tag_dropout": 1.0}, "tag_dropout"), ({"caption_dropout": -0.1}, "caption_dropout"),
+                         ({"keep_tokens": 2}, "keep_tokens"), ({"keep_tokens": -1, "shuffle_tags": True}, "keep_tokens"),
+                         ({"caption_variants": 0}, "caption_variants"), ({"shuffle_tags": "yes"}, "shuffle_tags")):
+        with pytest.raises(LeanLoRAError, match=rf"^{field}: got "):
+            TrainSettings(**knobs)
+
+
+def test_batches_group_the_drawn_captions_by_their_encoded_length(tmp_path):
+    """Tag dropout shortens captions, and the tiny text encoder gives a row per word: batches of 2 hold one length,
+    so no context is padded or repeated (the repeat that makes CLIP contexts stackable is for 77-token multiples)."""
+    from trainer.cache import Batches, CachedSample
+    texts = [{"context": torch.zeros(1, n, 8)} for n in (3, 4, 5)]
+    cache = [CachedSample(torch.full((1, 4, 2, 2), float(i)), texts[2], f"{i}.png", tuple(texts), texts[0])
+             for i in range(6)]
+    data = Batches(cache, 2, 2, torch.Generator().manual_seed(0), ("context",), caption_dropout=0.3)
+    lengths = set()
+    for _ in range(30):
+        _, cond = next(data)
+        lengths.add(cond["context"].shape[1])
+    assert lengths <= {3, 4, 5} and len(lengths) == 3

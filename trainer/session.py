@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .cache import CachedSample, batches, collate
+from .cache import MASK_KEY, CachedSample, batches, collate
 from .ema import LoraEMA
 from .errors import LeanLoRAError, is_out_of_memory, one_line
 from .files import sanitize_name
@@ -134,7 +134,7 @@ class TrainingSession:
                 self.notes.append(note)
         if old is None or old.batch_size != memory.batch_size:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator,
-                                self.adapter.sequence_conditioning)
+                                self.adapter.sequence_conditioning, self.train.caption_dropout)
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
@@ -281,10 +281,13 @@ class TrainingSession:
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
         draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator, self.timestep_sampling,
-                           self.train.noise_offset, self.train.timestep_shift)
+                           self.train.noise_offset, self.train.timestep_shift, self.train.multires_noise_iterations,
+                           self.train.multires_noise_discount)
         if seed_lora_dropout(self.unet) is not None:  # drawn only with dropout: other runs keep their noise
             draws["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=self.generator)
-        return self._on_device({"clean": clean, **draws, **{f"cond.{name}": value for name, value in cond.items()}})
+        mask = {"mask": cond[MASK_KEY]} if MASK_KEY in cond else {}  # masked_loss
+        return self._on_device({"clean": clean, **draws, **mask,
+                                **{f"cond.{name}": value for name, value in cond.items() if name != MASK_KEY}})
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.adapter.device
@@ -297,8 +300,10 @@ class TrainingSession:
             seed_lora_dropout(self.unet).feed(inputs["dropout_seed"])
         cond = {name[len("cond."):]: t for name, t in inputs.items() if name.startswith("cond.")}
         predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
+        # the mask weighs the training loss only: validation's plain MSE stays comparable between runs
         return denoising_loss(self.adapter.model_sampling, predict, inputs["clean"], cond, inputs["noise"],
-                              inputs["sigma"], inputs["timestep"], loss or self.loss_function)
+                              inputs["sigma"], inputs["timestep"], loss or self.loss_function,
+                              inputs.get("mask") if loss is None else None)
 
     def loss(self, batch) -> torch.Tensor:
         return self.compute_loss(self.inputs(batch))

@@ -10,6 +10,7 @@ from enum import Enum
 from pathlib import Path
 
 from .errors import LeanLoRAError
+from .captions import CaptionOptions
 from .objective import DEFAULT_SHIFT, LossKind, TimestepSampling
 from .optimizers import OPTIMIZERS
 
@@ -248,6 +249,15 @@ class TrainSettings:
     loss: LossKind = LossKind.MSE
     huber_c: float = 0.1  # Huber's delta / smooth L1's beta
     ema_decay: float = 0.0  # 0: off; else an EMA of the LoRA weights is what is saved (trainer/ema.py)
+    # Captions (trainer/captions.py); all off: each image trains on its caption as written, as before
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    tag_dropout: float = 0.0
+    caption_dropout: float = 0.0
+    caption_variants: int = 4
+    multires_noise_iterations: int = 0  # 0: off; kohya's multires (pyramid) noise, 6-10 is usual
+    multires_noise_discount: float = 0.3  # each coarser level's weight factor (kohya's default)
+    masked_loss: bool = False  # the loss only where the image's alpha or <image>_mask.png is white (weighted)
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
@@ -277,6 +287,27 @@ class TrainSettings:
         _require_member(self, "loss", LossKind)
         _require(_number(self.ema_decay) and (self.ema_decay == 0 or 0.5 <= self.ema_decay < 1), "ema_decay",
                  f"got {self.ema_decay!r}; use 0 (off) or a decay from 0.5 up to but below 1 (0.999 is usual)")
+        _require(isinstance(self.multires_noise_iterations, int) and not isinstance(self.multires_noise_iterations, bool)
+                 and 0 <= self.multires_noise_iterations <= 20, "multires_noise_iterations",
+                 f"got {self.multires_noise_iterations!r}; use 0 (off) up to 20 (6-10 is usual)")
+        _require(_number(self.multires_noise_discount) and 0 < self.multires_noise_discount <= 1,
+                 "multires_noise_discount", f"got {self.multires_noise_discount!r}; use a factor above 0 up to 1 "
+                 "(0.3 is kohya's, 0.1 weaker)")
+        _require(isinstance(self.masked_loss, bool), "masked_loss", f"got {self.masked_loss!r}; use true or false")
+        _require(isinstance(self.shuffle_tags, bool), "shuffle_tags", f"got {self.shuffle_tags!r}; use true or false")
+        for field in ("tag_dropout", "caption_dropout"):
+            rate = getattr(self, field)
+            _require(_number(rate) and 0 <= rate < 1, field, f"got {rate!r}; use 0 (off) or a rate below 1 (0.05-0.1 "
+                     "is usual)")
+        _require(isinstance(self.keep_tokens, int) and not isinstance(self.keep_tokens, bool)
+                 and 0 <= self.keep_tokens <= 255, "keep_tokens", f"got {self.keep_tokens!r}; use 0 up to 255 tags")
+        _require(not self.keep_tokens or self.shuffle_tags or self.tag_dropout, "keep_tokens",
+                 f"got {self.keep_tokens}, but neither shuffle_tags nor tag_dropout is on, so there is nothing to keep "
+                 "the first tags from: turn one on, or set keep_tokens to 0")
+        _require(isinstance(self.caption_variants, int) and not isinstance(self.caption_variants, bool)
+                 and 1 <= self.caption_variants <= 64, "caption_variants",
+                 f"got {self.caption_variants!r}; use 1 to 64 variants per image (each is one more text encoding "
+                 "before training and its embedding in RAM)")
         _require(_number(self.huber_c) and 0 < self.huber_c <= 100, "huber_c",
                  f"got {self.huber_c!r}; use a positive value up to 100 (0.1 is kohya's)")
 
@@ -291,7 +322,20 @@ class TrainSettings:
     def option_values(self) -> dict[str, str]:
         """Train's other training options (EMA, captions, multires noise, masked loss) as the report and the training
         state word them."""
-        return {"ema_decay": f"{self.ema_decay:g}"}
+        varied = self.shuffle_tags or self.tag_dropout
+        return {"ema_decay": f"{self.ema_decay:g}", "shuffle_tags": str(self.shuffle_tags).lower(),
+                "keep_tokens": str(self.keep_tokens), "tag_dropout": f"{self.tag_dropout:g}",
+                "caption_dropout": f"{self.caption_dropout:g}",
+                # counts only where tags vary (otherwise nothing is encoded for it)
+                "caption_variants": str(self.caption_variants) if varied else "4",
+                "multires_noise_iterations": str(self.multires_noise_iterations),
+                # counts only with iterations (otherwise nothing is drawn with it)
+                "multires_noise_discount": f"{self.multires_noise_discount:g}" if self.multires_noise_iterations else "0.3",
+                "masked_loss": str(self.masked_loss).lower()}
+
+    def caption_options(self) -> CaptionOptions:
+        return CaptionOptions(self.shuffle_tags, self.keep_tokens, self.tag_dropout, self.caption_dropout,
+                              self.caption_variants)
 
     def option_changes(self) -> dict[str, str]:
         return {key: value for key, value in self.option_values().items() if OPTION_DEFAULTS[key] != value}

@@ -116,7 +116,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
                             on_item=lambda done, total: emit(kind="cache", done=done, total=total), store=store,
                             image_encoder_id=adapter.image_encoder_id() if store else "",
-                            text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats)
+                            text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats,
+                            captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss)
     except cancel_errors as cancel:
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
     report.append(stats.describe())
@@ -539,6 +540,12 @@ def objective_metadata(train: TrainSettings, family_sampling) -> dict[str, str]:
             "ss_timestep_sampling": KOHYA_SAMPLING[sampling],
             # LeanLoRA's own key (kohya has no EMA): the file holds the average's weights
             "leanlora_ema_decay": str(train.ema_decay) if train.ema_decay else "None",
+            "ss_shuffle_caption": str(train.shuffle_tags), "ss_keep_tokens": str(train.keep_tokens),
+            "ss_caption_dropout_rate": str(train.caption_dropout),
+            "ss_caption_tag_dropout_rate": str(train.tag_dropout),
+            "ss_multires_noise_iterations": str(train.multires_noise_iterations or "None"),
+            "ss_multires_noise_discount": str(train.multires_noise_discount),
+            "ss_masked_loss": str(train.masked_loss),
             **({"ss_discrete_flow_shift": str(train.timestep_shift)}
                if sampling is TimestepSampling.SHIFTED_SIGMOID else {})}
 

@@ -304,7 +304,7 @@ class LeanLoRATrain:
                                       "tooltip": "Huber's delta and smooth L1's beta (constant over the run); 0.1 is "
                                                  "kohya's."}),
                 # Issue 35's other options, after the timesteps and loss (same reason: saved positions), advanced
-                "ema_decay": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.99999, "step": 0.0001, "round": False,
+                "ema_decay": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9999, "step": 0.0001, "round": False,
                                         **ADVANCED, "tooltip":
                     "0: off. Keep an exponential moving average of the LoRA weights with this decay (0.999 is "
                     "usual) and save it as the LoRA file; samples and validation use it too. One more fp32 copy of "

@@ -290,3 +290,159 @@ def test_batches_group_the_drawn_captions_by_their_encoded_length(tmp_path):
         _, cond = next(data)
         lengths.add(cond["context"].shape[1])
     assert lengths <= {3, 4, 5} and len(lengths) == 3
+
+
+# --- multires noise -----------------------------------------------------------------------------------------------
+
+def _kohya_pyramid(noise, generator, iterations, discount):
+    """kohya-ss/sd-scripts library/custom_train_functions.py pyramid_noise_like, its r drawn from `generator`."""
+    b, c, w, h = noise.shape
+    upsample = torch.nn.Upsample(size=(w, h), mode="bilinear")
+    noise = noise.clone()
+    for i in range(iterations):
+        r = float(torch.rand((), generator=generator)) * 2 + 2
+        wn, hn = max(1, int(w / (r ** i))), max(1, int(h / (r ** i)))
+        noise += upsample(torch.randn(b, c, wn, hn, generator=generator)) * discount ** i
+        if wn == 1 or hn == 1:
+            break
+    return noise / noise.std()
+
+
+def test_multires_noise_is_kohyas_pyramid_after_the_same_noise_levels():
+    from test_pure_torch_training import EpsSchedule
+    from trainer.objective import draw_noise, sample_sigmas
+    shape = torch.Size((2, 4, 32, 32))
+    plain = draw_noise(EpsSchedule(), shape, torch.Generator().manual_seed(5))
+    pyramid = draw_noise(EpsSchedule(), shape, torch.Generator().manual_seed(5), multires_iterations=6,
+                         multires_discount=0.3)
+    assert torch.equal(plain["sigma"], pyramid["sigma"])
+    replay = torch.Generator().manual_seed(5)
+    white = torch.randn(shape, generator=replay)
+    sample_sigmas(EpsSchedule(), 2, replay)
+    torch.testing.assert_close(pyramid["noise"], _kohya_pyramid(white, replay, 6, 0.3))
+    # the coarse levels make neighbouring pixels alike (white noise: uncorrelated), more for a larger discount
+    def neighbours(noise):
+        return torch.corrcoef(torch.stack([noise[..., :-1].flatten(), noise[..., 1:].flatten()]))[0, 1].item()
+    strong = draw_noise(EpsSchedule(), shape, torch.Generator().manual_seed(5), multires_iterations=6,
+                        multires_discount=0.8)["noise"]
+    assert abs(neighbours(plain["noise"])) < 0.03 and neighbours(pyramid["noise"]) > neighbours(plain["noise"])
+    assert neighbours(strong) > 0.2
+    assert pyramid["noise"].std().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_multires_noise_changes_the_seeded_run_and_is_recorded(tmp_path):
+    from safetensors import safe_open
+    plain = run(tmp_path / "plain", "plain")
+    multires = run(tmp_path / "multires", "multires", multires_noise_iterations=6, multires_noise_discount=0.2)
+    assert multires.losses != plain.losses
+    assert "training options: multires_noise_iterations 6, multires_noise_discount 0.2" in multires.report
+    with safe_open(str(multires.lora_path), "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_multires_noise_iterations"], meta["ss_multires_noise_discount"]) == ("6", "0.2")
+    for knobs, field in (({"multires_noise_iterations": -1}, "multires_noise_iterations"),
+                         ({"multires_noise_discount": 0}, "multires_noise_discount")):
+        with pytest.raises(LeanLoRAError, match=rf"^{field}: got "):
+            TrainSettings(**knobs)
+
+
+# --- masked loss --------------------------------------------------------------------------------------------------
+
+def masked_dataset(folder: Path):
+    """The tiny dataset: img_001 (80x64) with a mask file whose left quarter is white, img_002 (64x96) with an alpha
+    channel whose top quarter is opaque, the others without a mask. Framed to 64x64 by center crops, the white
+    ends at column 12 and the opaque at row 8 (a squashing resize would put both at 16)."""
+    import tiny_assets
+    from PIL import Image
+    folder = tiny_assets.build_tiny_dataset(folder, n=4)
+    images = sorted(p for p in folder.glob("*.png"))
+    with Image.open(images[1]) as image:
+        mask = Image.new("L", image.size, 0)
+    mask.paste(255, (0, 0, mask.width // 4, mask.height))
+    mask.save(images[1].with_name(images[1].stem + "_mask.png"))
+    with Image.open(images[2]) as image:
+        rgba = image.convert("RGBA")
+    alpha = Image.new("L", rgba.size, 0)
+    alpha.paste(255, (0, 0, rgba.width, rgba.height // 4))
+    rgba.putalpha(alpha)
+    rgba.save(images[2])
+    return scan_folder(folder, 64)
+
+
+def test_masks_come_from_the_mask_file_or_the_alpha_framed_like_the_image(tmp_path):
+    from trainer.dataset import load_mask
+    dataset = masked_dataset(tmp_path / "data")
+    assert [s.path.name for s in dataset.samples] == [f"img_{i:03d}.png" for i in range(4)]  # the mask is no image
+    mask, where = load_mask(dataset.samples[1].path, (64, 64))
+    assert where == "mask file"
+    columns = mask.mean(dim=0)
+    assert torch.all(columns[:11] > 0.99) and torch.all(columns[13:] < 0.01)
+    alpha, where = load_mask(dataset.samples[2].path, (64, 64))
+    rows = alpha.mean(dim=1)
+    assert where == "alpha channel" and torch.all(rows[:7] > 0.99) and torch.all(rows[9:] < 0.01)
+    assert load_mask(dataset.samples[0].path, (64, 64)) == (None, "")
+
+
+def test_the_masked_loss_is_the_mean_over_the_mask_and_ignores_what_is_outside():
+    from trainer.objective import LossFunction, LossKind
+    g = torch.Generator().manual_seed(0)
+    output, target = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    mask = torch.zeros(2, 1, 8, 8)
+    mask[0, :, :, :4] = 1.0
+    mask[1, :, :2] = 0.5
+    sigma = torch.ones(2)
+    loss = LossFunction(LossKind.MSE)(output, target, sigma, mask)
+    squared = (output - target) ** 2
+    expected = torch.stack([squared[0, :, :, :4].mean(), squared[1, :, :2].mean()]).mean()
+    torch.testing.assert_close(loss, expected)
+    changed = output.clone()
+    changed[0, :, :, 4:] += 10.0  # outside the mask: no effect
+    assert torch.equal(LossFunction(LossKind.MSE)(changed, target, sigma, mask), loss)
+    assert not torch.allclose(LossFunction(LossKind.MSE)(changed, target, sigma), LossFunction(LossKind.MSE)(
+        output, target, sigma))
+
+
+def test_a_masked_run_trains_on_the_masks_and_says_where_they_came_from(tmp_path):
+    dataset = masked_dataset(tmp_path / "data")
+    masked = run(tmp_path / "masked", "masked", dataset=dataset, masked_loss=True, steps=8)
+    plain = run(tmp_path / "plain", "plain", dataset=dataset, steps=8)
+    assert masked.losses != plain.losses
+    assert ("masked loss: 1 images masked by <image>_mask.png, 1 by their alpha channel, 2 without a mask"
+            in masked.report)
+    # without any mask, masked_loss weighs every pixel alike: the plain loss, up to the order of the sums
+    unmasked = tmp_path / "none"
+    bare = run(unmasked / "a", "bare", steps=8)
+    bare_masked = run(unmasked / "b", "bare_masked", masked_loss=True, steps=8)
+    assert bare_masked.losses == pytest.approx(bare.losses, rel=1e-5)
+    from safetensors import safe_open
+    with safe_open(str(masked.lora_path), "pt") as f:
+        assert f.metadata()["ss_masked_loss"] == "True"
+
+
+# --- the Train node ---------------------------------------------------------------------------------------------
+
+OPTIONS = {"ema_decay": 0.0, "shuffle_tags": False, "keep_tokens": 0, "tag_dropout": 0.0, "caption_dropout": 0.0,
+           "caption_variants": 4, "multires_noise_iterations": 0, "multires_noise_discount": 0.3, "masked_loss": False}
+
+
+@pytest.mark.comfy
+def test_the_train_node_takes_the_options_last_and_advanced_and_records_them(comfy_server):
+    from safetensors import safe_open
+    from comfy_headless import execution_error
+    from test_node_ux import train_only_prompt
+    info = comfy_server.object_info()["LeanLoRATrain"]["input"]["optional"]
+    names = list(info)
+    assert names[-len(OPTIONS):] == list(OPTIONS) and names[-len(OPTIONS) - 1] == "huber_c"
+    assert all(info[name][1].get("advanced") and info[name][1]["default"] == value for name, value in OPTIONS.items())
+    prompt = train_only_prompt(steps=3, output_name="options_node", ema_decay=0.9, shuffle_tags=True,
+                               tag_dropout=0.1, caption_dropout=0.2, caption_variants=2, multires_noise_iterations=4,
+                               masked_loss=True)
+    entry = comfy_server.run(prompt, timeout=300)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    report = entry["outputs"]["5"]["text"][0]
+    assert ("training options: ema_decay 0.9, shuffle_tags true, tag_dropout 0.1, caption_dropout 0.2, "
+            "caption_variants 2, multires_noise_iterations 4, masked_loss true") in report
+    assert "captions: 2 variants per image + the dropped caption" in report and "masked loss: 0 images" in report
+    with safe_open(str(comfy_server.base_dir / "models" / "loras" / "options_node.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert (meta["leanlora_ema_decay"], meta["ss_shuffle_caption"], meta["ss_caption_dropout_rate"],
+            meta["ss_multires_noise_iterations"], meta["ss_masked_loss"]) == ("0.9", "True", "0.2", "4", "True")

@@ -127,34 +127,45 @@ def test_exact_resume_with_each_optimizer_and_the_ema(tmp_path, optimizer, knobs
     assert same(resumed.lora_state_dict, whole.lora_state_dict)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["Prodigy", "AdamWScheduleFree", "CAME"])
+def test_graphed_steps_with_each_optimizer_train_like_eager_steps(name):
+    """On the GPU machine: the fast path's replayed steps with each optimizer (Prodigy flat, as the trainer builds
+    it) give the eager steps' losses and weights (tolerance as test_fast_path's fp32 AdamW)."""
+    from test_fast_path import _train
+    device = torch.device("cuda")
+    eager_losses, eager_weights, _ = _train(device, graphed=False, optimizer_name=name, flat=name == "Prodigy")
+    graphed_losses, graphed_weights, micro = _train(device, graphed=True, optimizer_name=name, flat=name == "Prodigy")
+    assert micro.graphs
+    assert graphed_losses == pytest.approx(eager_losses, rel=1e-4)
+    for eager, graphed in zip(eager_weights, graphed_weights):
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+
+
 # --- EMA ----------------------------------------------------------------------------------------------------------
 
 def test_the_ema_is_the_saved_lora_and_follows_its_formula(tmp_path):
-    """ema_decay 0.9 over 6 steps: the file is the average of the weights after each step, with diffusers' warm-up
-    min(decay, (1 + t) / (10 + t)), from the initial weights; the raw weights exported differ."""
-    traced = []
-    from trainer import ema as ema_module
-    original = ema_module.LoraEMA.update
-
-    def tracing(self):  # records the weights each update sees (the real update still runs)
-        traced.append([p.detach().clone() for p in self.params])
-        original(self)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ema_module.LoraEMA, "update", tracing)
-        outcome = run(tmp_path, "ema", "AdamW", save_every_steps=6, ema_decay=0.9)
-    state = load_training_state(state_path(outcome.lora_path))
+    """ema_decay 0.9 over 6 steps, a state saved after each: the file is the average of the weights after each step
+    (read from those states), with diffusers' warm-up min(decay, (1 + t) / (10 + t)), from the initial weights;
+    the raw weights exported differ."""
+    outcome = run(tmp_path, "ema", "AdamW", save_every_steps=1, ema_decay=0.9)
+    folder = outcome.lora_path.parent
+    states = [load_training_state(state_path(folder / f"ema_step{step}.safetensors")) for step in range(1, 6)]
+    states.append(load_training_state(state_path(outcome.lora_path)))
     adapter = TinyAdapter()
     unet = adapter.training_unet()
     average = torch.cat([p.detach().reshape(-1) for p in inject_lora(unet, LORA, 0, adapter.lora_targets(unet, None))])
-    for t, weights in enumerate(traced):
+    for t, state in enumerate(states):
+        assert state.step == t + 1
         rate = min(0.9, (1 + t) / (10 + t))
-        average = rate * average + (1 - rate) * torch.cat([w.reshape(-1) for w in weights])
-    torch.testing.assert_close(state.ema["average"], average)
-    assert state.ema["updates"] == 6 and len(traced) == 6
-    sizes = [p.numel() for p in state.lora]
+        average = rate * average + (1 - rate) * torch.cat([w.reshape(-1) for w in state.lora])
+        torch.testing.assert_close(state.ema["average"], average)
+    final = states[-1]
+    assert final.ema["updates"] == 6
+    sizes = [p.numel() for p in final.lora]
     assert same(outcome.lora_state_dict, export([part.view_as(p) for part, p in
-                                                 zip(state.ema["average"].split(sizes), state.lora)]))
-    assert not same(outcome.lora_state_dict, export(state.lora))
+                                                 zip(final.ema["average"].split(sizes), final.lora)]))
+    assert not same(outcome.lora_state_dict, export(final.lora))
     assert "training options: ema_decay 0.9" in outcome.report
 
 

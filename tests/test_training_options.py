@@ -427,6 +427,13 @@ def test_a_masked_run_trains_on_the_masks_and_says_where_they_came_from(tmp_path
     from safetensors import safe_open
     with safe_open(str(masked.lora_path), "pt") as f:
         assert f.metadata()["ss_masked_loss"] == "True"
+    # a changed mask file is another dataset: its state does not resume on it
+    from trainer.training_state import dataset_fingerprint
+    before = dataset_fingerprint(dataset)
+    from PIL import Image
+    mask_file = dataset.samples[1].path.with_name("img_001_mask.png")
+    Image.new("L", (80, 64), 255).save(mask_file)
+    assert dataset_fingerprint(dataset) != before
 
 
 # --- the Train node ---------------------------------------------------------------------------------------------

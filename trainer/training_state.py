@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .dataset import MASK_SUFFIX
 from .errors import LeanLoRAError, one_line
 from .files import save_safetensors_atomic
 
@@ -140,14 +141,18 @@ def _digest(*parts) -> str:
 
 
 def dataset_fingerprint(dataset) -> str:
-    """The images (name, size on disk) and captions, repeats, resolution and framing."""
+    """The images (name, size on disk) and captions, their mask files (size), repeats, resolution and framing."""
     parts = []
     for sample in dataset.samples:
         try:
             nbytes = sample.path.stat().st_size
         except OSError:
             nbytes = -1
-        parts.append(f"{sample.path.name}|{nbytes}|{sample.caption}")
+        part = f"{sample.path.name}|{nbytes}|{sample.caption}"
+        mask = sample.path.with_name(sample.path.stem + MASK_SUFFIX)
+        if mask.is_file():  # masked_loss reads it (only then is it part of the name: older states still match)
+            part += f"|mask {mask.stat().st_size}"
+        parts.append(part)
     return _digest(dataset.resolution, dataset.repeats, dataset.buckets, *sorted(parts))
 
 

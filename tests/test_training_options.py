@@ -219,7 +219,8 @@ def caption_run(tmp_path: Path, steps: int = 60, stop_after_steps=None, resume_f
                                                                       output_name="captions", resume_from=resume_from,
                                                                       **knobs),
                          tmp_path / "out", lambda **event: events.append(event),
-                         lambda: stop_after_steps is not None and sum(e["kind"] == "step" for e in events) >= stop_after_steps)
+                         lambda: stop_after_steps is not None
+                         and sum(e["kind"] == "step" for e in events) >= stop_after_steps)
     return outcome, adapter, dataset
 
 
@@ -282,7 +283,8 @@ def test_exact_resume_keeps_the_caption_draws(tmp_path):
 
 def test_caption_settings_name_the_field():
     for knobs, field in (({"tag_dropout": 1.0}, "tag_dropout"), ({"caption_dropout": -0.1}, "caption_dropout"),
-                         ({"keep_tokens": 2}, "keep_tokens"), ({"keep_tokens": -1, "shuffle_tags": True}, "keep_tokens"),
+                         ({"keep_tokens": 2}, "keep_tokens"),
+                         ({"keep_tokens": -1, "shuffle_tags": True}, "keep_tokens"),
                          ({"caption_variants": 0}, "caption_variants"), ({"shuffle_tags": "yes"}, "shuffle_tags")):
         with pytest.raises(LeanLoRAError, match=rf"^{field}: got "):
             TrainSettings(**knobs)

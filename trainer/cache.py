@@ -149,14 +149,16 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
     if store is not None and store.disk_problem:
         stats.notes.append(store.disk_problem)
     if masked_loss:
-        stats.mask_line = (f"masked loss: {mask_sources.get('mask file', 0)} images masked by <image>_mask.png, "
-                           f"{mask_sources.get('alpha channel', 0)} by their alpha channel, {mask_sources.get('none', 0)} "
-                           "without a mask (every pixel counts)")
+        count = lambda where: mask_sources.get(where, 0)  # noqa: E731
+        stats.mask_line = (f"masked loss: {count('mask file')} images masked by <image>_mask.png, "
+                           f"{count('alpha channel')} by their alpha channel, {count('none')} without a mask (every "
+                           "pixel counts)")
     if captions.on:
         texts = {id(cond): cond for sample in cached for cond in (sample.cond, *sample.variants, sample.dropped)
                  if cond is not None}
         nbytes = sum(t.numel() * t.element_size() for cond in texts.values() for t in cond.values())
-        stats.caption_line = (f"captions: {f'{captions.variants} variants per image' if captions.varies_tags else 'as written'}"
+        varied = f"{captions.variants} variants per image" if captions.varies_tags else "as written"
+        stats.caption_line = (f"captions: {varied}"
                               + (" + the dropped caption" if captions.caption_dropout else "")
                               + f", {len(texts)} distinct texts encoded before training, {nbytes / 2 ** 20:.1f} MiB "
                               "of text embeddings in RAM")
@@ -249,7 +251,8 @@ class Batches:
                        for drop, pick, count in zip(dropped, picks, variants)]
         for index, choice in zip(indices, choices):
             # grouped by the chosen caption's shapes: a variant may encode to another length than the caption
-            shape = self.shapes[index] if choice == WRITTEN else stack_shape(self._with_caption(self.cache[index], choice))
+            shape = self.shapes[index] if choice == WRITTEN else \
+                stack_shape(self._with_caption(self.cache[index], choice))
             groups.setdefault(shape, []).append((index, choice))
         size = self.batch_size
         chunks = [ids[start:start + size] for ids in groups.values() for start in range(0, len(ids), size)]
@@ -267,7 +270,8 @@ class Batches:
         """The order of an interrupted run; with another batch size its epoch is reshuffled at the next batch (as
         it is when caption options were turned on or off in between)."""
         choices = state.get("captions")
-        same_captions = (choices is not None) == self.varied and (choices is None or self._valid(state["order"], choices))
+        same_captions = (choices is not None) == self.varied and \
+            (choices is None or self._valid(state["order"], choices))
         if state["batch_size"] == self.batch_size and same_captions and \
                 all(0 <= i < len(self.cache) for c in state["order"] for i in c):
             self.order, self.position = [list(c) for c in state["order"]], int(state["position"])

@@ -157,7 +157,7 @@ def evaluation_weights(optimizer):
     """Schedule-free AdamW trains at one point and evaluates at another (its average): inside this block the
     weights are the average, what samples, validation and the saved LoRA use; training goes on after it. Other
     optimizers: nothing to do."""
-    switch = callable(getattr(optimizer, "eval", None)) and callable(getattr(optimizer, "train", None))
+    switch = type(optimizer).__name__ == "AdamWScheduleFree"  # by name: a future torch may give every optimizer eval()
     if switch:
         optimizer.eval()
     try:
@@ -277,8 +277,9 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
                     device: torch.device, flat: bool = False,
                     bf16_weights: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
     """The optimizer, and a note for the report when another one had to be used instead (None otherwise).
-    flat=True: a bitsandbytes optimizer or Prodigy steps all tensors as one (FlatParameters, kept as `.leanlora_flat`; its
-    zero_grad zeroes in place). bf16_weights=True: the LoRA weights become bf16 (BF16Weights, any optimizer)."""
+    flat=True: a bitsandbytes optimizer or Prodigy steps all tensors as one (FlatParameters, kept as
+    `.leanlora_flat`; its zero_grad zeroes in place). bf16_weights=True: the LoRA weights become bf16 (BF16Weights,
+    any optimizer)."""
     _check_name(name)
     params, device = list(params), torch.device(device)
     whys: dict[str, list[str]] = {}  # reason -> the candidates it ruled out

@@ -161,9 +161,9 @@ class MemorySettings:
         _require(self.lora_weights is LoraWeights.FP32 or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
         _require(self.lora_weights is LoraWeights.FP32 or self.optimizer not in ("Prodigy", "AdamWScheduleFree"),
-                 "lora_weights", f"bf16 LoRA weights are stepped in chunks, one optimizer step each, which {self.optimizer}'s "
-                 "whole-model statistics (Prodigy's step size, schedule-free's average) cannot take: set lora_weights "
-                 "to fp32 or choose another optimizer")
+                 "lora_weights", "bf16 LoRA weights are stepped in chunks, one optimizer step each, which "
+                 f"{self.optimizer}'s whole-model statistics (Prodigy's step size, schedule-free's average) "
+                 "cannot take: set lora_weights to fp32 or choose another optimizer")
         _require_member(self, "checkpoint_depth", CheckpointDepth)
         _require_share(self, "checkpoint_share",
                        "1 = every block recomputed, 0.5 = the half that frees the most memory per recompute")
@@ -287,9 +287,9 @@ class TrainSettings:
         _require_member(self, "loss", LossKind)
         _require(_number(self.ema_decay) and (self.ema_decay == 0 or 0.5 <= self.ema_decay < 1), "ema_decay",
                  f"got {self.ema_decay!r}; use 0 (off) or a decay from 0.5 up to but below 1 (0.999 is usual)")
-        _require(isinstance(self.multires_noise_iterations, int) and not isinstance(self.multires_noise_iterations, bool)
-                 and 0 <= self.multires_noise_iterations <= 20, "multires_noise_iterations",
-                 f"got {self.multires_noise_iterations!r}; use 0 (off) up to 20 (6-10 is usual)")
+        iterations = self.multires_noise_iterations
+        _require(isinstance(iterations, int) and not isinstance(iterations, bool) and 0 <= iterations <= 20,
+                 "multires_noise_iterations", f"got {iterations!r}; use 0 (off) up to 20 (6-10 is usual)")
         _require(_number(self.multires_noise_discount) and 0 < self.multires_noise_discount <= 1,
                  "multires_noise_discount", f"got {self.multires_noise_discount!r}; use a factor above 0 up to 1 "
                  "(0.3 is kohya's, 0.1 weaker)")
@@ -330,7 +330,8 @@ class TrainSettings:
                 "caption_variants": str(self.caption_variants) if varied else "4",
                 "multires_noise_iterations": str(self.multires_noise_iterations),
                 # counts only with iterations (otherwise nothing is drawn with it)
-                "multires_noise_discount": f"{self.multires_noise_discount:g}" if self.multires_noise_iterations else "0.3",
+                "multires_noise_discount":
+                    f"{self.multires_noise_discount:g}" if self.multires_noise_iterations else "0.3",
                 "masked_loss": str(self.masked_loss).lower()}
 
     def caption_options(self) -> CaptionOptions:

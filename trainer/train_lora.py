@@ -299,8 +299,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             emit(kind="phase", text=line)
         report.append(estimate.format())
         if session.ema is not None:  # beside the estimate: the planner does not count it
-            report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): {session.ema.nbytes / 2 ** 20:.1f} MiB "
-                          "on the device, and as much again for a moment at each update")
+            report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): "
+                          f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, and as much again for a moment at "
+                          "each update")
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
         reset_peak(device)  # the run's peak, not the probes'
         used = batch_used(cache, dataset.repeats, session.memory.batch_size)

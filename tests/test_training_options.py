@@ -167,6 +167,14 @@ def test_the_ema_is_the_saved_lora_and_follows_its_formula(tmp_path):
                                                  zip(final.ema["average"].split(sizes), final.lora)]))
     assert not same(outcome.lora_state_dict, export(final.lora))
     assert "training options: ema_decay 0.9" in outcome.report
+    # the average is one more fp32 copy of the LoRA in the memory estimate and in auto-fit's static plan
+    plain = run(tmp_path / "plain", "plain", "AdamW")
+    lora_bytes = 4 * sum(sizes)
+    assert outcome.run.estimate.lora_parameters == plain.run.estimate.lora_parameters + lora_bytes
+    from trainer.memory.fit import static_bytes
+    no_weights = lambda dtype, base, share: 0  # noqa: E731
+    assert static_bytes(EAGER, no_weights, final.lora, ema=True) == \
+        static_bytes(EAGER, no_weights, final.lora) + lora_bytes
 
 
 def test_ema_with_schedule_free_and_bad_decays_are_refused(tmp_path):

@@ -214,6 +214,8 @@ class TrainingSession:
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=flat.state_shapes() if flat is not None else None)
+        if self.ema is not None:  # its fp32 average counts with the LoRA weights (not as `other` when probed)
+            estimate.lora_parameters += self.ema.nbytes
         # Compiled blocks: probe the shape compile_before_first_step compiled, once (another probe shape would cost a full
         # compile); before or without a compile step, probe uncompiled.
         at_run_shape = self.is_compiled and self.compiled_batch == self.run_batch_size()

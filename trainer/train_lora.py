@@ -298,10 +298,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             report.append(line)
             emit(kind="phase", text=line)
         report.append(estimate.format())
-        if session.ema is not None:  # beside the estimate: the planner does not count it
+        if session.ema is not None:
             report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): "
-                          f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, and as much again for a moment at "
-                          "each update")
+                          f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, in the estimate's LoRA parameters "
+                          "(and as much again for a moment at each update, after the optimizer step)")
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
         reset_peak(device)  # the run's peak, not the probes'
         used = batch_used(cache, dataset.repeats, session.memory.batch_size)

@@ -37,8 +37,9 @@ class LeanLoRAMemorySettings:
                     "Batches added up per optimizer step: effective batch = batch_size x this, at the VRAM of "
                     "batch_size."}),
                 "optimizer": (list(OPTIMIZERS), {"default": "AdamW", **ADVANCED, "tooltip":
-                    "AdamW is the reference. The 8bit ones keep optimizer state 4x smaller (a card setting picks "
-                    "AdamW8bit when needed); Lion wants a 3-10x lower learning rate."}),
+                    "AdamW is the reference; 8bit ones: 4x less state; Lion: 3-10x lower learning rate. Prodigy "
+                    "(learning rate 1.0), AdamWScheduleFree, CAME: pip install prodigyopt / schedulefree / "
+                    "came-pytorch."}),
                 "base_weights": (choices("base_weights"), {"default": "as loaded", **ADVANCED, "tooltip":
                     "fp8 halves the frozen weights' VRAM; streamed from CPU keeps them in RAM (least VRAM, "
                     "slower). With a card set they are chosen only where needed."}),

@@ -39,9 +39,11 @@ def _send(event: str, data: dict) -> None:
 
 
 def progress_line(event: dict) -> str:
-    """step 120/500, loss 0.1043, 0.162 s/step, 1:01 left"""
+    """step 120/500, loss 0.1043, 0.162 s/step, 1:01 left (with Prodigy: ..., loss 0.1043, Prodigy d 0.000312, ...)"""
     from ..trainer.train_lora import format_duration
     line = f"step {event['step']}/{event['total']}, loss {event['loss']:.4f}"
+    if event.get("d") is not None:  # Prodigy's estimated step size
+        line += f", Prodigy d {event['d']:.3g}"
     if event.get("s_per_step"):
         line += f", {event['s_per_step']:.3f} s/step, {format_duration(event['eta_s'])} left"
     return line
@@ -221,9 +223,10 @@ class LeanLoRATrain:
                     "Optimizer steps. Each step sees batch_size x gradient_accumulation images."}),
                 # The frontend rounds a FLOAT to the decimals of its step (1e-5 turned 5e-6 into 1e-05): a step
                 # of 1e-7 keeps 7 decimals, enough for every rate down to the minimum.
-                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 0.1, "step": 1e-7, "round": False,
+                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 10.0, "step": 1e-7, "round": False,
                     "tooltip": "Peak learning rate for the LoRA weights; 1e-4 is a safe start for AdamW (Lion: 3-10x "
-                               "lower). Type values such as 5e-6 directly."}),
+                               "lower; Prodigy: 1.0, a multiplier of the step it finds). Type values such as 5e-6 "
+                               "directly."}),
                 "lr_schedule": (list(LR_SCHEDULES), {"default": "constant", "tooltip":
                     "How the learning rate changes over the steps (diffusers' schedules): constant, cosine decay "
                     "to 0, linear decay to 0, cosine with restarts, polynomial."}),
@@ -300,6 +303,39 @@ class LeanLoRATrain:
                 "huber_c": ("FLOAT", {"default": 0.1, "min": 0.001, "max": 100.0, "step": 0.001, **ADVANCED,
                                       "tooltip": "Huber's delta and smooth L1's beta (constant over the run); 0.1 is "
                                                  "kohya's."}),
+                # Issue 35's other options, after the timesteps and loss (same reason: saved positions), advanced
+                "ema_decay": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9999, "step": 0.0001, "round": False,
+                                        **ADVANCED, "tooltip":
+                    "0: off. Keep an exponential moving average of the LoRA weights with this decay (0.999 is "
+                    "usual) and save it as the LoRA file; samples and validation use it too. One more fp32 copy of "
+                    "the LoRA in VRAM. Not with AdamWScheduleFree (it averages by itself)."}),
+                "shuffle_tags": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "Shuffle each caption's comma-separated tags (after the first keep_tokens). The trigger word "
+                    "stays first. Captions are encoded before training: caption_variants shuffles per image."}),
+                "keep_tokens": ("INT", {"default": 0, "min": 0, "max": 255, **ADVANCED, "tooltip":
+                    "The first N tags after the trigger word stay in place and are never dropped (kohya's "
+                    "keep_tokens). Needs shuffle_tags or tag_dropout."}),
+                "tag_dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.95, "step": 0.01, **ADVANCED,
+                                          "tooltip":
+                    "0: off. Leave each tag (not the trigger word, not the kept ones) out of a caption variant at "
+                    "this rate; 0.05-0.1 is usual."}),
+                "caption_dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.95, "step": 0.01, **ADVANCED,
+                                              "tooltip":
+                    "0: off. Train this share of the steps with the caption dropped (only the trigger word, or "
+                    "empty without one), so the LoRA also works from short prompts; 0.05-0.1 is usual."}),
+                "caption_variants": ("INT", {"default": 4, "min": 1, "max": 64, **ADVANCED, "tooltip":
+                    "With shuffle_tags or tag_dropout: caption variants per image, encoded once before training "
+                    "(each one text encoding and its embedding in RAM); each step draws one of them."}),
+                "multires_noise_iterations": ("INT", {"default": 0, "min": 0, "max": 20, **ADVANCED, "tooltip":
+                    "0: off. kohya's multires (pyramid) noise: coarser noise levels added on top, so the LoRA can "
+                    "change overall brightness and colour; 6-10 is usual."}),
+                "multires_noise_discount": ("FLOAT", {"default": 0.3, "min": 0.01, "max": 1.0, "step": 0.01,
+                                                      **ADVANCED, "tooltip":
+                    "Weight factor of each coarser level of multires noise (0.3 is kohya's; 0.1 is gentler)."}),
+                "masked_loss": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "Train only where each image's mask is white: <image>_mask.png beside the image (greyscale), "
+                    "else its alpha channel; images without one count every pixel. The loss is averaged over "
+                    "the mask."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -325,7 +361,9 @@ class LeanLoRATrain:
                 seed, output_name, save_every_n_steps=0, keep_last_saves=0, resume=RESUME_OFF, sample_prompts="",
                 sample_every_n_steps=0, sample_size=512, sample_steps=20, sample_cfg=7.0, sample_seed=0,
                 validation_fraction=0.0, validation_every_n_steps=50, noise_offset=0.0, min_snr_gamma=0.0,
-                timestep_sampling="family default", timestep_shift=3.0, loss="MSE", huber_c=0.1, unique_id=None):
+                timestep_sampling="family default", timestep_shift=3.0, loss="MSE", huber_c=0.1, ema_decay=0.0,
+                shuffle_tags=False, keep_tokens=0, tag_dropout=0.0, caption_dropout=0.0, caption_variants=4,
+                multires_noise_iterations=0, multires_noise_discount=0.3, masked_loss=False, unique_id=None):
         global _partial_runs
         from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
         from ..bridge.samples import SampleRenderer
@@ -334,7 +372,10 @@ class LeanLoRATrain:
                                  save_every_n_steps, keep_last_saves, resolve_resume(resume, output_name),
                                  validation_fraction=validation_fraction, validation_every_steps=validation_every_n_steps,
                                  noise_offset=noise_offset, min_snr_gamma=min_snr_gamma, timestep_shift=timestep_shift,
-                                 huber_c=huber_c,
+                                 huber_c=huber_c, ema_decay=ema_decay, shuffle_tags=shuffle_tags,
+                                 keep_tokens=keep_tokens, tag_dropout=tag_dropout, caption_dropout=caption_dropout,
+                                 caption_variants=caption_variants, multires_noise_iterations=multires_noise_iterations,
+                                 multires_noise_discount=multires_noise_discount, masked_loss=masked_loss,
                                  **values_of({"timestep_sampling": timestep_sampling, "loss": loss}))
         samples, samples_folder = sample_settings(sample_prompts, sample_every_n_steps, sample_size, sample_steps,
                                                   sample_cfg, sample_seed, output_name)

@@ -91,7 +91,7 @@ def family_prompt(family: str) -> dict:
 # columns: loaders | LeanLoRA inputs | Train | sampling | outputs
 LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 430), "6": (400, 1030),
           "7": (780, 40), "8": (1160, 40), "9": (1160, 250), "10": (1160, 460), "11": (1540, 40), "12": (1540, 420),
-          "13": (1920, 40), "14": (780, 960), "15": (780, 1240)}  # 14, 15: below Train with its panel (web/leanlora.js)
+          "13": (1920, 40), "14": (780, 1200), "15": (780, 1480)}  # 14, 15: below Train (all widgets) and its panel
 
 
 def family_template(family: str, object_info: dict) -> dict:

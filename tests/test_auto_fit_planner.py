@@ -10,7 +10,7 @@ import torch
 from trainer.memory import fit, planner
 from trainer.memory.estimate import GIB, MemoryEstimate
 from trainer.optimizers import optimizer_state_bytes
-from trainer.settings import AutoFit, BaseWeights, MemorySettings
+from trainer.settings import AutoFit, BaseWeights, MemorySettings, TrainSettings
 from trainer.step.checkpointing import RankedUnits, units_for_share
 
 AREA = 64 * 64  # the latent's area; the probes run at 32 x 32 and 64 x 64
@@ -43,6 +43,7 @@ class SimulatedSession:
         self.units = RankedUnits([torch.nn.Identity() for _ in range(UNITS)], [(1, 1)] * UNITS)
         self.memory, self.configured, self.cap = None, [], None
         self.free_failed_step = lambda error: None
+        self.train, self.ema = TrainSettings(), None  # no EMA of the LoRA weights (fit counts it when on)
 
     def _weight_bytes(self, unet, dtype, base_weights, share):
         return int(self.weights / 2) if base_weights.fp8 else int(self.weights)

@@ -19,7 +19,7 @@ from helpers import TinyNet, sd_targets
 CPU = torch.device("cpu")
 # Per-optimizer learning rates: Lion's sign updates want a few times less than AdamW's.
 LEARNING_RATES = {"AdamW": 1e-2, "AdamW8bit": 1e-2, "PagedAdamW8bit": 1e-2, "Lion": 3e-3, "Lion8bit": 3e-3,
-                  "Adafactor": 1e-2}
+                  "Adafactor": 1e-2, "Prodigy": 0.25, "AdamWScheduleFree": 1e-2, "CAME": 3e-4}
 
 
 def _net():
@@ -75,14 +75,19 @@ def adamw_losses():
 @pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "AdamW"])
 def test_each_optimizer_trains_the_tiny_lora_like_adamw(name, adamw_losses):
     """Tolerance: after 60 steps the mean of the last 10 losses is at most 1.5x AdamW's and below 0.7x the
-    optimizer's own first-10 mean (measured: 0.76-1.00x of AdamW's, 0.35-0.49x their own)."""
-    losses, optimizer, note, params = _train(name)
+    optimizer's own first-10 mean (measured: 0.76-1.00x of AdamW's, 0.35-0.49x their own; Prodigy at lr 0.25 1.41x
+    and 0.61x: at 1.0 its estimated step overshoots on this tiny problem; CAME at 3e-4 0.68x and 0.33x).
+    Prodigy steps one flat tensor, as the trainer builds it (its start point p0 is a scalar for a tensor that is
+    all zeros when first stepped, such as LoRA's B: flat, the state is exactly 16 bytes per weight)."""
+    flat = name == "Prodigy"
+    losses, optimizer, note, params = _train(name, flat=flat)
+    stepped = [optimizer.leanlora_flat.param] if flat else params
     first, last, adamw_last = (sum(chunk) / 10 for chunk in (losses[:10], losses[-10:], adamw_losses[-10:]))
     assert last <= 1.5 * adamw_last, (name, last, adamw_last)
     assert last < 0.7 * first, (name, last, first)
     used = type(optimizer).__name__
     assert used == ("AdamW8bit" if name == "PagedAdamW8bit" else name) and (note is None) == (used == name)
-    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(used, params)
+    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(used, stepped)
 
 
 def test_without_bitsandbytes_the_8bit_choices_fall_back_with_a_note(monkeypatch):

@@ -265,7 +265,10 @@ def test_the_train_node_trains_with_the_knobs_and_the_lora_file_records_them(com
     from test_node_ux import train_only_prompt
     info = comfy_server.object_info()["LeanLoRATrain"]["input"]["optional"]
     knobs = ["noise_offset", "min_snr_gamma", "timestep_sampling", "timestep_shift", "loss", "huber_c"]
-    assert list(info)[-6:] == knobs  # last: saved UI workflows' widget positions still load
+    names = list(info)
+    start = names.index("noise_offset")
+    # after every input saved UI workflows have (their widget positions still load), followed only by later knobs
+    assert names[start:start + 6] == knobs and names[start - 1] == "validation_every_n_steps"
     assert all(info[name][1].get("advanced") for name in knobs)
     assert info["timestep_sampling"][0] == ["family default", "uniform", "logit-normal", "shifted sigmoid"]
     prompt = train_only_prompt(steps=3, output_name="knobs_node", noise_offset=0.1, min_snr_gamma=5.0,
@@ -301,21 +304,24 @@ def test_a_saved_train_node_loads_its_values_with_the_knobs_at_their_defaults_an
             const before = shown();
             n.showAdvanced = true;
             // a node saved with every input of the version before the knobs (validation_every_n_steps last, 7)
-            const full = inputs.slice(0, -6).map(w => w.value);
+            const start = inputs.findIndex(w => w.name === 'noise_offset');
+            const full = inputs.slice(0, start).map(w => w.value);
             full[full.length - 1] = 7;
             const m = LiteGraph.createNode('LeanLoRATrain');
             m.configure({id: 998, type: m.type, pos: [0, 0], size: [400, 600], flags: {}, order: 0, mode: 0,
                          inputs: [], outputs: [], properties: {}, widgets_values: full});
             const loaded = m.widgets.filter(w => w.serialize !== false).map(w => w.value);
             return {names: inputs.map(w => w.name), values: inputs.map(w => w.value), shown: before,
-                    advanced: shown(), full: full, loaded: loaded}; }""")
+                    advanced: shown(), full: full, loaded: loaded, start: start}; }""")
     knobs = ["noise_offset", "min_snr_gamma", "timestep_sampling", "timestep_shift", "loss", "huber_c"]
     old = saved["widgets_values"]
-    assert node["names"][-6:] == knobs and len(node["values"]) > len(old)
+    start = node["start"]  # the knobs, then only later options (tests/test_training_options.py checks theirs)
+    defaults = [0.0, 0.0, "family default", 3.0, "MSE", 0.1]
+    assert node["names"][start:start + 6] == knobs and len(node["values"]) > len(old)
     assert node["values"][:len(old)] == old
-    assert node["values"][-6:] == [0.0, 0.0, "family default", 3.0, "MSE", 0.1]
+    assert node["values"][start:start + 6] == defaults
     assert not set(knobs) & set(node["shown"]) and set(knobs) <= set(node["advanced"])
-    assert node["loaded"] == node["full"] + [0.0, 0.0, "family default", 3.0, "MSE", 0.1]
+    assert node["loaded"][:start + 6] == node["full"] + defaults
 
 
 def test_comfyuis_eps_v_and_flow_models_get_their_own_min_snr_weighting(comfy_objects):

@@ -192,7 +192,9 @@ def test_the_loss_plot_draws_the_validation_curve_beside_the_training_loss():
 @pytest.mark.comfy
 def test_the_train_node_holds_out_validation_images_through_a_real_server(comfy_server):
     info = comfy_server.object_info()["LeanLoRATrain"]["input"]["optional"]
-    assert list(info)[-8:-6] == ["validation_fraction", "validation_every_n_steps"]  # then timesteps and loss
+    names = list(info)  # the validation inputs, then the timesteps and loss knobs and the later options
+    start = names.index("validation_fraction")
+    assert names[start:start + 3] == ["validation_fraction", "validation_every_n_steps", "noise_offset"]
     log_start = len(comfy_server.log_text())
     prompt = train_only_prompt(steps=4, output_name="validated_node", validation_fraction=0.2,
                                validation_every_n_steps=2)

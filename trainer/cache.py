@@ -4,14 +4,15 @@ LatentTextStore, encodings from earlier runs (same process, or its folder) are r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from .cache_store import LatentTextStore, image_key, text_key
-from .dataset import Dataset, UnusableImage, load_image
+from .captions import CaptionOptions, caption_variants, dropped_caption
+from .dataset import Dataset, UnusableImage, load_image, load_mask
 from .errors import LeanLoRAError
 
 
@@ -20,6 +21,15 @@ class CachedSample:
     latent: torch.Tensor            # [1, C, h, w], the model's own latent space (already process_in'd)
     cond: dict[str, torch.Tensor]   # conditioning kwargs of the diffusion model, each with batch dim 1
     name: str = ""                  # the image's file name, for the report (e.g. which images validation holds out)
+    # With caption options (captions.py): the conditioning of each caption variant, and of the dropped caption;
+    # Batches picks one per draw. `cond` stays the caption as written (validation and memory probes use it).
+    variants: tuple[dict[str, torch.Tensor], ...] = ()
+    dropped: dict[str, torch.Tensor] | None = None
+    # With masked_loss: [1, 1, h, w] at the latent's size, 0..1 (ones where the image has no mask)
+    mask: torch.Tensor | None = None
+
+
+MASK_KEY = "leanlora_loss_mask"  # collate's entry for the batch's masks; the session takes it out of the conditioning
 
 
 ImageEncoder = Callable[[torch.Tensor], torch.Tensor]              # [1, H, W, 3] 0..1 -> [1, C, h, w]
@@ -37,12 +47,15 @@ class CacheStats:
     image_misses: int = 0
     text_hits: int = 0
     text_misses: int = 0
+    caption_line: str = ""  # with caption options: the variants encoded and their RAM
+    mask_line: str = ""  # with masked_loss: how many images have a mask, from where
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file name, reason): unusable when cached
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         lines = [f"cache: latents {self.image_hits} hits, {self.image_misses} encoded; "
                  f"text {self.text_hits} hits, {self.text_misses} encoded"]
+        lines += [f"  {line}" for line in (self.caption_line, self.mask_line) if line]
         lines += [f"  skipped {name} while caching: {reason}" for name, reason in self.skipped]
         return "\n".join(lines + [f"  {note}" for note in self.notes])
 
@@ -72,12 +85,16 @@ def _fetch(store: LatentTextStore | None, make_key: Callable[[], str],
 def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextEncoder,
                 on_item: Callable[[int, int], None] = lambda done, total: None,
                 store: LatentTextStore | None = None, image_encoder_id: str = "", text_encoder_id: str = "",
-                stats: CacheStats | None = None, preprocess: str = PREPROCESS) -> list[CachedSample]:
+                stats: CacheStats | None = None, preprocess: str = PREPROCESS,
+                captions: CaptionOptions = CaptionOptions(), seed: int = 0,
+                masked_loss: bool = False) -> list[CachedSample]:
     """Encodes what the store does not hold yet (without a store: everything) and counts into `stats`. A hit
     skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP.
     An image that has become unusable since the scan (deleted, truncated, undecodable, replaced by a link that
     leads out of the dataset's confinement) is skipped and listed in `stats`; only when none is left is that an
-    error."""
+    error. `captions`: caption variants to encode as well (captions.py), seeded by `seed`. `masked_loss`: each
+    sample gets its loss mask (dataset.load_mask) at the latent's size, area-averaged as the VAE downsamples."""
+    mask_sources: dict[str, int] = {}
     stats = stats if stats is not None else CacheStats()
     run_texts: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}  # a repeated caption is encoded once
     cached = []
@@ -99,18 +116,52 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
         stats.image_hits += hit
         stats.image_misses += not hit
 
-        text_id = (sample.caption, width, height)
-        hit = text_id in run_texts
-        if not hit:
-            run_texts[text_id], hit = _fetch(
-                store, lambda: text_key(sample.caption, width, height, text_encoder_id),
-                lambda: {k: v.detach().to("cpu") for k, v in encode_text(sample.caption, width, height).items()})
-        stats.text_hits += hit
-        stats.text_misses += not hit
-        cached.append(CachedSample(latent["latent"], run_texts[text_id], sample.path.name))
+        def text(caption: str) -> dict[str, torch.Tensor]:
+            text_id = (caption, width, height)
+            hit = text_id in run_texts
+            if not hit:
+                run_texts[text_id], hit = _fetch(
+                    store, lambda: text_key(caption, width, height, text_encoder_id),
+                    lambda: {k: v.detach().to("cpu") for k, v in encode_text(caption, width, height).items()})
+            stats.text_hits += hit
+            stats.text_misses += not hit
+            return run_texts[text_id]
+        variants, dropped = (), None
+        if captions.varies_tags:
+            variants = tuple(text(variant) for variant in
+                             caption_variants(sample.caption, dataset.trigger_word, captions, seed, index))
+        if captions.caption_dropout:
+            dropped = text(dropped_caption(dataset.trigger_word))
+        mask = None
+        if masked_loss:
+            try:
+                pixels, where = load_mask(sample.path, (width, height))
+            except UnusableImage as unusable:
+                stats.skipped.append((sample.path.name, unusable.reason))
+                on_item(index + 1, total)
+                continue
+            size = tuple(latent["latent"].shape[-2:])
+            mask = torch.ones(1, 1, *size) if pixels is None else \
+                torch.nn.functional.interpolate(pixels[None, None], size=size, mode="area")
+            mask_sources[where or "none"] = mask_sources.get(where or "none", 0) + 1
+        cached.append(CachedSample(latent["latent"], text(sample.caption), sample.path.name, variants, dropped, mask))
         on_item(index + 1, total)
     if store is not None and store.disk_problem:
         stats.notes.append(store.disk_problem)
+    if masked_loss:
+        count = lambda where: mask_sources.get(where, 0)  # noqa: E731
+        stats.mask_line = (f"masked loss: {count('mask file')} images masked by <image>_mask.png, "
+                           f"{count('alpha channel')} by their alpha channel, {count('none')} without a mask (every "
+                           "pixel counts)")
+    if captions.on:
+        texts = {id(cond): cond for sample in cached for cond in (sample.cond, *sample.variants, sample.dropped)
+                 if cond is not None}
+        nbytes = sum(t.numel() * t.element_size() for cond in texts.values() for t in cond.values())
+        varied = f"{captions.variants} variants per image" if captions.varies_tags else "as written"
+        stats.caption_line = (f"captions: {varied}"
+                              + (" + the dropped caption" if captions.caption_dropout else "")
+                              + f", {len(texts)} distinct texts encoded before training, {nbytes / 2 ** 20:.1f} MiB "
+                              "of text embeddings in RAM")
     if not cached:
         details = "; ".join(f"{name}: {reason}" for name, reason in stats.skipped[:5])
         raise LeanLoRAError(f"no image of {dataset.folder} could be used when caching ({details}); fix or replace "
@@ -140,6 +191,8 @@ def collate(samples: list[CachedSample],
         if key in sequence_keys:
             parts = _match_token_length(parts)
         cond[key] = torch.cat(parts)
+    if samples[0].mask is not None:
+        cond[MASK_KEY] = torch.cat([s.mask for s in samples])
     return latents, cond
 
 
@@ -157,9 +210,13 @@ class Batches:
     the batches the interrupted one would have drawn."""
 
     def __init__(self, cache: list[CachedSample], batch_size: int, repeats: int, generator: torch.Generator,
-                 sequence_keys: tuple[str, ...] = ()):
+                 sequence_keys: tuple[str, ...] = (), caption_dropout: float = 0.0):
         self.cache, self.batch_size, self.generator, self.sequence_keys = cache, batch_size, generator, sequence_keys
         self.shapes = [stack_shape(sample) for sample in cache]
+        self.caption_dropout = caption_dropout
+        # caption options: each draw picks a caption variant (or the dropped caption) of its image
+        self.varied = caption_dropout > 0 or any(sample.variants for sample in cache)
+        self.choices: list[list[int]] = []  # per batch of `order`: each image's caption, VARIANT / DROPPED / WRITTEN
         self.epoch = torch.arange(len(cache)).repeat_interleave(repeats)  # repeats is bounded by Dataset (MAX_REPEATS)
         self.order: list[list[int]] = []  # this epoch's batches, as indices into the cache
         self.position = 0  # batches of this epoch already handed out
@@ -171,30 +228,71 @@ class Batches:
         if self.position >= len(self.order):
             self._shuffle_epoch()
         chunk = self.order[self.position]
+        choices = self.choices[self.position] if self.varied else [WRITTEN] * len(chunk)
         self.position += 1
-        return collate([self.cache[i] for i in chunk], self.sequence_keys)
+        return collate([self._with_caption(self.cache[i], choice) for i, choice in zip(chunk, choices)],
+                       self.sequence_keys)
+
+    @staticmethod
+    def _with_caption(sample: CachedSample, choice: int) -> CachedSample:
+        if choice == WRITTEN:
+            return sample
+        return replace(sample, cond=sample.dropped if choice == DROPPED else sample.variants[choice])
 
     def _shuffle_epoch(self) -> None:
-        groups: dict[tuple, list[int]] = {}
-        for index in self.epoch[torch.randperm(len(self.epoch), generator=self.generator)].tolist():
-            groups.setdefault(self.shapes[index], []).append(index)
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        indices = self.epoch[torch.randperm(len(self.epoch), generator=self.generator)].tolist()
+        choices = [WRITTEN] * len(indices)
+        if self.varied:  # drawn only with caption options: other runs draw exactly what they always did
+            dropped = (torch.rand(len(indices), generator=self.generator) < self.caption_dropout).tolist()
+            picks = torch.randint(0, 2 ** 31, (len(indices),), generator=self.generator).tolist()
+            variants = [len(self.cache[i].variants) for i in indices]
+            choices = [DROPPED if drop else pick % count if count else WRITTEN
+                       for drop, pick, count in zip(dropped, picks, variants)]
+        for index, choice in zip(indices, choices):
+            # grouped by the chosen caption's shapes: a variant may encode to another length than the caption
+            shape = self.shapes[index] if choice == WRITTEN else \
+                stack_shape(self._with_caption(self.cache[index], choice))
+            groups.setdefault(shape, []).append((index, choice))
         size = self.batch_size
         chunks = [ids[start:start + size] for ids in groups.values() for start in range(0, len(ids), size)]
-        self.order = [chunks[i] for i in torch.randperm(len(chunks), generator=self.generator).tolist()]
+        chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=self.generator).tolist()]
+        self.order = [[index for index, _ in chunk] for chunk in chunks]
+        self.choices = [[choice for _, choice in chunk] for chunk in chunks]
         self.position = 0
 
     def state_dict(self) -> dict:
         # `order` is replaced each epoch, never changed in place: sharing it is a snapshot
-        return {"order": self.order, "position": self.position, "batch_size": self.batch_size}
+        state = {"order": self.order, "position": self.position, "batch_size": self.batch_size}
+        return {**state, "captions": self.choices} if self.varied else state
 
     def load_state_dict(self, state: dict) -> None:
-        """The order of an interrupted run; with another batch size its epoch is reshuffled at the next batch."""
-        if state["batch_size"] == self.batch_size and all(0 <= i < len(self.cache) for c in state["order"] for i in c):
+        """The order of an interrupted run; with another batch size its epoch is reshuffled at the next batch (as
+        it is when caption options were turned on or off in between)."""
+        choices = state.get("captions")
+        same_captions = (choices is not None) == self.varied and \
+            (choices is None or self._valid(state["order"], choices))
+        if state["batch_size"] == self.batch_size and same_captions and \
+                all(0 <= i < len(self.cache) for c in state["order"] for i in c):
             self.order, self.position = [list(c) for c in state["order"]], int(state["position"])
+            self.choices = [list(c) for c in choices] if choices is not None else []
         else:
-            self.order, self.position = [], 0
+            self.order, self.position, self.choices = [], 0, []
+
+    def _valid(self, order, choices) -> bool:
+        """Each recorded caption choice names a variant the image has (or the dropped caption, where on)."""
+        try:
+            return len(order) == len(choices) and all(
+                len(c) == len(o) and all((x == DROPPED and self.cache[i].dropped is not None) or x == WRITTEN
+                                         or 0 <= x < len(self.cache[i].variants) for i, x in zip(o, c))
+                for o, c in zip(order, choices))
+        except (TypeError, IndexError):
+            return False
+
+
+WRITTEN, DROPPED = -1, -2  # Batches' caption choices besides a variant's index: the caption as written, dropped
 
 
 def batches(cache: list[CachedSample], batch_size: int, repeats: int, generator: torch.Generator,
-            sequence_keys: tuple[str, ...] = ()) -> Batches:
-    return Batches(cache, batch_size, repeats, generator, sequence_keys)
+            sequence_keys: tuple[str, ...] = (), caption_dropout: float = 0.0) -> Batches:
+    return Batches(cache, batch_size, repeats, generator, sequence_keys, caption_dropout)

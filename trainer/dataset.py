@@ -20,6 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .errors import LeanLoRAError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MASK_SUFFIX = "_mask.png"  # <image stem>_mask.png: white = the loss counts there, black = it does not
 NOT_CANDIDATES = (".txt", ".csv", ".json", ".toml", ".yaml", ".npz", ".safetensors")  # captions and caches
 CAPTION_CSV = "metadata.csv"  # columns file_name,text (the lora-scripts / Hugging Face imagefolder layout)
 
@@ -117,6 +118,7 @@ class Dataset:
     buckets: bool = False  # aspect-ratio buckets instead of square center crops
     notes: tuple[tuple[str, str], ...] = field(default=())  # (file name or "metadata.csv line N", what was done)
     confinement: Confinement | None = None  # checked again when each image is read (cache.build_cache)
+    trigger_word: str = ""  # first in every caption; caption options (captions.py) never move or drop it
 
     def __post_init__(self):
         check_numbers(self.resolution, self.repeats)
@@ -404,6 +406,13 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
     # a link to nothing (or to what cannot be read) is not silently dropped: it is listed with its reason
     broken = [(p.name, "a link to a file that does not exist") for p in entries if p.is_symlink() and not p.exists()]
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
+    # <image>_mask.png beside an image is its loss mask (masked_loss), never a training image itself
+    stems = {p.stem for p in images}
+    masks = {p for p in images if p.name.endswith(MASK_SUFFIX) and p.name[:-len(MASK_SUFFIX)] in stems}
+    notes += [(p.name, f"the loss mask of {p.name[:-len(MASK_SUFFIX)]} (used with masked_loss), not a training "
+                       "image") for p in sorted(masks)]
+    images = [p for p in images if p not in masks]
+    files = [p for p in files if p not in masks]
     folded_image_count: dict[str, int] = {}
     for p in images:
         folded_image_count[p.name.casefold()] = folded_image_count.get(p.name.casefold(), 0) + 1
@@ -467,7 +476,8 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
         details = "; ".join(f"{name}: {reason}" for name, reason in skipped[:5])
         raise LeanLoRAError(f"dataset folder {folder} has no usable images ({len(skipped)} files skipped: {details}); "
                             f"add images ({', '.join(IMAGE_EXTENSIONS)})")
-    return Dataset(folder, tuple(samples), resolution, repeats, tuple(skipped), buckets, tuple(notes), confinement)
+    return Dataset(folder, tuple(samples), resolution, repeats, tuple(skipped), buckets, tuple(notes), confinement,
+                   trigger)
 
 
 def load_image(path: Path, size: int | tuple[int, int]) -> torch.Tensor:
@@ -488,9 +498,40 @@ def load_image(path: Path, size: int | tuple[int, int]) -> torch.Tensor:
         raise UnusableImage(path, _os_reason(error)) from error
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise UnusableImage(path, f"cannot decode image ({error})") from error
+    image = _cover_and_crop(image, width, height, Image.Resampling.LANCZOS)
+    return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3).float() / 255.0
+
+
+def _cover_and_crop(image: Image.Image, width: int, height: int, resample) -> Image.Image:
     scale = max(width / image.width, height / image.height)
     covering = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
-    image = image.resize(covering, Image.Resampling.LANCZOS)
+    image = image.resize(covering, resample)
     left, top = (image.width - width) // 2, (image.height - height) // 2
-    image = image.crop((left, top, left + width, top + height))
-    return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3).float() / 255.0
+    return image.crop((left, top, left + width, top + height))
+
+
+def mask_path(path: Path) -> Path:
+    return path.with_name(path.stem + MASK_SUFFIX)
+
+
+def load_mask(path: Path, size: tuple[int, int]) -> tuple[torch.Tensor | None, str]:
+    """The loss mask of image `path` as float [H, W] in 0..1, framed exactly as load_image frames the image:
+    `<image>_mask.png` beside it (as greyscale) wins, else the image's own alpha channel; (None, "") for neither.
+    The second value says which. A mask file that cannot be used raises UnusableImage naming it."""
+    width, height = size
+    source, where = (mask_path(path), "mask file") if mask_path(path).is_file() else (path, "alpha channel")
+    try:
+        with Image.open(source) as opened:
+            image = ImageOps.exif_transpose(opened)
+            if source == path:
+                if image.mode not in _ALPHA_MODES and "transparency" not in image.info:
+                    return None, ""
+                grey = image.convert("RGBA").getchannel("A")
+            else:
+                grey = image.convert("L") if image.mode not in _SIXTEEN_BIT_GREY else \
+                    image.convert("I").point(lambda value: value / 257 + 0.5).convert("L")
+            grey.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise UnusableImage(path, f"its loss mask {source.name} cannot be decoded ({error})") from error
+    grey = _cover_and_crop(grey, width, height, Image.Resampling.BILINEAR)
+    return torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).view(height, width).float() / 255.0, where

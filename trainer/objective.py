@@ -68,18 +68,43 @@ def output_target(model_sampling, sigma: torch.Tensor, noisy: torch.Tensor, clea
     return (a - clean) / b
 
 
+def pyramid_noise(noise: torch.Tensor, generator: torch.Generator, iterations: int, discount: float) -> torch.Tensor:
+    """kohya's pyramid_noise_like (multires noise): noise upsampled (bilinear) from ever coarser random grids, each
+    level r^i times smaller for a random r in [2, 4) and weighted discount^i, added until a grid is 1 pixel wide,
+    then the whole scaled back to unit standard deviation. Its coarse, low-frequency part lets the LoRA move an
+    image's overall brightness and colour, as noise offset does. kohya's r comes from Python's random; here from
+    the run's generator, so a seed (and a resume) draws the same."""
+    if noise.dim() != 4:
+        raise LeanLoRAError(f"multires_noise_iterations: this model's latents have {noise.dim()} dimensions (batch, "
+                            "channels, height, width expected): set multires_noise_iterations to 0")
+    batch, channels, height, width = noise.shape
+    noise = noise.clone()
+    for i in range(iterations):
+        r = float(torch.rand((), generator=generator)) * 2 + 2
+        h, w = max(1, int(height / r ** i)), max(1, int(width / r ** i))
+        coarse = torch.randn(batch, channels, h, w, generator=generator)
+        noise += F.interpolate(coarse, size=(height, width), mode="bilinear") * discount ** i
+        if h == 1 or w == 1:
+            break
+    return noise / noise.std()
+
+
 def draw_noise(model_sampling, shape: torch.Size, generator: torch.Generator,
                sampling: TimestepSampling = TimestepSampling.UNIFORM, noise_offset: float = 0.0,
-               shift: float = DEFAULT_SHIFT, resolution_shift: float = 1.0) -> dict[str, torch.Tensor]:
+               shift: float = DEFAULT_SHIFT, multires_iterations: int = 0, multires_discount: float = 0.3,
+               resolution_shift: float = 1.0) -> dict[str, torch.Tensor]:
     """Noise, noise levels and the model's timesteps for one batch, on the CPU: drawn from the CPU generator so
     a seed gives the same run on any device, and computed from a CPU `model_sampling` so no step waits for the
     GPU (a replayed CUDA graph gets them as plain inputs).
     noise_offset (kohya's): noise += offset * N(0, 1) per image and channel, drawn after the noise levels, and only
-    when on, so a run without it draws exactly what it always did and one with it the same noise levels."""
+    when on, so a run without it draws exactly what it always did and one with it the same noise levels.
+    multires_iterations > 0 (kohya's multires noise): pyramid_noise on top, after the offset as kohya orders them."""
     noise = torch.randn(shape, generator=generator)
     sigma = sample_sigmas(model_sampling, shape[0], generator, sampling, shift, resolution_shift)
     if noise_offset:
         noise = noise + noise_offset * torch.randn((*shape[:2], *[1] * (len(shape) - 2)), generator=generator)
+    if multires_iterations:
+        noise = pyramid_noise(noise, generator, multires_iterations, multires_discount)
     return {"noise": noise, "sigma": sigma, "timestep": model_sampling.timestep(sigma).float()}
 
 
@@ -112,13 +137,24 @@ class LossFunction:
                                 "min_snr_gamma to 0, and choose the timestep_sampling instead")
         return cls(kind, huber_c, min_snr_gamma, prediction == "v")
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (masked_loss; [B, 1, h, w], 0..1): each image's loss is its mask-weighted mean, so only the masked
+        part counts and a small mask is not diluted by the pixels outside it (an all-black mask scores 0)."""
         score = {LossKind.MSE: F.mse_loss,
                  LossKind.HUBER: lambda o, t, **kw: F.huber_loss(o, t, delta=self.huber_c, **kw),
                  LossKind.SMOOTH_L1: lambda o, t, **kw: F.smooth_l1_loss(o, t, beta=self.huber_c, **kw)}[self.kind]
-        if not self.min_snr_gamma:
+        if not self.min_snr_gamma and mask is None:
             return score(output, target)
-        per_image = score(output, target, reduction="none").mean(dim=tuple(range(1, output.dim())))
+        dims = tuple(range(1, output.dim()))
+        if mask is None:
+            per_image = score(output, target, reduction="none").mean(dim=dims)
+        else:
+            weights = mask.to(output.dtype).expand_as(output)
+            per_image = (score(output, target, reduction="none") * weights).sum(dim=dims) \
+                / weights.sum(dim=dims).clamp_min(1e-8)
+        if not self.min_snr_gamma:
+            return per_image.mean()
         return (per_image * min_snr_weights(sigma, self.min_snr_gamma, self.v_prediction)).mean()
 
 
@@ -133,10 +169,10 @@ def min_snr_weights(sigma: torch.Tensor, gamma: float, v_prediction: bool) -> to
 
 def denoising_loss(model_sampling, predict: Predict, clean: torch.Tensor, cond: dict[str, torch.Tensor],
                    noise: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor,
-                   loss: LossFunction = PLAIN_MSE) -> torch.Tensor:
+                   loss: LossFunction = PLAIN_MSE, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Everything after the random draws: only device work, no host synchronisation (capturable)."""
     noisy = model_sampling.noise_scaling(sigma, noise, clean)
     with torch.no_grad():
         target = output_target(model_sampling, sigma, noisy, clean).float()
     output = predict(model_sampling.calculate_input(sigma, noisy), timestep, cond)
-    return loss(output.float(), target, sigma)
+    return loss(output.float(), target, sigma) if mask is None else loss(output.float(), target, sigma, mask)

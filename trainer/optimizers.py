@@ -2,9 +2,13 @@
 saying why, and the exact bytes of state each keeps (the memory estimate's optimizer term).
 
 `type(optimizer).__name__` of what `build_optimizer` returns is always the OPTIMIZERS name actually in use
-(torch AdamW, bitsandbytes AdamW8bit / PagedAdamW8bit / Lion / Lion8bit, transformers Adafactor)."""
+(torch AdamW, bitsandbytes AdamW8bit / PagedAdamW8bit / Lion / Lion8bit, transformers Adafactor, and from their own
+optional packages, imported only when chosen: prodigyopt's Prodigy, schedulefree's AdamWScheduleFree,
+came-pytorch's CAME)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import types
 from typing import Iterable
@@ -13,7 +17,8 @@ import torch
 
 from .errors import LeanLoRAError
 
-OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion", "Lion8bit", "Adafactor")
+OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW8bit", "Lion", "Lion8bit", "Adafactor", "Prodigy",
+              "AdamWScheduleFree", "CAME")
 
 # What to try, in order: each falls back to the nearest optimizer with the same behaviour, AdamW last.
 _CHAINS = {
@@ -23,8 +28,21 @@ _CHAINS = {
     "Lion": ("Lion", "AdamW"),
     "Lion8bit": ("Lion8bit", "Lion", "AdamW"),
     "Adafactor": ("Adafactor", "AdamW"),
+    # No fallback: each behaves too differently from AdamW (Prodigy's learning rate is ~1, schedule-free's weights
+    # are an average) for a silent swap; a missing package is an error naming its pip command.
+    "Prodigy": ("Prodigy",),
+    "AdamWScheduleFree": ("AdamWScheduleFree",),
+    "CAME": ("CAME",),
 }
-_BITSANDBYTES = ("AdamW8bit", "PagedAdamW8bit", "Lion", "Lion8bit")
+# name -> (module, class, pip package): optional packages, imported only when chosen
+OPTIONAL = {"Prodigy": ("prodigyopt", "Prodigy", "prodigyopt"),
+            "AdamWScheduleFree": ("schedulefree", "AdamWScheduleFree", "schedulefree"),
+            "CAME": ("came_pytorch.CAME", "CAME", "came-pytorch")}
+# Optimizers whose learning rate is a multiplier of a step size they estimate themselves (1.0 is usual)
+ADAPTIVE_LR = ("Prodigy",)
+# Optimizers that step one flat tensor as well as many (FlatParameters): bitsandbytes' launches kernels per tensor,
+# Prodigy syncs with the host (.item()) once per tensor and step. CAME factors each matrix: never flattened.
+_FLAT = ("AdamW8bit", "PagedAdamW8bit", "Lion", "Lion8bit", "Prodigy")
 _INSTALL_BNB = "To use it, pip install \"bitsandbytes>=0.45\" into ComfyUI's Python (an NVIDIA GPU works best)"
 
 # bitsandbytes' 8-bit optimizers (its defaults, which we keep): tensors with fewer than MIN_8BIT_SIZE elements
@@ -86,6 +104,67 @@ def _probe(cls, device: torch.device) -> None:
     optimizer.step()
     if not all(torch.isfinite(p).all() and (p != 0).all() for p in probe):
         raise RuntimeError("a probe step left the weights unchanged or not finite")
+
+
+def optional_class(name: str):
+    """The class of an optimizer from its own package, or a LeanLoRAError naming the pip command."""
+    module, cls, package = OPTIONAL[name]
+    try:
+        return getattr(__import__(module, fromlist=[cls]), cls)
+    except Exception as error:  # not installed, or broken
+        raise LeanLoRAError(f"optimizer: {name} needs the package {package}, which could not be imported "
+                            f"({_short(error)}). Install it into ComfyUI's Python with: python -m pip install "
+                            f"{package} (or choose another optimizer in Memory Settings)") from error
+
+
+def check_learning_rate(name: str, lr: float) -> None:
+    """Prodigy's rate multiplies the step it estimates (1.0 is usual); the others take a rate such as 1e-4. Either
+    mistaken for the other trains ~10,000x too fast or too slow: refused before any work."""
+    _check_name(name)
+    if name in ADAPTIVE_LR and not 0.1 <= lr <= 10:
+        raise LeanLoRAError(f"learning_rate: got {lr:g} with optimizer {name}, whose learning rate multiplies the "
+                            "step size it finds by itself: set learning_rate to 1.0 (0.1 to 10)")
+    if name not in ADAPTIVE_LR and lr >= 1:
+        raise LeanLoRAError(f"learning_rate: got {lr:g} with optimizer {name}; rates of about 1 are for Prodigy. "
+                            "Use a small positive value such as 1e-4")
+
+
+def _optional(name):
+    cls = optional_class(name)
+    if name == "Prodigy":
+        def make(params, lr, weight_decay):
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints "Using decoupled weight decay"
+                return cls(params, lr=lr, weight_decay=weight_decay)
+        return make
+    if name == "AdamWScheduleFree":
+        def make(params, lr, weight_decay):
+            optimizer = cls(params, lr=lr, weight_decay=weight_decay)
+            optimizer.train()  # it refuses to step in eval mode; see evaluation_weights for the other way
+            return optimizer
+        return make
+    return lambda params, lr, weight_decay: cls(params, lr=lr, weight_decay=weight_decay)
+
+
+def adapted_step(optimizer) -> float | None:
+    """Prodigy's d, the step size it has estimated (its learning rate multiplies it); None for the others."""
+    if type(optimizer).__name__ != "Prodigy":
+        return None
+    return float(optimizer.param_groups[0]["d"])
+
+
+@contextlib.contextmanager
+def evaluation_weights(optimizer):
+    """Schedule-free AdamW trains at one point and evaluates at another (its average): inside this block the
+    weights are the average, what samples, validation and the saved LoRA use; training goes on after it. Other
+    optimizers: nothing to do."""
+    switch = type(optimizer).__name__ == "AdamWScheduleFree"  # by name: a future torch may give every optimizer eval()
+    if switch:
+        optimizer.eval()
+    try:
+        yield
+    finally:
+        if switch:
+            optimizer.train()
 
 
 def _adafactor():
@@ -189,6 +268,8 @@ def _maker(name, device):
         return lambda params, lr, weight_decay: _torch_adamw(params, lr, weight_decay, device)
     if name == "Adafactor":
         return _adafactor()
+    if name in OPTIONAL:
+        return _optional(name)
     return _bitsandbytes(name, device)
 
 
@@ -196,8 +277,9 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
                     device: torch.device, flat: bool = False,
                     bf16_weights: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
     """The optimizer, and a note for the report when another one had to be used instead (None otherwise).
-    flat=True: a bitsandbytes optimizer steps all tensors as one (FlatParameters, kept as `.leanlora_flat`; its
-    zero_grad zeroes in place). bf16_weights=True: the LoRA weights become bf16 (BF16Weights, any optimizer)."""
+    flat=True: a bitsandbytes optimizer or Prodigy steps all tensors as one (FlatParameters, kept as
+    `.leanlora_flat`; its zero_grad zeroes in place). bf16_weights=True: the LoRA weights become bf16 (BF16Weights,
+    any optimizer)."""
     _check_name(name)
     params, device = list(params), torch.device(device)
     whys: dict[str, list[str]] = {}  # reason -> the candidates it ruled out
@@ -215,7 +297,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
         flat_params = BF16Weights(params)
         optimizer = make(flat_params.proxies, lr, weight_decay)
         flat_params.wrap_step(optimizer)  # this instance only
-    elif flat and candidate in _BITSANDBYTES and params:
+    elif flat and candidate in _FLAT and params:
         flat_params = FlatParameters(params)
         optimizer = make([flat_params.param], lr, weight_decay)
     else:
@@ -241,6 +323,15 @@ def optimizer_state_bytes(name: str, params_or_shapes: Iterable) -> int:
     (step counters and Adafactor's RMS: 4 bytes per tensor, and torch keeps AdamW's on the CPU unless fused)."""
     _check_name(name)
     shapes = [_shape(p) for p in params_or_shapes]
+    if name in ("Prodigy", "AdamWScheduleFree"):
+        # Prodigy (slice_p 1, beta1 > 0): exp_avg, exp_avg_sq, s and the start point p0, each a full fp32 copy;
+        # schedule-free AdamW: z (its other point) and exp_avg_sq
+        return 4 * (4 if name == "Prodigy" else 2) * sum(math.prod(s) for s in shapes)
+    if name == "CAME":
+        # exp_avg full; tensors of 2+ dims keep factored second moments and factored "residuals" (instability),
+        # rows shape[:-1] and columns shape[:-2] + shape[-1:] each; 1-D tensors a full second moment
+        return 4 * sum(math.prod(s) + (2 * (math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1]) if len(s) >= 2
+                                       else math.prod(s)) for s in shapes)
     if name == "Adafactor":
         # beta1=None: no first moment. Tensors of 2+ dims keep factored second moments of shape[:-1] (rows) and
         # shape[:-2] + shape[-1:] (columns); 1-D tensors keep a full one. All fp32 (it upcasts half gradients).
@@ -261,8 +352,10 @@ def optimizer_state_bytes_per_param(name: str) -> float:
     BNB_BLOCK (the rate the 8-bit optimizers reach on large tensors). Adafactor's state depends on the shapes:
     use optimizer_state_bytes."""
     _check_name(name)
-    if name == "Adafactor":
-        raise ValueError("Adafactor's state depends on tensor shapes; use optimizer_state_bytes")
+    if name in ("Adafactor", "CAME"):
+        raise ValueError(f"{name}'s state depends on tensor shapes; use optimizer_state_bytes")
+    if name in ("Prodigy", "AdamWScheduleFree"):
+        return 16.0 if name == "Prodigy" else 8.0
     moments = 1 if name.startswith("Lion") else 2
     return moments * (4.0 if name in ("AdamW", "Lion") else 1 + 4 / BNB_BLOCK)
 

@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from .cache import CachedSample, batches, collate
+from .cache import MASK_KEY, CachedSample, batches, collate
+from .ema import LoraEMA
 from .errors import LeanLoRAError, is_out_of_memory, one_line
 from .files import sanitize_name
 from .loop import LoopResult, StepInfo, train_loop
@@ -22,7 +23,7 @@ from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
 from .objective import PLAIN_MSE, LossFunction, denoising_loss, draw_noise
-from .optimizers import build_lr_schedule, build_optimizer
+from .optimizers import build_lr_schedule, build_optimizer, evaluation_weights
 from .report import Recovery
 from .settings import CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
 from .step.activation_offload import ActivationOffload
@@ -70,6 +71,7 @@ class TrainingSession:
         self.compiled = None  # the CompiledBlocks, once compile is asked for
         self.compiled_batch: int | None = None  # the batch size the compile step compiled
         self.estimated_peak: int | None = None  # the estimate's total before step 1 (None: not measured)
+        self.ema: LoraEMA | None = None  # with train.ema_decay: made once the LoRA is on its device (configure)
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Storage changes go in the ladder's direction only (fp8 and
@@ -130,6 +132,8 @@ class TrainingSession:
                            + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays on the "
                               "GPU)" if memory.stream_share < 1 else ""))
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
+        if self.train.ema_decay and self.ema is None:
+            self.ema = LoraEMA(self.params, self.train.ema_decay)
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
@@ -141,7 +145,7 @@ class TrainingSession:
                 self.notes.append(note)
         if old is None or old.batch_size != memory.batch_size:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator,
-                                self.adapter.sequence_conditioning)
+                                self.adapter.sequence_conditioning, self.train.caption_dropout)
         # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
@@ -221,6 +225,8 @@ class TrainingSession:
         flat = getattr(self.optimizer, "leanlora_flat", None)  # what the optimizer keeps state for
         estimate = static_terms(self.unet, self.params, type(self.optimizer).__name__, self.adapter.device,
                                 state_params=flat.state_shapes() if flat is not None else None)
+        if self.ema is not None:  # its fp32 average counts with the LoRA weights (not as `other` when probed)
+            estimate.lora_parameters += self.ema.nbytes
         # Compiled blocks: probe the shape compile_before_first_step compiled, once (another probe shape would cost a full
         # compile); before or without a compile step, probe uncompiled.
         at_run_shape = self.is_compiled and self.compiled_batch == self.run_batch_size()
@@ -288,11 +294,13 @@ class TrainingSession:
         so preparing the next step overlaps the GPU's work on this one."""
         clean, cond = batch
         draws = draw_noise(self.sampling_on_cpu, clean.shape, self.generator, self.timestep_sampling,
-                           self.train.noise_offset, self.train.timestep_shift,
-                           self.adapter.resolution_shift(tuple(clean.shape[-2:])))
+                           self.train.noise_offset, self.train.timestep_shift, self.train.multires_noise_iterations,
+                           self.train.multires_noise_discount, self.adapter.resolution_shift(tuple(clean.shape[-2:])))
         if seed_lora_dropout(self.unet) is not None:  # drawn only with dropout: other runs keep their noise
             draws["dropout_seed"] = torch.randint(0, 2 ** 31, (), generator=self.generator)
-        return self._on_device({"clean": clean, **draws, **{f"cond.{name}": value for name, value in cond.items()}})
+        mask = {"mask": cond[MASK_KEY]} if MASK_KEY in cond else {}  # masked_loss
+        return self._on_device({"clean": clean, **draws, **mask,
+                                **{f"cond.{name}": value for name, value in cond.items() if name != MASK_KEY}})
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.adapter.device
@@ -305,8 +313,10 @@ class TrainingSession:
             seed_lora_dropout(self.unet).feed(inputs["dropout_seed"])
         cond = {name[len("cond."):]: t for name, t in inputs.items() if name.startswith("cond.")}
         predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
+        # the mask weighs the training loss only: validation's plain MSE stays comparable between runs
         return denoising_loss(self.adapter.model_sampling, predict, inputs["clean"], cond, inputs["noise"],
-                              inputs["sigma"], inputs["timestep"], loss or self.loss_function)
+                              inputs["sigma"], inputs["timestep"], loss or self.loss_function,
+                              inputs.get("mask") if loss is None else None)
 
     def loss(self, batch) -> torch.Tensor:
         return self.compute_loss(self.inputs(batch))
@@ -345,6 +355,11 @@ class TrainingSession:
             self.steps_done = info.step
             on_step(info)
 
+        def stepped() -> None:
+            if self.ema is not None:
+                self.ema.update()
+            after_step()
+
         while True:
             try:
                 result = train_loop(self.params, self.step, self.data, self.optimizer, self.precision,
@@ -352,7 +367,7 @@ class TrainingSession:
                                     self.memory.gradient_accumulation, should_stop, counted,
                                     first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
                                     lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
-                                    on_step_start=self._mark_step_start, after_step=after_step,
+                                    on_step_start=self._mark_step_start, after_step=stepped,
                                     evaluate_every=evaluate_every, on_evaluate=on_evaluate)
                 if result.diverged_at is not None:  # the weights went back to the last step checked finite
                     self.steps_done = result.steps_done
@@ -371,6 +386,14 @@ class TrainingSession:
         # after it takes the RNG and batch order from before that step, so a resume draws what it would have.
         self._step_start = (done, rng_states(self.generator), self.data.state_dict())
 
+    @contextlib.contextmanager
+    def evaluation_weights(self):
+        """The LoRA weights as samples, validation and the saved file see them: schedule-free AdamW's average
+        (optimizers.evaluation_weights), or the EMA with ema_decay on; the trained weights come back after."""
+        with evaluation_weights(self.optimizer), \
+                (self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()):
+            yield
+
     def training_state(self, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str],
                        validation_losses: list[tuple[int, float]] = ()) -> TrainingState:
         """What resume_from needs to go on exactly from steps_done (between steps, or after the run stopped)."""
@@ -384,7 +407,8 @@ class TrainingSession:
             scaler=scaler.state_dict() if scaler is not None else None, rng=rng, data=data,
             losses=list(losses[:self.steps_done]), fingerprints=fingerprints, settings=settings,
             output_name=sanitize_name(self.train.output_name),
-            validation_losses=[(step, value) for step, value in validation_losses if step <= self.steps_done])
+            validation_losses=[(step, value) for step, value in validation_losses if step <= self.steps_done],
+            ema=self.ema.state_dict() if self.ema is not None else None)  # updated only by complete steps
 
     def resume_from(self, state: TrainingState) -> list[str]:
         """Puts the run where `state` stopped (after start(): the memory settings may differ from the state's).
@@ -411,6 +435,12 @@ class TrainingSession:
                                              self.train.steps, self.steps_done)
         restore_rng_states(state.rng, self.generator)
         self.data.load_state_dict(state.data)
+        if self.ema is not None and state.ema:
+            self.ema.load_state_dict(state.ema)
+        elif self.ema is not None:
+            self.ema.updates = state.step  # its warm-up as if it had run: the average starts at the resumed weights
+            notes.append("resume: the state holds no EMA of the LoRA weights (ema_decay was off): the average starts "
+                         "from the resumed weights")
         return notes
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from enum import Enum
 from pathlib import Path
 
 from .errors import LeanLoRAError
+from .captions import CaptionOptions
 from .objective import DEFAULT_SHIFT, LossKind, TimestepSampling
 from .optimizers import OPTIMIZERS
 
@@ -161,6 +162,10 @@ class MemorySettings:
         _require_member(self, "lora_weights", LoraWeights)
         _require(self.lora_weights is LoraWeights.FP32 or self.mixed_precision == "bf16", "lora_weights",
                  "bf16 LoRA weights need mixed_precision bf16 (fp16 loss scaling and fp32 runs keep fp32 weights)")
+        _require(self.lora_weights is LoraWeights.FP32 or self.optimizer not in ("Prodigy", "AdamWScheduleFree"),
+                 "lora_weights", "bf16 LoRA weights are stepped in chunks, one optimizer step each, which "
+                 f"{self.optimizer}'s whole-model statistics (Prodigy's step size, schedule-free's average) "
+                 "cannot take: set lora_weights to fp32 or choose another optimizer")
         _require_member(self, "checkpoint_depth", CheckpointDepth)
         _require_share(self, "checkpoint_share",
                        "1 = every block recomputed, 0.5 = the half that frees the most memory per recompute")
@@ -250,6 +255,16 @@ class TrainSettings:
     timestep_shift: float = DEFAULT_SHIFT  # the shift of TimestepSampling.SHIFTED_SIGMOID
     loss: LossKind = LossKind.MSE
     huber_c: float = 0.1  # Huber's delta / smooth L1's beta
+    ema_decay: float = 0.0  # 0: off; else an EMA of the LoRA weights is what is saved (trainer/ema.py)
+    # Captions (trainer/captions.py); all off: each image trains on its caption as written, as before
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    tag_dropout: float = 0.0
+    caption_dropout: float = 0.0
+    caption_variants: int = 4
+    multires_noise_iterations: int = 0  # 0: off; kohya's multires (pyramid) noise, 6-10 is usual
+    multires_noise_discount: float = 0.3  # each coarser level's weight factor (kohya's default)
+    masked_loss: bool = False  # the loss only where the image's alpha or <image>_mask.png is white (weighted)
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", f"got {self.steps}; use 1 or more")
@@ -258,8 +273,10 @@ class TrainSettings:
         _require_choice(self, "lr_schedule", LR_SCHEDULES)
         _require(0 <= self.warmup_steps < self.steps, "warmup_steps",
                  f"got {self.warmup_steps}; use 0 up to steps - 1 ({self.steps - 1})")
-        _require(0 < self.learning_rate < 1, "learning_rate",
-                 f"got {self.learning_rate}; use a small positive value such as 1e-4")
+        # up to 10 for Prodigy, whose rate (1.0 is usual) multiplies the step it estimates; the optimizer is a
+        # Memory Settings value, so optimizers.check_learning_rate checks the pair when training starts
+        _require(_number(self.learning_rate) and 0 < self.learning_rate <= 10, "learning_rate",
+                 f"got {self.learning_rate}; use a small positive value such as 1e-4 (1.0 for Prodigy)")
         fraction = self.validation_fraction
         _require(isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction < 1,
                  "validation_fraction", f"got {fraction!r}; use 0 (off) or a share below 1 such as 0.1 (at least "
@@ -275,6 +292,29 @@ class TrainSettings:
         _require(_number(self.timestep_shift) and 0 < self.timestep_shift <= 100, "timestep_shift",
                  f"got {self.timestep_shift!r}; use a positive shift up to 100 (3 is kohya's, 1 is no shift)")
         _require_member(self, "loss", LossKind)
+        _require(_number(self.ema_decay) and (self.ema_decay == 0 or 0.5 <= self.ema_decay < 1), "ema_decay",
+                 f"got {self.ema_decay!r}; use 0 (off) or a decay from 0.5 up to but below 1 (0.999 is usual)")
+        iterations = self.multires_noise_iterations
+        _require(isinstance(iterations, int) and not isinstance(iterations, bool) and 0 <= iterations <= 20,
+                 "multires_noise_iterations", f"got {iterations!r}; use 0 (off) up to 20 (6-10 is usual)")
+        _require(_number(self.multires_noise_discount) and 0 < self.multires_noise_discount <= 1,
+                 "multires_noise_discount", f"got {self.multires_noise_discount!r}; use a factor above 0 up to 1 "
+                 "(0.3 is kohya's, 0.1 weaker)")
+        _require(isinstance(self.masked_loss, bool), "masked_loss", f"got {self.masked_loss!r}; use true or false")
+        _require(isinstance(self.shuffle_tags, bool), "shuffle_tags", f"got {self.shuffle_tags!r}; use true or false")
+        for field in ("tag_dropout", "caption_dropout"):
+            rate = getattr(self, field)
+            _require(_number(rate) and 0 <= rate < 1, field, f"got {rate!r}; use 0 (off) or a rate below 1 (0.05-0.1 "
+                     "is usual)")
+        _require(isinstance(self.keep_tokens, int) and not isinstance(self.keep_tokens, bool)
+                 and 0 <= self.keep_tokens <= 255, "keep_tokens", f"got {self.keep_tokens!r}; use 0 up to 255 tags")
+        _require(not self.keep_tokens or self.shuffle_tags or self.tag_dropout, "keep_tokens",
+                 f"got {self.keep_tokens}, but neither shuffle_tags nor tag_dropout is on, so there is nothing to keep "
+                 "the first tags from: turn one on, or set keep_tokens to 0")
+        _require(isinstance(self.caption_variants, int) and not isinstance(self.caption_variants, bool)
+                 and 1 <= self.caption_variants <= 64, "caption_variants",
+                 f"got {self.caption_variants!r}; use 1 to 64 variants per image (each is one more text encoding "
+                 "before training and its embedding in RAM)")
         _require(_number(self.huber_c) and 0 < self.huber_c <= 100, "huber_c",
                  f"got {self.huber_c!r}; use a positive value up to 100 (0.1 is kohya's)")
 
@@ -286,6 +326,28 @@ class TrainSettings:
                 "timestep_sampling": sampling, "timestep_shift": f"{self.timestep_shift:g}",
                 "loss": self.loss.value, "huber_c": f"{self.huber_c:g}"}
 
+    def option_values(self) -> dict[str, str]:
+        """Train's other training options (EMA, captions, multires noise, masked loss) as the report and the training
+        state word them."""
+        varied = self.shuffle_tags or self.tag_dropout
+        return {"ema_decay": f"{self.ema_decay:g}", "shuffle_tags": str(self.shuffle_tags).lower(),
+                "keep_tokens": str(self.keep_tokens), "tag_dropout": f"{self.tag_dropout:g}",
+                "caption_dropout": f"{self.caption_dropout:g}",
+                # counts only where tags vary (otherwise nothing is encoded for it)
+                "caption_variants": str(self.caption_variants) if varied else "4",
+                "multires_noise_iterations": str(self.multires_noise_iterations),
+                # counts only with iterations (otherwise nothing is drawn with it)
+                "multires_noise_discount":
+                    f"{self.multires_noise_discount:g}" if self.multires_noise_iterations else "0.3",
+                "masked_loss": str(self.masked_loss).lower()}
+
+    def caption_options(self) -> CaptionOptions:
+        return CaptionOptions(self.shuffle_tags, self.keep_tokens, self.tag_dropout, self.caption_dropout,
+                              self.caption_variants)
+
+    def option_changes(self) -> dict[str, str]:
+        return {key: value for key, value in self.option_values().items() if OPTION_DEFAULTS[key] != value}
+
     def objective_changes(self) -> dict[str, str]:
         """Those knobs set away from their defaults (empty for a run as before they existed)."""
         return {key: value for key, value in self.objective_values().items() if OBJECTIVE_DEFAULTS[key] != value}
@@ -296,6 +358,7 @@ def _number(value) -> bool:
 
 
 OBJECTIVE_DEFAULTS = TrainSettings().objective_values()  # what a training state from before the knobs trained with
+OPTION_DEFAULTS = TrainSettings().option_values()
 
 
 @dataclass(frozen=True)

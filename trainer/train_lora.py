@@ -25,12 +25,13 @@ from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, w
 from .lora_import import ContinuedLora, continue_from_file
 from .loop import StepInfo
 from .objective import KOHYA_SAMPLING, LossFunction, LossKind, TimestepSampling
+from .optimizers import OPTIONAL, adapted_step, check_learning_rate, optional_class
 from .memory.fit import room_for_sampling
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import OBJECTIVE_DEFAULTS, LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from .settings import OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
                              save_training_state, state_path)
@@ -94,6 +95,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     if train.objective_changes():
         report.append("timesteps and loss: " + ", ".join(f"{key} {value}"
                                                           for key, value in train.objective_changes().items()))
+    check_optimizer(memory.optimizer, train)  # before any encoding
+    if train.option_changes():
+        report.append("training options: " + ", ".join(f"{key} {value}"
+                                                       for key, value in train.option_changes().items()))
 
     held_out_count(train.validation_fraction, len(dataset.samples))  # too few images: said before any encoding
     resumed: TrainingState | None = None
@@ -111,7 +116,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
                             on_item=lambda done, total: emit(kind="cache", done=done, total=total), store=store,
                             image_encoder_id=adapter.image_encoder_id() if store else "",
-                            text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats)
+                            text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats,
+                            captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss)
     except cancel_errors as cancel:
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
     report.append(stats.describe())
@@ -181,13 +187,14 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         timeline.record(info.step, device)
         s_per_step = pace.seconds_per_step(info.step)
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds,
-             first_step=first_step, s_per_step=s_per_step,
+             first_step=first_step, s_per_step=s_per_step, d=adapted_step(session.optimizer),
              eta_s=None if s_per_step is None else s_per_step * (info.total - info.step))
 
     def on_evaluate(step: int) -> None:
         """The validation loss at this step's weights; out of memory skips it (training goes on)."""
         try:
-            value = validation.evaluate(session.forward_loss, step)
+            with session.evaluation_weights():
+                value = validation.evaluate(session.forward_loss, step)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -202,7 +209,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
-                      **train.objective_values()}
+                      **train.objective_values(), **train.option_values()}
     exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,
                             len(held_out))
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
@@ -218,7 +225,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         training goes on (the final save still comes)."""
         stem = f"{exporter.stem}_step{step}"
         try:
-            state_dict, metadata = exporter.contents(step, partial=False, stem=stem)
+            with session.evaluation_weights():
+                state_dict, metadata = exporter.contents(step, partial=False, stem=stem)
             path, _ = save_with_fallback(state_dict, loras_dir, stem, metadata, None)  # no fallback mid-run
             write_state(path)
         except (LeanLoRAError, *SAVE_ERRORS) as error:
@@ -241,7 +249,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         emit(kind="phase", text=f"rendering samples at step {step}")
         started_sampling = time.perf_counter()
         try:
-            tensors = exporter.tensors() if state_dict is None else state_dict
+            if state_dict is None:
+                with session.evaluation_weights():
+                    tensors = exporter.tensors()
+            else:
+                tensors = state_dict
             if state_dict is None:  # mid-run: the training copy is on the device
                 with room_for_sampling(session) as made_room:
                     paths = on_sample(step, tensors)
@@ -286,6 +298,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             report.append(line)
             emit(kind="phase", text=line)
         report.append(estimate.format())
+        if session.ema is not None:
+            report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): "
+                          f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, in the estimate's LoRA parameters "
+                          "(and as much again for a moment at each update, after the optimizer step)")
         emit(kind="estimate", text=estimate.format(), total=estimate.total)
         reset_peak(device)  # the run's peak, not the probes'
         used = batch_used(cache, dataset.repeats, session.memory.batch_size)
@@ -302,10 +318,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             notes = session.resume_from(resumed)
             line = (f"resumed from {Path(train.resume_from).name}: step {resumed.step} of {train.steps}, trained "
                     f"with {resumed.settings.get('memory') or 'the same settings'}")
-            # a state from before the timestep and loss knobs trained with their defaults
-            before = {**OBJECTIVE_DEFAULTS, **resumed.settings}
+            # a state from before the timestep and loss knobs (and the other options) trained with their defaults
+            before = {**OBJECTIVE_DEFAULTS, **OPTION_DEFAULTS, **resumed.settings}
             changed = [f"{key} {before[key]} -> {value}" for key, value in state_settings.items()
-                       if key in ("seed", "learning_rate", "lr_schedule", *OBJECTIVE_DEFAULTS)
+                       if key in ("seed", "learning_rate", "lr_schedule", *OBJECTIVE_DEFAULTS, *OPTION_DEFAULTS)
                        and before.get(key, value) != value]
             for text in [line, *(["resume: changed since the state: " + ", ".join(changed)] if changed else []),
                          *notes]:
@@ -355,7 +371,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
 
     stem = f"{exporter.stem}_partial_step{steps_done}" if partial else exporter.stem
     try:
-        state_dict, metadata = exporter.contents(steps_done, partial, stem)
+        with session.evaluation_weights():  # the saved LoRA: schedule-free's average or the EMA where on
+            state_dict, metadata = exporter.contents(steps_done, partial, stem)
     except LeanLoRAError:
         release_training()
         raise
@@ -501,6 +518,18 @@ class LoraExporter:
         return state_dict, with_file_hashes(state_dict, metadata)
 
 
+def check_optimizer(optimizer: str, train: TrainSettings) -> None:
+    """The optimizer against Train's settings, and its package, before any work: each a LeanLoRAError naming the
+    field and what to do."""
+    check_learning_rate(optimizer, train.learning_rate)
+    if optimizer in OPTIONAL:
+        optional_class(optimizer)
+    if train.ema_decay and optimizer == "AdamWScheduleFree":
+        raise LeanLoRAError(f"ema_decay: got {train.ema_decay:g} with optimizer AdamWScheduleFree, which averages "
+                            "the weights itself (its average is what is saved): set ema_decay to 0, or choose "
+                            "another optimizer")
+
+
 def objective_metadata(train: TrainSettings, family_sampling) -> dict[str, str]:
     """The timestep and loss knobs in kohya's keys and words ("None" where kohya's option is unset)."""
     sampling = train.timestep_sampling or family_sampling
@@ -510,6 +539,14 @@ def objective_metadata(train: TrainSettings, family_sampling) -> dict[str, str]:
             "ss_loss_type": train.loss.value, "ss_huber_schedule": "constant" if huber else "None",
             "ss_huber_c": str(train.huber_c) if huber else "None",
             "ss_timestep_sampling": KOHYA_SAMPLING[sampling],
+            # LeanLoRA's own key (kohya has no EMA): the file holds the average's weights
+            "leanlora_ema_decay": str(train.ema_decay) if train.ema_decay else "None",
+            "ss_shuffle_caption": str(train.shuffle_tags), "ss_keep_tokens": str(train.keep_tokens),
+            "ss_caption_dropout_rate": str(train.caption_dropout),
+            "ss_caption_tag_dropout_rate": str(train.tag_dropout),
+            "ss_multires_noise_iterations": str(train.multires_noise_iterations or "None"),
+            "ss_multires_noise_discount": str(train.multires_noise_discount),
+            "ss_masked_loss": str(train.masked_loss),
             **({"ss_discrete_flow_shift": str(train.timestep_shift)}
                if sampling is TimestepSampling.SHIFTED_SIGMOID else {})}
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .dataset import MASK_SUFFIX
 from .errors import LeanLoRAError, one_line
 from .files import save_safetensors_atomic
 
@@ -45,6 +46,7 @@ class TrainingState:
     settings: dict[str, str] = field(default_factory=dict)  # for the report: what the run trained with
     output_name: str = ""
     validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) so far
+    ema: dict | None = None  # ema.LoraEMA.state_dict() with Train's ema_decay on (states before it: None)
 
 
 def _flatten(value, tensors: dict[str, torch.Tensor], prefix: str):
@@ -83,7 +85,7 @@ def save_training_state(path: Path, state: TrainingState) -> Path:
     body = {"step": state.step, "lora": state.lora, "optimizer_name": state.optimizer_name,
             "optimizer": state.optimizer, "scaler": state.scaler, "rng": state.rng, "data": state.data,
             "losses": state.losses, "fingerprints": state.fingerprints, "settings": state.settings,
-            "output_name": state.output_name, "validation_losses": state.validation_losses}
+            "output_name": state.output_name, "validation_losses": state.validation_losses, "ema": state.ema}
     skeleton = _flatten(body, tensors, "state")
     metadata = {"format": FORMAT, "state": json.dumps(skeleton), "step": str(state.step),
                 "output_name": state.output_name}
@@ -139,14 +141,18 @@ def _digest(*parts) -> str:
 
 
 def dataset_fingerprint(dataset) -> str:
-    """The images (name, size on disk) and captions, repeats, resolution and framing."""
+    """The images (name, size on disk) and captions, their mask files (size), repeats, resolution and framing."""
     parts = []
     for sample in dataset.samples:
         try:
             nbytes = sample.path.stat().st_size
         except OSError:
             nbytes = -1
-        parts.append(f"{sample.path.name}|{nbytes}|{sample.caption}")
+        part = f"{sample.path.name}|{nbytes}|{sample.caption}"
+        mask = sample.path.with_name(sample.path.stem + MASK_SUFFIX)
+        if mask.is_file():  # masked_loss reads it (only then is it part of the name: older states still match)
+            part += f"|mask {mask.stat().st_size}"
+        parts.append(part)
     return _digest(dataset.resolution, dataset.repeats, dataset.buckets, *sorted(parts))
 
 
@@ -258,6 +264,10 @@ def check_state_values(state: TrainingState, path: Path, images: int | None = No
         if _non_finite(tensor):
             raise LeanLoRAError(f"training state {path} holds NaN/inf values in its optimizer state ({where}, shape "
                                 f"{tuple(tensor.shape)}): the file is damaged or was edited; {pick}")
+    for where, tensor in _tensors_in(state.ema, "state.ema"):
+        if _non_finite(tensor):
+            raise LeanLoRAError(f"training state {path} holds NaN/inf values in its EMA of the LoRA weights ({where}): "
+                                f"the file is damaged or was edited; {pick}")
     for group in (state.optimizer or {}).get("param_groups", []) if isinstance(state.optimizer, dict) else []:
         for key in ("lr", "initial_lr"):
             if key in group and not (_is_number(group[key]) and group[key] >= 0):

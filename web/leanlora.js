@@ -142,6 +142,7 @@ function onProgress(event) {
       break;
     case "step":
       s.step = e.step; s.total = e.total; s.sPerStep = e.s_per_step; s.etaS = e.eta_s;
+      s.prodigyD = e.d ?? null; // Prodigy's estimated step size (other optimizers: none)
       s.losses.push(e.loss);
       if (s.losses.length > 5000) s.losses = s.losses.filter((_, i) => i % 2 === 0); // keeps the shape, bounded
       if (e.vram) s.vram = e.vram;
@@ -272,6 +273,7 @@ function render(node) {
     const smooth = smoothed(s.losses).pop();
     stats.push(`step ${s.step}/${s.total}`, `loss ${last.toFixed(4)} (smoothed ${smooth.toFixed(4)})`);
     if (s.validation.length) stats.push(`validation ${s.validation[s.validation.length - 1][1].toFixed(4)}`);
+    if (s.prodigyD != null) stats.push(`Prodigy d ${s.prodigyD.toPrecision(3)}`);
     if (s.sPerStep) stats.push(`${s.sPerStep.toFixed(3)} s/step`, `${duration(s.etaS)} left`);
   }
   if (s.vram) stats.push(`VRAM ${s.vram.used_gib.toFixed(1)}/${s.vram.total_gib.toFixed(1)} GiB`);

@@ -60,23 +60,25 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
 
 
 def static_bytes(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int],
-                 params: list) -> int:
-    """Device bytes of frozen weights (as `memory` stores them), fp32 LoRA, its gradients and the optimizer's state."""
+                 params: list, ema: bool = False) -> int:
+    """Device bytes of frozen weights (as `memory` stores them), fp32 LoRA, its gradients and the optimizer's state,
+    and with `ema` the fp32 average of the LoRA weights (ema.LoraEMA)."""
     dtype = DTYPES[memory.mixed_precision] or torch.float32
     lora = sum(p.numel() * 4 for p in params)
-    return weight_bytes(dtype, memory.base_weights, memory.stream_share) + 2 * lora + \
+    return weight_bytes(dtype, memory.base_weights, memory.stream_share) + (3 if ema else 2) * lora + \
         optimizer_state_bytes(memory.optimizer, params)
 
 
 def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
-                budget: int, device: torch.device, card: int | None = None) -> tuple[MemorySettings, list[str]]:
+                budget: int, device: torch.device, card: int | None = None,
+                ema: bool = False) -> tuple[MemorySettings, list[str]]:
     """Before anything is placed on the GPU: walk the ladder until weights, LoRA, gradients and optimizer state
     leave room for activations. A model larger than the budget never has to be loaded to find that out.
     weight_bytes(compute dtype, base weights, stream share): device bytes the frozen weights would take (the model
     adapter's projected_weight_bytes)."""
     lines = []
     while True:
-        static = static_bytes(memory, weight_bytes, params)
+        static = static_bytes(memory, weight_bytes, params, ema)
         if static <= budget * STATIC_SHARE:
             return memory, lines
         rung = next_static_rung(memory, device)
@@ -158,7 +160,8 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     memory, lines = relaxed(memory)
     weight_bytes = lambda dtype, base, share: session.adapter.projected_weight_bytes(  # noqa: E731
         session.unet, dtype, base, share)
-    memory, static_lines = plan_static(memory, weight_bytes, params, card.usable(), device, card.card)
+    memory, static_lines = plan_static(memory, weight_bytes, params, card.usable(), device, card.card,
+                                       ema=bool(session.train.ema_decay))
     lines += static_lines
     session.configure(memory)
     fastest = Probe(session, card)
@@ -210,7 +213,8 @@ def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe,
         MemoryEstimate(0, 0, 0, 0, activations=transient, workspace=0))
     other = full.estimate.other  # what the probe measured beyond its own terms stays
     return choose(replace(memory, gradient_checkpointing=False),
-                  lambda plan: static_bytes(plan, weight_bytes, params), model, units, batch_area, other,
+                  lambda plan: static_bytes(plan, weight_bytes, params, session.ema is not None), model, units,
+                  batch_area, other,
                   graph_extra, full.budget * FIT_HEADROOM, RECOMPUTE_COST,
                   held_upcasts=lambda count: sum(conv_bytes[count:]))
 

@@ -21,8 +21,8 @@ from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory, one_line
 from .memory.estimate import estimate_error
 from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
-from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
-from .lora_import import ContinuedLora, continue_from_file
+from .lora import adapter_type, inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
+from .lora.continue_from import ContinuedLora, continue_from_file
 from .loop import StepInfo
 from .objective import KOHYA_SAMPLING, LossFunction, LossKind, TimestepSampling
 from .memory.fit import room_for_sampling
@@ -144,13 +144,13 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             adapter.free(unet)
             raise
         report.append(continued.describe())
-    fingerprints["lora"] = lora_fingerprint(lora, params)
+    fingerprints["lora"] = lora_fingerprint(lora, params, adapter_type(lora).fingerprint(lora))
     if held_out:
         fingerprints["validation"] = split_fingerprint(cached_images, held_out)
     if resumed is not None:
         try:
             check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps,
-                            lora_shapes=[tuple(p.shape) for p in params])
+                            lora_shapes=[tuple(p.shape) for p in params], lora_type=lora.type.value)
         except LeanLoRAError:
             adapter.free(unet)
             raise
@@ -200,7 +200,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             return
         emit(kind="validation", step=step, loss=value, first_step=first_step)
 
-    state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
+    state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed), "lora_type": lora.type.value,
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
                       **train.objective_values()}
     exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,

@@ -116,9 +116,9 @@ def adapter_layers(module: torch.nn.Module, kind: type) -> dict[str, torch.nn.Mo
 def computed_weight(base: torch.nn.Linear, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The base layer's weight as its forward computes with it, not as stored: fp8 storage (bridge/cast_weights)
     times its scale, ComfyUI's scaled-fp8 `scale_weight` and per-layer `weight_function`s applied, a weight
-    streamed in CPU RAM brought to `device`. Frozen: no gradient."""
+    streamed in CPU RAM brought to `device`. Always a new tensor, never the stored one. Frozen: no gradient."""
     with torch.no_grad():
-        weight = base.weight.to(device, non_blocking=True).to(dtype)
+        weight = base.weight.to(device, dtype, copy=True)  # a copy: callers may work in place on it
         scale = getattr(base, FP8_SCALE, None)  # the buffer, not the Python float: compiled code would guard on it
         if base.weight.dtype == FP8 and scale is not None:
             weight = weight * scale.to(device, dtype)

@@ -8,6 +8,8 @@ weight streamed in CPU RAM) and puts the magnitude on the output axis, where Com
 trained (see plain.DoraLinear)."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ..errors import LeanLoRAError
@@ -16,33 +18,35 @@ from ..step.frozen_weights import FP8, FP8_SCALE
 from .dropout import step_seeded_dropouts
 
 
-class AdapterType:
-    """One adapter type. Subclasses fill in the class attributes and the methods below."""
+class AdapterType(ABC):
+    """One adapter type. Subclasses fill in the class attributes and the abstract methods."""
     kind: AdapterKind
     label: str  # how messages name it ("LoHa")
-    prefixes: tuple[str, ...]  # its trainable parameters' names (the last dotted part) start with one of these
+    prefixes: tuple[str, ...]  # a part of each of its trainable parameters' dotted names starts with one of these
     file_parts: tuple[str, ...]  # a file module holding one of these parts is this type's (the list's order decides)
+    required_parts: tuple[str, ...]  # what each file module of this type must hold (`down`/`up`: lora_down/lora_up)
     network_module = "networks.lora"  # kohya's ss_network_module
 
+    @abstractmethod
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:
-        raise NotImplementedError
+        """Wraps the target layers of `module` in this type's adapter layers and freezes everything else."""
 
+    @abstractmethod
     def layers(self, module: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """Its adapted layers in `module`, by path."""
-        raise NotImplementedError
 
+    @abstractmethod
     def export(self, layer: torch.nn.Module, settings: LoraSettings) -> dict[str, torch.Tensor]:
         """The layer's file tensors by key suffix (`lora_down.weight`, `hada_w1_a`, `alpha`...), as trained."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load(self, layer: torch.nn.Module, parts: dict[str, torch.Tensor], where: str) -> None:
         """Copies a file module's tensors (by part: `down`, `up`, `alpha`, `hada_w1_a`...) into `layer`; a shape
         that does not fit raises a LeanLoRAError saying which (`where`: the file and its key)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def rank_of(self, shapes: dict[str, tuple[int, ...]]) -> int | None:
         """The rank a file module's tensor shapes say (None: its form has none, e.g. LoKr's full w2)."""
-        raise NotImplementedError
 
     def network_args(self, settings: LoraSettings) -> dict[str, str]:
         """Its entries of kohya's ss_network_args (LyCORIS' `algo`, `factor`, DoRA's `dora_wd`)."""
@@ -68,7 +72,8 @@ class AdapterLinear(torch.nn.Module):
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
 
     def delta(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The weight difference (out x in), scale included; subclasses that never make it override adapter_output."""
+        raise NotImplementedError(type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x) + self.adapter_output(self.lora_dropout(x))
@@ -118,7 +123,8 @@ def computed_weight(base: torch.nn.Linear, device: torch.device, dtype: torch.dt
     times its scale, ComfyUI's scaled-fp8 `scale_weight` and per-layer `weight_function`s applied, a weight
     streamed in CPU RAM brought to `device`. Always a new tensor, never the stored one. Frozen: no gradient."""
     with torch.no_grad():
-        weight = base.weight.to(device, dtype, copy=True)  # a copy: callers may work in place on it
+        weight = base.weight.to(device, non_blocking=True)  # a streamed weight: asynchronous, like its forward
+        weight = weight.to(dtype, copy=True)  # a copy: callers work in place on it
         scale = getattr(base, FP8_SCALE, None)  # the buffer, not the Python float: compiled code would guard on it
         if base.weight.dtype == FP8 and scale is not None:
             weight = weight * scale.to(device, dtype)

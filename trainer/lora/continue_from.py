@@ -248,11 +248,7 @@ def _check_type(name: str, path: Path, settings: LoraSettings, modules: Mapping[
 
 
 def _check_complete(name: str, kind, module_parts: Mapping[str, str]) -> None:
-    needed = {"down", "up"} if kind.kind.value in ("lora", "dora") else set()
-    needed |= {part for part in kind.file_parts if part.startswith("hada_")}
-    if kind.kind.value == "dora":
-        needed.add("dora_scale")
-    missing = sorted(needed - set(module_parts))
+    missing = [part for part in kind.required_parts if part not in module_parts]
     if missing:
         present = next(iter(module_parts.values()))
         part = {"down": "lora_down", "up": "lora_up"}.get(missing[0], missing[0])

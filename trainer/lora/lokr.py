@@ -54,9 +54,6 @@ class LokrLinear(AdapterLinear):
     def w2(self) -> torch.Tensor:
         return self.lokr_w2_a @ self.lokr_w2_b if self.decomposed else self.lokr_w2
 
-    def delta(self) -> torch.Tensor:
-        return torch.kron(self.lokr_w1, self.w2()) * self.scale
-
     def adapter_output(self, x: torch.Tensor) -> torch.Tensor:
         # kron(w1, w2) x = w1 X w2^T with x as an (in_m, in_n) matrix: no out x in weight is ever made
         rows = x.reshape(*x.shape[:-1], *self.in_split)
@@ -69,6 +66,7 @@ class Lokr(AdapterType):
     kind, label = AdapterKind.LOKR, "LoKr"
     prefixes = ("lokr_",)
     file_parts = ("lokr_w1", "lokr_w2", "lokr_w2_a", "lokr_w1_a")
+    required_parts = ("lokr_w1",)  # and w2 in one of its forms: Lokr.load names the one it needs
     network_module = "lycoris.kohya"
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:

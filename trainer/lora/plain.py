@@ -16,7 +16,7 @@ from .dropout import ADAPTER, step_seeded_peft_dropout
 class PlainLora(AdapterType):
     kind, label = AdapterKind.LORA, "LoRA"
     prefixes = ("lora_",)
-    file_parts = ("down", "up")
+    file_parts = required_parts = ("down", "up")
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:
         if not target_modules:
@@ -94,6 +94,7 @@ class Dora(AdapterType):
     kind, label = AdapterKind.DORA, "DoRA"
     prefixes = ("lora_", "dora_scale")
     file_parts = ("dora_scale",)
+    required_parts = ("down", "up", "dora_scale")
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:
         wrap_targets(module, settings, target_modules, self.label,

@@ -97,6 +97,7 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
 
     straight = _run(objects, two_images, tmp_path / "straight", 4, f"{family}_{kind}", lora, save_every_steps=2)
     assert len(straight.losses) == 4 and all(np.isfinite(straight.losses))
+    assert f"{adapter_type(lora).label} rank 4, alpha 2.0" in straight.report
     state = tmp_path / "straight" / f"{family}_{kind}_step2{STATE_SUFFIX}"
     resumed = _run(objects, two_images, tmp_path / "resumed", 4, f"{family}_{kind}", lora, resume_from=state)
     assert resumed.losses == straight.losses

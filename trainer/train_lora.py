@@ -30,7 +30,7 @@ from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import OBJECTIVE_DEFAULTS, LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from .settings import OBJECTIVE_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
                              save_training_state, state_path)
@@ -86,7 +86,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
     device_notes += [attention_note] if attention_note else []
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
-              f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets.value}",
+              f"{adapter_type(lora).label} rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets "
+              f"{lora.targets.value}" + (f", factor {lora.factor}" if lora.type is AdapterKind.LOKR else ""),
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
     if train.min_snr_gamma:  # refused for flow models here, before any encoding

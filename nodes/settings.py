@@ -106,12 +106,12 @@ class LeanLoRALoraConfig:
                 "targets": (choices("targets"), {"default": "attention", "tooltip":
                     "Which UNet layers get LoRA: attention (q/k/v/out projections) or attention plus feed-forward."}),
             },
-            # Optional so workflows saved before it existed still load (as "none").
+            # Optional so workflows saved before them still load (as "none", type lora): new inputs go last.
             "optional": {
                 "continue_from": ([NO_LORA, *_lora_files()], {"default": NO_LORA, "tooltip":
                     "Train further from a LoRA in the loras folder (kohya's prev_lora_ckpt): kohya, ComfyUI, "
-                    "diffusers/peft, LyCORIS or LeanLoRA .safetensors files. Its type, rank, alpha and targets must match "
-                    "the ones above (the error says which differ); the optimizer starts fresh, and the new file "
+                    "diffusers/peft, LyCORIS or LeanLoRA .safetensors files. Its type, rank, alpha and targets must "
+                    "match the ones above (the error says which differ); the optimizer starts fresh, and the new file "
                     "records the steps of both runs. none: start a new LoRA."}),
                 "type": (choices("type"), {"default": "lora", "tooltip":
                     "The kind of adapter. lora: the usual one. loha, lokr: LyCORIS types that learn more per file "
@@ -136,7 +136,8 @@ class LeanLoRALoraConfig:
         stat = os.stat(path)
         return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
-    def execute(self, rank, alpha, dropout, targets, continue_from=NO_LORA, type="lora", factor=-1):  # noqa: A002 - the widget's name
+    def execute(self, rank, alpha, dropout, targets, continue_from=NO_LORA, type="lora",  # noqa: A002 - the widget
+                factor=-1):
         path = None
         if continue_from != NO_LORA:
             path = _lora_path(continue_from)

@@ -41,10 +41,6 @@ def _settings(kind: str, **changes) -> LoraSettings:
     return LoraSettings(**{"rank": 4, "alpha": 2.0, "targets": "attention+feed-forward", "type": kind, **changes})
 
 
-def _objects(family, family_objects):  # noqa: F811 - the fixture
-    return family_objects[family]
-
-
 def _run(objects, dataset, folder, steps, name, lora, **train):
     return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, lora,
                       TrainSettings(steps, 1e-3, 0, name, "cosine", min(1, steps - 1), **train), folder,
@@ -113,7 +109,8 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
     assert kind in MODULE[metadata["ss_network_module"]]
     args = json.loads(metadata["ss_network_args"])
     assert args.get("algo") == (kind if kind in ("loha", "lokr") else None)
-    assert (args.get("factor"), args.get("dora_wd")) == {"lokr": ("-1", None), "dora": (None, "True")}.get(kind, (None, None))
+    expected = {"lokr": ("-1", None), "dora": (None, "True")}.get(kind, (None, None))
+    assert (args.get("factor"), args.get("dora_wd")) == expected
 
     # continue_from reads it back equal: a fresh copy (other initial weights) exports exactly the file's tensors
     unet, continued = _read_back(objects, dataclasses.replace(lora, continue_from=str(straight.lora_path)))
@@ -257,7 +254,7 @@ def test_a_resume_with_another_type_is_refused_naming_both(family_objects, two_i
     objects = family_objects["z_image"]
     _run(objects, two_images, tmp_path, 2, "typed", _settings("loha"), save_every_steps=1)
     state = tmp_path / f"typed_step1{STATE_SUFFIX}"
-    with pytest.raises(LeanLoRAError, match=re.escape(f"cannot resume from typed_step1{STATE_SUFFIX}") + r": it trained a loha "
-                                            r"adapter, and LoRA Config's type says lokr: set type to loha"):
+    with pytest.raises(LeanLoRAError, match=re.escape(f"cannot resume from typed_step1{STATE_SUFFIX}")
+                       + r": it trained a loha adapter, and LoRA Config's type says lokr: set type to loha"):
         _run(objects, two_images, tmp_path / "other", 2, "typed", _settings("lokr"), resume_from=state)
 

@@ -215,7 +215,7 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: LoraTargets = LoraTargets.ATTENTION
-    continue_from: str | None = None  # a LoRA .safetensors to start from (kohya's prev_lora_ckpt); trainer/lora/continue_from.py
+    continue_from: str | None = None  # a LoRA .safetensors to start from (kohya's prev_lora_ckpt; lora/continue_from.py)
     type: AdapterKind = AdapterKind.LORA
     factor: int = -1  # LoKr's Kronecker factor (LyCORIS' `factor`): -1 splits each dimension as evenly as it can
 

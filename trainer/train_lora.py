@@ -201,7 +201,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             return
         emit(kind="validation", step=step, loss=value, first_step=first_step)
 
-    state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed), "lora_type": lora.type.value,
+    state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
+                      "lora_type": lora.type.value,  # a resume refuses another type by name (check_resumable)
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
                       **train.objective_values()}
     exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,

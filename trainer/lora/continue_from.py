@@ -139,7 +139,8 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
 
     ranks = {p: kind.rank_of({part: tuple(t.shape) for part, t in w.items()}) for p, w in weights.items()}
     ranks = {p: r for p, r in ranks.items() if r is not None}  # LoKr's full w2 has no rank: its shapes decide
-    differences = ([f"targets {file_targets.value}"], [f"targets {settings.targets.value}"]) if file_targets else ([], [])
+    differences = (([f"targets {file_targets.value}"], [f"targets {settings.targets.value}"]) if file_targets
+                   else ([], []))
     rank = alpha = None
     if ranks:
         rank = _one_value(name, "rank", ranks)

@@ -87,7 +87,8 @@ class DoraLinear(AdapterLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scaled = x * self.column_scale(x.device).to(x.dtype)  # x's dtype: an fp32 product would double what is saved
         lora = torch.nn.functional.linear(self.lora_dropout(scaled), _in_compute_dtype(self.lora_down, x))
-        return self.base_layer(scaled) + torch.nn.functional.linear(lora, _in_compute_dtype(self.lora_up, x)) * self.scale
+        up = torch.nn.functional.linear(lora, _in_compute_dtype(self.lora_up, x))
+        return self.base_layer(scaled) + up * self.scale
 
 
 class Dora(AdapterType):

@@ -80,7 +80,7 @@ class DoraLinear(AdapterLinear):
     def column_scale(self, device: torch.device) -> torch.Tensor:
         with torch.no_grad():
             weight = computed_weight(self.base_layer, device, torch.float32)
-            weight.addmm_(self.lora_up, self.lora_down, alpha=self.scale)
+            weight.addmm_(self.lora_up.float(), self.lora_down.float(), alpha=self.scale)  # bf16 LoRA weights too
             norm = weight.norm(dim=0, keepdim=True)
         return (self.dora_scale / norm).reshape(-1)
 

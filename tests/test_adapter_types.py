@@ -190,6 +190,23 @@ def test_dora_normalises_with_the_weight_as_computed_not_the_fp8_storage(family_
             assert float((adapted - base).norm() / base.norm()) < 0.05, path
 
 
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+def test_each_type_computes_with_bf16_lora_weights_under_autocast(kind):
+    """LoRA weights 'bf16 + stochastic rounding' (optimizers.BF16Weights) makes the adapter's parameters bf16 views;
+    each type's forward and backward take them under bf16 autocast (on a CPU without bf16 the trainer falls back
+    to fp32, so this is checked here on its own)."""
+    from helpers import TinyNet, sd_targets
+    net = TinyNet()
+    lora = _settings(kind, targets="attention")
+    params = inject_lora(net, lora, 0, sd_targets(lora))
+    for p in params:
+        p.data = p.data.bfloat16()
+    with torch.autocast("cpu", torch.bfloat16):
+        out = net(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)))
+    out.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in params)
+
+
 # --- what a user can get wrong ---
 
 def _trained_file(tmp_path, kind: str) -> str:

@@ -4,7 +4,7 @@ Renaming a label here changes no training; workflows saved with a label keep loa
 (an old label can map to the same value as its new name)."""
 from ..trainer.errors import LeanLoRAError
 from ..trainer.objective import LossKind, TimestepSampling
-from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, Allocator, Attention, AutoFit, BaseWeights,
+from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, AdapterKind, Allocator, Attention, AutoFit, BaseWeights,
                                 CheckpointDepth, FastPath, LatentCache, LoraTargets, LoraWeights)
 
 CARD_SIZES_GIB = (2, 3, 4, 6, 8, 10, 12, 16, 24)
@@ -31,6 +31,7 @@ LABELS = {
     "checkpoint_depth": {"per layer": CheckpointDepth.LAYER, "per block": CheckpointDepth.BLOCK},
     "allocator": {"expandable segments": Allocator.EXPANDABLE_SEGMENTS, "as started": Allocator.AS_STARTED},
     "targets": {"attention": LoraTargets.ATTENTION, "attention+feed-forward": LoraTargets.ATTENTION_FEED_FORWARD},
+    "type": {"lora": AdapterKind.LORA, "loha": AdapterKind.LOHA, "lokr": AdapterKind.LOKR, "dora": AdapterKind.DORA},
     # Train's timesteps and loss (None: the model family's own sampling)
     "timestep_sampling": {"family default": None, "uniform": TimestepSampling.UNIFORM,
                           "logit-normal": TimestepSampling.LOGIT_NORMAL,

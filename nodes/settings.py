@@ -107,13 +107,20 @@ class LeanLoRALoraConfig:
                 "targets": (choices("targets"), {"default": "attention", "tooltip":
                     "Which UNet layers get LoRA: attention (q/k/v/out projections) or attention plus feed-forward."}),
             },
-            # Optional so workflows saved before it existed still load (as "none").
+            # Optional so workflows saved before them still load (as "none", type lora): new inputs go last.
             "optional": {
                 "continue_from": ([NO_LORA, *_lora_files()], {"default": NO_LORA, "tooltip":
                     "Train further from a LoRA in the loras folder (kohya's prev_lora_ckpt): kohya, ComfyUI, "
-                    "diffusers/peft or LeanLoRA .safetensors files. Its rank, alpha and targets must match the "
-                    "ones above (the error says which differ); the optimizer starts fresh, and the new file "
+                    "diffusers/peft, LyCORIS or LeanLoRA .safetensors files. Its type, rank, alpha and targets must "
+                    "match the ones above (the error says which differ); the optimizer starts fresh, and the new file "
                     "records the steps of both runs. none: start a new LoRA."}),
+                "type": (choices("type"), {"default": "lora", "tooltip":
+                    "The kind of adapter. lora: the usual one. loha, lokr: LyCORIS types that learn more per file "
+                    "size (lokr files are the smallest). dora: LoRA that also learns each input's strength, often "
+                    "closer to full fine-tuning; a bit slower. ComfyUI's Load LoRA loads all four."}),
+                "factor": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
+                    "lokr only: how each layer's size is split into two factors. -1 splits as evenly as possible "
+                    "(LyCORIS' default); a larger number such as 8 or 16 makes smaller files that learn less."}),
             },
         }
 
@@ -130,16 +137,18 @@ class LeanLoRALoraConfig:
         stat = os.stat(path)
         return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
-    def execute(self, rank, alpha, dropout, targets, continue_from=NO_LORA):
+    def execute(self, rank, alpha, dropout, targets, continue_from=NO_LORA, type="lora",  # noqa: A002 - the widget
+                factor=-1):
         path = None
         if continue_from != NO_LORA:
             path = _lora_path(continue_from)
             if path is None:
                 raise LeanLoRAError(f"continue_from: {continue_from!r} is not in the loras folder any more; pick "
                                     "another LoRA (refresh the list with R) or none")
-        settings = LoraSettings(rank, alpha, dropout, values_of({"targets": targets})["targets"], path)
+        labels = values_of({"targets": targets, "type": type})
+        settings = LoraSettings(rank, alpha, dropout, labels["targets"], path, labels["type"], factor)
         if path is not None:
-            from ..trainer.lora_import import check_file  # imports peft: only when a file is checked
+            from ..trainer.lora.continue_from import check_file  # imports peft: only when a file is checked
             check_file(settings)  # unreadable, not a LoRA, other rank/alpha: fails here, before any encoding
         return (settings,)
 

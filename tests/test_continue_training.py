@@ -17,7 +17,7 @@ from bridge.comfy_adapter import ComfyAdapter
 from comfy_headless import execution_error
 from trainer.errors import LeanLoRAError
 from trainer.lora import inject_lora
-from trainer.lora_import import check_file, continue_from_file
+from trainer.lora.continue_from import check_file, continue_from_file
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from workflow_convert import apply_overrides, ui_to_api
@@ -204,7 +204,7 @@ def test_a_file_from_comfyuis_own_trainer_is_refused_naming_where_to_continue_it
     settings = LoraSettings(rank=4, alpha=1.0, continue_from=str(file))
     for check in (lambda: check_file(settings), lambda: _train(comfy_objects, dataset, tmp_path, settings, 1, "never")):
         with pytest.raises(LeanLoRAError, match=r"continue_from 'ComfyUI_trained_lora_2_steps_00001_.safetensors' "
-                                                r"holds .*not a plain LoRA.*ComfyUI's Train LoRA node"):
+                                                r"holds .*which LeanLoRA does not train.*ComfyUI's Train LoRA node"):
             check()
 
 

@@ -466,3 +466,48 @@ def test_offload_keeps_channels_last_activations_channels_last(stand_in_streams)
     assert layouts_in_backward == [True, True]
     assert [layout for _shape, _dtype, layout in offload.recorded] == [torch.channels_last] * 2  # capture's buffers
     torch.testing.assert_close(x.grad, torch.full_like(x, 4.0))
+
+
+# --- every adapter type (trainer/lora: LoHa, LoKr, DoRA) in graphs ---
+
+def _typed_run(kind: str, graphed: bool, precision_mode: str, dropout: float):
+    """_train's regression with `kind` adapters (and step-seeded dropout fed per micro step, as the session does),
+    eager or CUDA-graphed micro steps."""
+    from trainer.lora import seed_lora_dropout
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    net = TinyNet(dim=32).to(device)
+    lora = LoraSettings(rank=4, alpha=2.0, dropout=dropout, type=kind)
+    params = inject_lora(net, lora, 0, sd_targets(lora))
+    seed = seed_lora_dropout(net)
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(16):
+        b, n = ((4, 8), (2, 12))[i % 2]  # two shapes: two graphs
+        x = torch.randn(b, n, 32, generator=generator)
+        batches.append({"x": x.to(device), "y": torch.tanh(x).to(device), "seed": torch.tensor(i, device=device)})
+    precision = Precision(precision_mode, device)
+
+    def loss_of(inputs):
+        if seed is not None:
+            seed.feed(inputs["seed"])
+        return torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])
+    micro = GraphedMicroStep(loss_of, precision, params) if graphed else EagerMicroStep(loss_of, precision)
+    optimizer, _ = build_optimizer("AdamW", params, 1e-2, device=device)
+    result = train_loop(params, BatchStep(lambda batch: batch, micro), iter(batches), optimizer, precision, steps=8,
+                        accumulation=2, should_stop=lambda: False)
+    return result.losses, [p.detach().float().cpu() for p in params], micro
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+@pytest.mark.parametrize("precision_mode, dropout, tolerance", [("no", 0.0, 1e-5), ("bf16", 0.1, 2e-2)])
+def test_each_type_trains_in_cuda_graphs_like_eager_steps(kind, precision_mode, dropout, tolerance):
+    eager_losses, eager_params, _ = _typed_run(kind, False, precision_mode, dropout)
+    graph_losses, graph_params, micro = _typed_run(kind, True, precision_mode, dropout)
+    assert micro.disabled is None, micro.notes
+    assert len(micro.graphs) == 2
+    assert graph_losses == pytest.approx(eager_losses, rel=tolerance)
+    for a, b in zip(graph_params, eager_params):
+        assert torch.allclose(a, b, rtol=tolerance, atol=tolerance * 0.1)
+    assert eager_losses[-1] < eager_losses[0]

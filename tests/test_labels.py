@@ -22,7 +22,7 @@ def test_every_label_maps_to_a_value_and_back(labels):
     for field, table in labels.LABELS.items():
         for label, value in table.items():
             assert labels.label_of(field, value) == label, (field, label)
-            kind = settings.LoraSettings if field == "targets" else settings.TrainSettings \
+            kind = settings.LoraSettings if field in ("targets", "type") else settings.TrainSettings \
                 if field in TRAIN_FIELDS else settings.MemorySettings
             assert getattr(kind(**{field: value}), field) == value, (field, label)
 
@@ -31,7 +31,8 @@ def test_the_dropdowns_are_the_table_and_todays_labels_still_load(labels):
     node_settings = _node_module("settings")
     trainer_settings = importlib.import_module(f"{PACK}.trainer.settings")
     inputs = node_settings.LeanLoRAMemorySettings.INPUT_TYPES()
-    inputs = {**inputs["required"], **inputs["optional"], **node_settings.LeanLoRALoraConfig.INPUT_TYPES()["required"],
+    lora_config = node_settings.LeanLoRALoraConfig.INPUT_TYPES()
+    inputs = {**inputs["required"], **inputs["optional"], **lora_config["required"], **lora_config["optional"],
               **_node_module("train").LeanLoRATrain.INPUT_TYPES()["optional"]}
     for field, table in labels.LABELS.items():
         options, extra = inputs[field]
@@ -49,6 +50,9 @@ def test_the_dropdowns_are_the_table_and_todays_labels_still_load(labels):
         s.CheckpointDepth.BLOCK, s.FastPath.OFF, s.LoraWeights.BF16_STOCHASTIC_ROUNDING, s.Allocator.AS_STARTED)
     lora, = node_settings.LeanLoRALoraConfig().execute(8, 8.0, 0.0, "attention+feed-forward")
     assert lora.targets is s.LoraTargets.ATTENTION_FEED_FORWARD and "ff.net.2" in sd_targets(lora)
+    assert (lora.type, lora.factor) == (s.AdapterKind.LORA, -1)  # saved before type and factor: plain LoRA
+    lokr, = node_settings.LeanLoRALoraConfig().execute(8, 8.0, 0.0, "attention", type="lokr", factor=8)
+    assert (lokr.type, lokr.factor) == (s.AdapterKind.LOKR, 8)
 
 
 def test_an_unknown_label_names_the_field_and_its_choices(labels):

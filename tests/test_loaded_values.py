@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.errors import LeanLoRAError
-from trainer.lora_import import check_file, continue_from_file
+from trainer.lora.continue_from import check_file, continue_from_file
 from trainer.settings import LoraSettings
 from trainer.training_state import (STATE_SUFFIX, TrainingState, check_base_weights, check_resumable,
                                     check_state_values, load_training_state, save_training_state)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from trainer.errors import LeanLoRAError
 from trainer.lora import inject_lora, kohya_state_dict
 from trainer.model import FamilyIdentity
-from trainer.lora_import import ContinuedLora, check_file, continue_from_file
+from trainer.lora.continue_from import ContinuedLora, check_file, continue_from_file
 from trainer.settings import LoraSettings, LoraTargets
 from helpers import SD_TARGETS, sd_targets  # noqa: E402
 

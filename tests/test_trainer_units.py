@@ -286,7 +286,7 @@ def test_lora_dropout_layers_read_one_step_mask_that_equals_hashing_each_input(m
     """Each layer reads a window of the micro-step's one mask; the windows equal the masks hashed on the spot (what
     a capture does when an input outgrows the mask), a larger input grows the mask without changing the smaller
     ones, the next seed refills it in place, and layers sharing an input get different masks."""
-    from trainer import lora
+    from trainer.lora import dropout as lora  # the module whose _capturing the keep path reads
     masks = lora.DropoutSeed(0.25)
     masks.feed(torch.tensor(3))
     small = masks.keep(5, 1000, torch.device("cpu")).clone()

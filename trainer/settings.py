@@ -128,6 +128,15 @@ class LoraTargets(Enum):
     ATTENTION_FEED_FORWARD = "attention+feed-forward"
 
 
+class AdapterKind(Enum):
+    """The adapter type trained on each target layer (trainer/lora/: one file per type); the values are the LoRA
+    Config's `type` and what the resume state records."""
+    LORA = "lora"
+    LOHA = "loha"
+    LOKR = "lokr"
+    DORA = "dora"
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     mixed_precision: str = "bf16"
@@ -218,13 +227,20 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: LoraTargets = LoraTargets.ATTENTION
-    continue_from: str | None = None  # a LoRA .safetensors to start from (kohya's prev_lora_ckpt); trainer/lora_import.py
+    continue_from: str | None = None  # a LoRA .safetensors to start from (kohya's prev_lora_ckpt; lora/continue_from.py)
+    type: AdapterKind = AdapterKind.LORA
+    factor: int = -1  # LoKr's Kronecker factor (LyCORIS' `factor`): -1 splits each dimension as evenly as it can
 
     def __post_init__(self):
         _require(1 <= self.rank <= 1024, "rank", f"got {self.rank}; use 1..1024 (4-32 is typical)")
         _require(self.alpha > 0, "alpha", f"got {self.alpha}; use a positive number (often equal to rank)")
         _require(0.0 <= self.dropout < 1.0, "dropout", f"got {self.dropout}; use 0 <= dropout < 1")
         _require_member(self, "targets", LoraTargets)
+        _require_member(self, "type", AdapterKind)
+        _require(isinstance(self.factor, int) and not isinstance(self.factor, bool)
+                 and (self.factor == -1 or self.factor >= 1), "factor",
+                 f"got {self.factor!r}; use -1 (split each layer's size as evenly as possible) or a whole number such "
+                 "as 4, 8 or 16")
         path = self.continue_from
         if path is not None:
             _require(isinstance(path, str) and path.lower().endswith(".safetensors"), "continue_from",

@@ -21,8 +21,8 @@ from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory, one_line
 from .memory.estimate import estimate_error
 from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
-from .lora import inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
-from .lora_import import ContinuedLora, continue_from_file
+from .lora import adapter_type, inject_lora, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
+from .lora.continue_from import ContinuedLora, continue_from_file
 from .loop import StepInfo
 from .objective import KOHYA_SAMPLING, LossFunction, LossKind, TimestepSampling
 from .optimizers import OPTIONAL, adapted_step, check_learning_rate, optional_class
@@ -31,7 +31,8 @@ from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from .settings import (OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, MemorySettings,
+                       TrainSettings)
 from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
                              save_training_state, state_path)
@@ -87,7 +88,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
     device_notes += [attention_note] if attention_note else []
     report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
-              f"LoRA rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets {lora.targets.value}",
+              f"{adapter_type(lora).label} rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets "
+              f"{lora.targets.value}" + (f", factor {lora.factor}" if lora.type is AdapterKind.LOKR else ""),
               f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
               memory.describe(), *device_notes]
     if train.min_snr_gamma:  # refused for flow models here, before any encoding
@@ -150,13 +152,13 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             adapter.free(unet)
             raise
         report.append(continued.describe())
-    fingerprints["lora"] = lora_fingerprint(lora, params)
+    fingerprints["lora"] = lora_fingerprint(lora, params, adapter_type(lora).fingerprint(lora))
     if held_out:
         fingerprints["validation"] = split_fingerprint(cached_images, held_out)
     if resumed is not None:
         try:
             check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps,
-                            lora_shapes=[tuple(p.shape) for p in params])
+                            lora_shapes=[tuple(p.shape) for p in params], lora_type=lora.type.value)
         except LeanLoRAError:
             adapter.free(unet)
             raise
@@ -208,6 +210,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         emit(kind="validation", step=step, loss=value, first_step=first_step)
 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
+                      "lora_type": lora.type.value,  # a resume refuses another type by name (check_resumable)
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
                       **train.objective_values(), **train.option_values()}
     exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,

@@ -181,8 +181,10 @@ def check_base_weights(unet: torch.nn.Module) -> None:
                                     "checkpoint or download this one again")
 
 
-def lora_fingerprint(lora, params: list[torch.nn.Parameter]) -> str:
-    return _digest(lora.rank, lora.alpha, lora.targets.value, *(tuple(p.shape) for p in params))
+def lora_fingerprint(lora, params: list[torch.nn.Parameter], type_part: tuple = ()) -> str:
+    """`type_part`: the adapter type's own part (trainer/lora, AdapterType.fingerprint); plain LoRA's is empty, so
+    states saved before adapter types existed still resume."""
+    return _digest(lora.rank, lora.alpha, lora.targets.value, *(tuple(p.shape) for p in params), *type_part)
 
 
 def rng_states(generator: torch.Generator) -> dict:
@@ -315,7 +317,7 @@ def _check_rng(rng, damaged) -> None:
 
 def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, str], total_steps: int,
                     checks: tuple[str, ...] = ("dataset", "model", "lora", "validation"),
-                    lora_shapes: list[tuple[int, ...]] | None = None) -> None:
+                    lora_shapes: list[tuple[int, ...]] | None = None, lora_type: str | None = None) -> None:
     """Raises a LeanLoRAError naming the file and what differs; a state is resumed only on its own dataset,
     base model, LoRA shape and validation split, with steps left to train. `checks`: the fingerprints to compare
     (the dataset's alone can be checked before any encoding)."""
@@ -324,9 +326,15 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
                        "continue_from (its LoRA file)",
             "model": "the base model differs from the one it trained on: resume with the same checkpoint, or "
                      "continue from its LoRA file (LoRA Config's continue_from) on this one",
-            "lora": "the LoRA shape (rank, alpha or targets) differs: set LoRA Config as the state was trained",
+            "lora": "the LoRA shape (rank, alpha, targets or LoKr factor) differs: set LoRA Config as the state was "
+                    "trained",
             "validation": "the images held out for validation differ (validation_fraction or seed changed): set "
                           "them as the state was trained, so it trains on the same images"}
+    trained_type = state.settings.get("lora_type", "lora")  # states saved before adapter types trained LoRA
+    if lora_type is not None and trained_type != lora_type:
+        raise LeanLoRAError(f"cannot resume from {path.name}: it trained a {trained_type} adapter, and LoRA Config's "
+                            f"type says {lora_type}: set type to {trained_type} to resume it (or resume 'off' to "
+                            "start a new one)")
     for key in checks:
         if state.fingerprints.get(key) != fingerprints.get(key):
             why = what[key]

@@ -1,6 +1,7 @@
 """Continue training from an existing LoRA file (kohya's prev_lora_ckpt): read it (safetensors only, never pickle),
-recognise its naming, match its modules to the LoRA layers peft injected into the training copy and copy its
-weights in. The file fixes rank, alpha and targets: a LoRA Config that says otherwise, or a file made for another
+recognise its naming and its adapter type (the first of ADAPTER_TYPES whose parts its modules hold: LoHa, LoKr,
+DoRA, plain LoRA), match its modules to the adapter layers injected into the training copy and copy its weights
+in. The file fixes type, rank, alpha and targets: a LoRA Config that says otherwise, or a file made for another
 model, is an error naming both sides and the file.
 
 Names are matched from the model side: every weight module of the training copy (ComfyUI's ldm paths) is spelled
@@ -18,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 
-from .errors import LeanLoRAError
-from .lora import ADAPTER, UNET_PREFIX
-from .model import FamilyIdentity
-from .settings import LoraSettings, LoraTargets
+from ..errors import LeanLoRAError
+from ..model import FamilyIdentity
+from ..settings import LoraSettings, LoraTargets
+from . import ADAPTER_TYPES, adapter_type
+from .file import UNET_PREFIX
 
 # One LoRA tensor per key: `<module><part>`. The module part is matched against the model's spellings below.
 _LORA_KEY = re.compile(
@@ -34,11 +35,13 @@ _LORA_KEY = re.compile(
     r"|\.lora\.(?P<compatible>down|up)\.weight"     # diffusers' LoRACompatibleLinear
     r"|_lora\.(?P<processor>down|up)\.weight"       # diffusers' attention processors (to_q_lora.down)
     r"|\.(?P<alpha>alpha)"
+    r"|\.(?P<lycoris>hada_w[12]_[ab]|lokr_w[12](?:_[ab])?|dora_scale)"  # LyCORIS: LoHa, LoKr, DoRA's magnitude
     r")$")
-# Weights of LoRA variants (DoRA, LoHa, LoKr, Tucker convs, OFT) and ComfyUI trainer's full bias/norm differences:
-# their effect has no plain-LoRA form, so continuing would silently drop what they learned.
-_VARIANT_PARTS = {".dora_scale": "DoRA", ".lora_magnitude_vector": "DoRA", ".hada_w1_a": "LoHa",
-                  ".lokr_w1": "LoKr", ".lora_mid.weight": "Tucker (LoCon)", ".oft_blocks": "OFT",
+# Weights of adapter forms LeanLoRA does not train (peft's DoRA with its magnitude per output, Tucker convs, OFT)
+# and ComfyUI trainer's full bias/norm differences: continuing would silently drop what they learned.
+_VARIANT_PARTS = {".lora_magnitude_vector": "peft DoRA (magnitude per output feature)",
+                  ".hada_t1": "Tucker (LoHa on convs)", ".lokr_t2": "Tucker (LoKr on convs)",
+                  ".lora_mid.weight": "Tucker (LoCon)", ".oft_blocks": "OFT",
                   ".diff": "full weight differences", ".diff_b": "bias differences"}
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "te1.", "te2.", "te.", "base_model.model.text_encoder")
 
@@ -85,11 +88,12 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
     model = family.name
     _check_base_model(name, metadata, family)
 
-    lora_layers = {p: m for p, m in unet.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+    file_modules, text_encoder_keys = _lora_modules(keys, name)
+    kind = _check_type(name, path, settings, file_modules)
+    lora_layers = kind.layers(unet)
     if not lora_layers:
         raise LeanLoRAError("continue_from: the training copy holds no LoRA layers to load the file into")
     spellings = _spellings(unet, lora_layers, diffusers_names)
-    file_modules, text_encoder_keys = _lora_modules(keys, name)
     parts: dict[str, dict[str, str]] = {}  # module path -> {"down"/"up"/"alpha": key}
     formats: Counter[str] = Counter()
     unmatched = []
@@ -120,37 +124,41 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
     _check_finite(name, tensors)
     weights = {}
     for module_path, module_parts in parts.items():
-        missing = {"down", "up"} - set(module_parts)
-        if missing:
-            present = next(iter(module_parts.values()))
-            raise LeanLoRAError(f"{name} is incomplete: {present!r} has no matching lora_{missing.pop()} weight. "
-                                "Pick a complete LoRA file")
-        down, up = tensors[module_parts["down"]], tensors[module_parts["up"]]
-        base = _base_weight_shape(unet.get_submodule(module_path))
-        if down.dim() != 2 or up.dim() != 2 or base is None or (up.shape[0], down.shape[1]) != base \
-                or up.shape[1] != down.shape[0]:
-            raise LeanLoRAError(
-                f"{name} does not fit this {model} model: {module_parts['down']!r} has shape {tuple(down.shape)} and "
-                f"its lora_up {tuple(up.shape)}, but that module of the model has a weight of shape "
-                f"{base}. It was made for another model family or size: pick a LoRA trained on a {model} model")
-        weights[module_path] = (down, up, tensors.get(module_parts.get("alpha")))
+        _check_complete(name, kind, module_parts)
+        module_tensors = {part: tensors[key] for part, key in module_parts.items()}
+        if "down" in module_parts:  # the plain-LoRA factors (LoRA, DoRA): against the base layer's shape
+            down, up = module_tensors["down"], module_tensors["up"]
+            base = _base_weight_shape(unet.get_submodule(module_path))
+            if down.dim() != 2 or up.dim() != 2 or base is None or (up.shape[0], down.shape[1]) != base \
+                    or up.shape[1] != down.shape[0]:
+                raise LeanLoRAError(
+                    f"{name} does not fit this {model} model: {module_parts['down']!r} has shape {tuple(down.shape)} "
+                    f"and its lora_up {tuple(up.shape)}, but that module of the model has a weight of shape "
+                    f"{base}. It was made for another model family or size: pick a LoRA trained on a {model} model")
+        weights[module_path] = module_tensors
 
-    rank = _one_value(name, "rank", {p: int(w[0].shape[0]) for p, w in weights.items()})
-    alpha = _file_alpha(name, metadata, rank, {p: w[2] for p, w in weights.items()})
-    differences = ([f"targets {file_targets.value}"], [f"targets {settings.targets.value}"]) if file_targets else ([], [])
-    _rank_and_alpha(name, path, settings, rank, alpha, *differences)
+    ranks = {p: kind.rank_of({part: tuple(t.shape) for part, t in w.items()}) for p, w in weights.items()}
+    ranks = {p: r for p, r in ranks.items() if r is not None}  # LoKr's full w2 has no rank: its shapes decide
+    differences = (([f"targets {file_targets.value}"], [f"targets {settings.targets.value}"]) if file_targets
+                   else ([], []))
+    rank = alpha = None
+    if ranks:
+        rank = _one_value(name, "rank", ranks)
+        alpha = _file_alpha(name, metadata, rank, {p: w.get("alpha") for p, w in weights.items() if p in ranks})
+        _rank_and_alpha(name, path, settings, rank, alpha, *differences)
+    elif differences[0]:
+        _rank_and_alpha(name, path, settings, settings.rank, settings.alpha, *differences)
 
     with torch.no_grad():
-        for module_path, (down, up, _) in weights.items():
-            layer = lora_layers[module_path]
-            layer.lora_A[ADAPTER].weight.copy_(down.to(torch.float32))
-            layer.lora_B[ADAPTER].weight.copy_(up.to(torch.float32))
+        for module_path, module_tensors in weights.items():
+            kind.load(lora_layers[module_path], module_tensors, f"{name} ({next(iter(parts[module_path].values()))!r})")
     style = formats.most_common(1)[0][0]
     if metadata.get("leanlora_version"):
         style = f"LeanLoRA {metadata['leanlora_version']}, {style}"
     steps = metadata.get("ss_steps", "")
-    return ContinuedLora(path, style, len(weights), rank, alpha, int(steps) if steps.isdigit() else None,
-                         text_encoder_keys)
+    return ContinuedLora(path, f"{kind.label}, {style}" if kind is not ADAPTER_TYPES[-1] else style, len(weights),
+                         settings.rank if rank is None else rank, settings.alpha if alpha is None else alpha,
+                         int(steps) if steps.isdigit() else None, text_encoder_keys)
 
 
 def check_file(settings: LoraSettings) -> None:
@@ -161,9 +169,13 @@ def check_file(settings: LoraSettings) -> None:
     name = f"continue_from {path.name!r}"
     keys, metadata = _read_keys(path, name)
     modules, _ = _lora_modules(keys, name)
+    kind = _check_type(name, path, settings, modules)
     with safe_open(str(path), "pt") as file:
-        ranks = {m: file.get_slice(p["down"]).get_shape()[0] for m, p in modules.items() if "down" in p}
-        alphas = {m: file.get_tensor(p["alpha"]) if "alpha" in p else None for m, p in modules.items()}
+        shapes = {m: {part: tuple(file.get_slice(key).get_shape()) for part, key in p.items() if part != "alpha"}
+                  for m, p in modules.items()}
+        ranks = {m: kind.rank_of(s) for m, s in shapes.items()}
+        ranks = {m: r for m, r in ranks.items() if r is not None}
+        alphas = {m: file.get_tensor(p["alpha"]) if "alpha" in p else None for m, p in modules.items() if m in ranks}
     if not ranks:
         return  # continue_from_file names the incomplete module
     _check_finite(name, _read_tensors(path, {key for parts in modules.values() for key in parts.values()}))
@@ -182,10 +194,12 @@ def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]]
         variant = next((kind for part, kind in _VARIANT_PARTS.items() if key.endswith(part)), None)
         if variant:
             raise LeanLoRAError(
-                f"{name} holds {variant} weights (e.g. {key!r}), not a plain LoRA: continuing it would drop what they "
-                "learned" + (". It looks like ComfyUI's own trainer's output (LoRA on every layer plus bias and "
-                             "norm differences): continue it with ComfyUI's Train LoRA node" if "diff" in key else "")
-                + ". Pick a plain LoRA (kohya, diffusers/peft or LeanLoRA) or train a new one")
+                f"{name} holds {variant} weights (e.g. {key!r}), which LeanLoRA does not train: continuing it would "
+                "drop what they learned" + (". It looks like ComfyUI's own trainer's output (LoRA on every layer "
+                                            "plus bias and norm differences): continue it with ComfyUI's Train LoRA "
+                                            "node" if "diff" in key else "")
+                + ". Pick a LoRA, LoHa, LoKr or DoRA file (kohya, LyCORIS, diffusers/peft or LeanLoRA) or train a "
+                  "new one")
         match = _LORA_KEY.match(key)
         if match is None:
             other.append(key)
@@ -193,7 +207,7 @@ def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]]
         if match["module"].startswith(_TEXT_ENCODER_PREFIXES):
             text_encoder_keys += 1
             continue
-        part = "alpha" if match["alpha"] else next(
+        part = "alpha" if match["alpha"] else match["lycoris"] or next(
             {"A": "down", "B": "up"}.get(value, value) for value in
             (match["kohya"], match["peft"], match["compatible"], match["processor"]) if value)
         modules.setdefault(match["module"], {})[part] = key
@@ -206,6 +220,41 @@ def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]]
                             "lora_down/lora_up (kohya, ComfyUI) or lora_A/lora_B (diffusers/peft). Is it a checkpoint "
                             "or an embedding? Pick a LoRA file from the loras folder")
     return modules, text_encoder_keys
+
+
+def _file_type(name: str, modules: Mapping[str, dict[str, str]]):
+    """The file's adapter type: per module the first of ADAPTER_TYPES whose parts it holds; one for the file."""
+    found: dict = {}
+    for module, parts in modules.items():
+        kind = next((k for k in ADAPTER_TYPES if any(part in parts for part in k.file_parts)), None)
+        if kind is None:  # an alpha alone: _check_complete names what is missing
+            kind = ADAPTER_TYPES[-1]
+        found.setdefault(kind, next(iter(parts.values())))
+    if len(found) > 1:
+        (a, key_a), (b, key_b) = list(found.items())[:2]
+        raise LeanLoRAError(f"{name} mixes adapter types ({a.label} in {key_a!r}, {b.label} in {key_b!r}); LeanLoRA "
+                            "trains one type per LoRA: pick a file of one type")
+    return next(iter(found))
+
+
+def _check_type(name: str, path: Path, settings: LoraSettings, modules: Mapping[str, dict[str, str]]):
+    """The file's type must be the one LoRA Config asks for (its parts could not be trained as another)."""
+    kind = _file_type(name, modules)
+    if kind is not adapter_type(settings):
+        key = next(key for parts in modules.values() for key in parts.values())
+        raise LeanLoRAError(f"{name} is a {kind.label} file (e.g. {key!r}); LoRA Config's type says "
+                            f"{settings.type.value}: set type to {kind.kind.value} to continue it, or pick a "
+                            f"{adapter_type(settings).label} file ({path})")
+    return kind
+
+
+def _check_complete(name: str, kind, module_parts: Mapping[str, str]) -> None:
+    missing = [part for part in kind.required_parts if part not in module_parts]
+    if missing:
+        present = next(iter(module_parts.values()))
+        part = {"down": "lora_down", "up": "lora_up"}.get(missing[0], missing[0])
+        raise LeanLoRAError(f"{name} is incomplete: {present!r} has no matching {part} weight. Pick a complete "
+                            f"{kind.label} file")
 
 
 def _read_keys(path: Path, name: str) -> tuple[list[str], dict[str, str]]:
@@ -298,7 +347,7 @@ def _check_finite(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
 # --- the model ---
 
 def _base_weight_shape(module: torch.nn.Module) -> tuple[int, int] | None:
-    base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+    base = getattr(module, "base_layer", module)  # peft's LoRA layers and LeanLoRA's own wrap the Linear alike
     weight = getattr(base, "weight", None)
     return tuple(weight.shape) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 

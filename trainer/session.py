@@ -55,11 +55,11 @@ class TrainingSession:
                                              adapter.identity().prediction if train.min_snr_gamma else "epsilon")
         self.memory: MemorySettings | None = None
         self.notes: list[str] = []
-        shifts = sorted({(tuple(sample.latent.shape[-2:]), adapter.resolution_shift(tuple(sample.latent.shape[-2:])))
-                         for sample in cache})
-        if any(shift != 1.0 for _, shift in shifts):  # the family's schedule moves with the image size (Flux dev)
+        shifts = {size: adapter.resolution_shift(size)
+                  for size in sorted({tuple(sample.latent.shape[-2:]) for sample in cache})}
+        if any(shift != 1.0 for shift in shifts.values()):  # the family's schedule moves with the size (Flux dev)
             self.notes.append("noise levels: shifted per image size as the model samples that size (" + ", ".join(
-                f"{h * 8}x{w * 8}: x{shift:.2f}" for (h, w), shift in shifts) + " along the schedule)")
+                f"{h * 8}x{w * 8}: x{shift:.2f}" for (h, w), shift in shifts.items()) + " along the schedule)")
         self.checkpointed = 0.0  # the checkpoint share wrapped now
         self.selective = False  # whether those units keep their matmul/attention outputs (selective checkpointing)
         self._checkpoint_units: tuple[CheckpointDepth, RankedUnits] | None = None

@@ -415,6 +415,95 @@ def test_qwen_image_loras_load_in_diffusers_and_diffusers_files_continue(family_
     assert f"{len(modules)} modules loaded" in continued.report and "diffusers/peft" in continued.report
 
 
+def _peft_deltas(model: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """Each peft LoRA layer's weight difference (B A x scaling), by module path."""
+    from peft.tuners.lora import LoraLayer
+    return {path: (layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight).float() * layer.scaling[adapter]
+            for path, layer in model.named_modules() if isinstance(layer, LoraLayer)}
+
+
+def _file_deltas(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each kohya module's weight difference (up down x alpha / rank), by module name without `lora_unet_`."""
+    deltas = {}
+    for key in saved:
+        if key.endswith(".lora_down.weight"):
+            module = key[:-len(".lora_down.weight")]
+            down, up = saved[key].float(), saved[f"{module}.lora_up.weight"].float()
+            deltas[module.removeprefix("lora_unet_")] = up @ down * (saved[f"{module}.alpha"].item() / down.shape[0])
+    return deltas
+
+
+def test_z_image_loras_load_in_diffusers_with_each_fused_projection_split_exactly(family_objects, two_images,
+                                                                                  tmp_path):
+    """diffusers' ZImagePipeline reads the file onto every module of its ZImageTransformer2DModel: our LoRA on
+    ComfyUI's fused attention.qkv becomes three LoRAs on diffusers' to_q, to_k and to_v, whose differences are
+    exactly the thirds of ours; attention.out lands on to_out.0, the SwiGLU on feed_forward.w1/w2/w3."""
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    trained = _train(family_objects["z_image"], two_images, tmp_path, 2, "z_image_for_diffusers")
+    saved = load_file(str(trained.lora_path))
+    config = tiny_dit_assets.Z_IMAGE
+    transformer = ZImageTransformer2DModel(dim=config["dim"], n_layers=config["n_layers"],
+                                           n_refiner_layers=config["n_refiner_layers"], n_heads=config["n_heads"],
+                                           n_kv_heads=config["n_kv_heads"], cap_feat_dim=config["cap_feat_dim"])
+    # The full model's SwiGLU is 10240 wide in both (8/3 x 3840); at this tiny width ComfyUI rounds 682 up to a
+    # multiple of 256 and diffusers does not, so diffusers' layers are given ComfyUI's width
+    hidden = family_objects["z_image"][0].model.diffusion_model.layers[0].feed_forward.w1.out_features
+    for block in [*transformer.layers, *transformer.noise_refiner, *transformer.context_refiner]:
+        ff = block.feed_forward
+        ff.w1, ff.w3 = (torch.nn.Linear(config["dim"], hidden, bias=False) for _ in range(2))
+        ff.w2 = torch.nn.Linear(hidden, config["dim"], bias=False)
+    converted = ZImagePipeline.lora_state_dict(saved)
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    transformer.load_lora_adapter(converted, prefix="transformer", adapter_name="leanlora")
+    theirs, ours = _peft_deltas(transformer, "leanlora"), _file_deltas(saved)
+    assert len(theirs) == len(ours) + 2 * sum(name.endswith("attention_qkv") for name in ours)  # every module
+    for name, delta in ours.items():
+        block = re.sub(r"_(\d+)$", r".\1", name.split("_attention_")[0].split("_feed_forward_")[0])
+        if name.endswith("attention_qkv"):
+            parts = torch.cat([theirs[f"{block}.attention.to_{p}"] for p in "qkv"])
+        elif name.endswith("attention_out"):
+            parts = theirs[f"{block}.attention.to_out.0"]
+        else:
+            parts = theirs[f"{block}.feed_forward.{name.rsplit('_', 1)[1]}"]
+        torch.testing.assert_close(parts, delta, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_flux_lora_names_are_the_kohya_names_diffusers_converts_for_flux_transformer(family_objects, two_images,
+                                                                                    tmp_path):
+    """diffusers reads FLUX.1 LoRAs in kohya's naming (our file's) with FluxPipeline's converter, which splits the
+    fused qkv and linear1 at FLUX.1's own widths (3072 x 3 + 12288, written into it): so our tiny file's keys, with
+    tensors of the full model's shapes, must all be converted (none left over) onto modules of a full-width
+    FluxTransformer2DModel (built on the meta device) whose shapes they fit."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    trained = _train(family_objects["flux_dev"], two_images, tmp_path, 2, "flux_for_diffusers")
+    saved = load_file(str(trained.lora_path))
+    hidden, rank = 3072, 4
+    out_in = {"img_attn_qkv": (3 * hidden, hidden), "txt_attn_qkv": (3 * hidden, hidden),
+              "img_attn_proj": (hidden, hidden), "txt_attn_proj": (hidden, hidden),
+              "img_mlp_0": (4 * hidden, hidden), "txt_mlp_0": (4 * hidden, hidden),
+              "img_mlp_2": (hidden, 4 * hidden), "txt_mlp_2": (hidden, 4 * hidden),
+              "linear1": (7 * hidden, hidden), "linear2": (hidden, 5 * hidden)}
+    full = {}
+    for key, value in saved.items():
+        module, part = key.split(".", 1)
+        out, inp = out_in[next(suffix for suffix in out_in if module.endswith(suffix))]
+        full[key] = value if part == "alpha" else torch.randn((rank, inp) if "down" in part else (out, rank))
+    converted = FluxPipeline.lora_state_dict(full)
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True)
+    modules = dict(transformer.named_modules())
+    targets = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in converted}
+    # q, k, v (and the single blocks' MLP input) split out of each fused layer: 3 / 4 diffusers modules per module
+    splits = sum(3 if m.endswith("attn_qkv") else 4 if m.endswith("linear1") else 1
+                 for m in {k.split(".")[0] for k in saved})
+    assert len(targets) == splits and all(t in modules for t in targets)
+    for key, value in converted.items():
+        layer = modules[key.removeprefix("transformer.").rsplit(".lora_", 1)[0]]
+        wanted = (rank, layer.in_features) if ".lora_A." in key else (layer.out_features, rank)
+        assert tuple(value.shape) == wanted, key
+
+
 @pytest.mark.parametrize("family", ["flux_dev", "z_image"])
 def test_a_split_qkv_lora_for_a_fused_qkv_model_is_refused_saying_why(family_objects, two_images, family, tmp_path):
     """ai-toolkit/diffusers FLUX.1 and Z-Image LoRAs put q, k and v on three layers; ComfyUI's models fuse them."""

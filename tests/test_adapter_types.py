@@ -33,8 +33,9 @@ FAMILIES = ["sd15", *DIT]
 PARTS = {"lora": [{"lora_down.weight", "lora_up.weight", "alpha"}],
          "dora": [{"lora_down.weight", "lora_up.weight", "alpha", "dora_scale"}],
          "loha": [{"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}],
-         "lokr": [{"lokr_w1", "lokr_w2_a", "lokr_w2_b", "alpha"}, {"lokr_w1", "lokr_w2", "alpha"}]}
-MODULE = {"lycoris.kohya": ("loha", "lokr"), "networks.lora": ("lora", "dora")}
+         "lokr": [{"lokr_w1", "lokr_w2_a", "lokr_w2_b", "alpha"}, {"lokr_w1", "lokr_w2", "alpha"}],
+         "oft": [{"oft_blocks", "alpha"}]}
+MODULE = {"lycoris.kohya": ("loha", "lokr", "oft"), "networks.lora": ("lora", "dora")}
 
 
 def _settings(kind: str, **changes) -> LoraSettings:
@@ -108,9 +109,9 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
     assert all(p in PARTS[kind] for p in parts.values()), parts
     assert kind in MODULE[metadata["ss_network_module"]]
     args = json.loads(metadata["ss_network_args"])
-    assert args.get("algo") == (kind if kind in ("loha", "lokr") else None)
-    expected = {"lokr": ("-1", None), "dora": (None, "True")}.get(kind, (None, None))
-    assert (args.get("factor"), args.get("dora_wd")) == expected
+    assert args.get("algo") == {"loha": "loha", "lokr": "lokr", "oft": "diag-oft"}.get(kind)
+    expected = {"lokr": ("-1", None, None), "dora": (None, "True", None), "oft": (None, None, "2.0")}
+    assert (args.get("factor"), args.get("dora_wd"), args.get("constraint")) == expected.get(kind, (None,) * 3)
 
     # continue_from reads it back equal: a fresh copy (other initial weights) exports exactly the file's tensors
     unet, continued = _read_back(objects, dataclasses.replace(lora, continue_from=str(straight.lora_path)))
@@ -147,14 +148,14 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
 
 
 def test_the_list_is_ordered_most_specific_first():
-    assert [kind.kind.value for kind in ADAPTER_TYPES] == ["loha", "lokr", "dora", "lora"]  # DoRA also has lora_down
+    assert [kind.kind.value for kind in ADAPTER_TYPES] == ["loha", "lokr", "oft", "dora", "lora"]  # DoRA: lora_down too
 
 
 _FP8 = MemorySettings("bf16", True, base_weights=BaseWeights.FP8, checkpoint_share=0.5)
 _STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.5)
 
 
-@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora", "oft"])
 @pytest.mark.parametrize("memory", [_FP8, _STREAMED], ids=["fp8-half-checkpointed", "fp8-streamed"])
 def test_each_type_trains_on_fp8_and_streamed_base_weights(family_objects, two_images, kind, memory,  # noqa: F811
                                                           tmp_path):
@@ -190,7 +191,7 @@ def test_dora_normalises_with_the_weight_as_computed_not_the_fp8_storage(family_
             assert float((adapted - base).norm() / base.norm()) < 0.05, path
 
 
-@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora", "oft"])
 def test_each_type_computes_with_bf16_lora_weights_under_autocast(kind):
     """LoRA weights 'bf16 + stochastic rounding' (optimizers.BF16Weights) makes the adapter's parameters bf16 views;
     each type's forward and backward take them under bf16 autocast (on a CPU without bf16 the trainer falls back
@@ -263,8 +264,8 @@ def _identity():
 def test_lora_config_refuses_a_bad_factor_and_an_unknown_type():
     with pytest.raises(LeanLoRAError, match=r"factor: got 0; use -1"):
         _settings("lokr", factor=0)
-    with pytest.raises(LeanLoRAError, match=r"type: got 'oft'; choose one of lora, loha, lokr, dora"):
-        _settings("oft")
+    with pytest.raises(LeanLoRAError, match=r"type: got 'boft'; choose one of lora, loha, lokr, dora, oft"):
+        _settings("boft")
 
 
 def test_a_resume_with_another_type_is_refused_naming_both(family_objects, two_images, tmp_path):  # noqa: F811

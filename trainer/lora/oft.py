@@ -3,10 +3,11 @@ orthogonal, each block the Cayley transform of a skew-symmetric matrix: Q = B - 
 Keys `oft_blocks` (block count, block size, block size) and `alpha`, as LyCORIS writes them and ComfyUI's
 comfy/weight_adapter/oft.py reads them; its loader computes W'_k = R_k^T W_k on the k-th block of output rows.
 
-`rank` is LyCORIS' `lora_dim` for OFT: each layer's output width is split by LyCORIS' factorisation (the one LoKr
-uses) into blocks of `rank` rows when rank divides the width and rank^2 does not exceed it; else into the most
-even split whose smaller side is at most rank (so a layer too narrow for blocks of `rank` gets smaller ones, as
-LyCORIS does; the file holds the shapes, which is all ComfyUI reads). `alpha` is OFT's constraint (COFT), as
+`rank` is LyCORIS' `lora_dim` for OFT, the block size: each layer's output width is split by LyCORIS'
+factorisation (the one LoKr uses) into blocks of `rank` rows where rank divides the width and rank^2 does not
+exceed it; else into blocks of a divisor of the width at most rank and at most its square root (a 320-wide layer
+at rank 24 gets blocks of 16, a 3072-wide one at rank 64 blocks of 48), as LyCORIS does. The file holds the
+shapes, which is all ComfyUI reads. Blocks of 1 (rank 1, or a prime width) cannot rotate: refused. `alpha` is OFT's constraint (COFT), as
 ComfyUI applies it: Q is scaled down to Frobenius norm alpha (over all blocks of the layer) when larger. (LyCORIS
 trains with alpha times the width but stores alpha; LeanLoRA trains with what ComfyUI applies.) No `rescale`.
 
@@ -33,6 +34,10 @@ class OftLinear(AdapterLinear):
     def __init__(self, base_layer: torch.nn.Linear, dropout: torch.nn.Module, rank: int, alpha: float):
         super().__init__(base_layer, dropout)
         block_size, block_num = factorization(self.out_features, rank)
+        if block_size == 1:  # Q = B - B^T of a 1 x 1 block is zero: such a layer would never learn
+            raise LeanLoRAError(f"LoRA Config's rank {rank}: OFT splits each layer's output width into blocks of at "
+                                f"most rank rows (the block size), and a layer {self.out_features} wide gets blocks "
+                                "of 1, which cannot rotate: set rank to 2 or more (4-32 is usual for OFT)")
         self.constraint = float(alpha)
         # zero blocks: Q = 0, R = I, so the layer starts as the base layer (LyCORIS' and ComfyUI's initialisation)
         self.oft_blocks = torch.nn.Parameter(

@@ -7,9 +7,11 @@ comfy/weight_adapter/oft.py reads them; its loader computes W'_k = R_k^T W_k on 
 factorisation (the one LoKr uses) into blocks of `rank` rows where rank divides the width and rank^2 does not
 exceed it; else into blocks of a divisor of the width at most rank and at most its square root (a 320-wide layer
 at rank 24 gets blocks of 16, a 3072-wide one at rank 64 blocks of 48), as LyCORIS does. The file holds the
-shapes, which is all ComfyUI reads. Blocks of 1 (rank 1, or a prime width) cannot rotate: refused. `alpha` is OFT's constraint (COFT), as
-ComfyUI applies it: Q is scaled down to Frobenius norm alpha (over all blocks of the layer) when larger. (LyCORIS
-trains with alpha times the width but stores alpha; LeanLoRA trains with what ComfyUI applies.) No `rescale`.
+shapes, which is all ComfyUI reads. Blocks of 1 (rank 1, or a prime width) cannot rotate: refused.
+
+`alpha` is OFT's constraint (COFT), as ComfyUI applies it: Q is scaled down to Frobenius norm alpha (over all
+blocks of the layer) when larger. (LyCORIS trains with alpha times the width but stores alpha; LeanLoRA trains
+with what ComfyUI applies.) LyCORIS' optional `rescale` is not trained.
 
 The layer never rotates the weight: R W x = R (W x), so it rotates the base layer's output, block by block
 (`base_layer(x)` less its bias; the base layer computes as it always does, fp8 or streamed). That costs an

@@ -31,7 +31,8 @@ LABELS = {
     "checkpoint_depth": {"per layer": CheckpointDepth.LAYER, "per block": CheckpointDepth.BLOCK},
     "allocator": {"expandable segments": Allocator.EXPANDABLE_SEGMENTS, "as started": Allocator.AS_STARTED},
     "targets": {"attention": LoraTargets.ATTENTION, "attention+feed-forward": LoraTargets.ATTENTION_FEED_FORWARD},
-    "type": {"lora": AdapterKind.LORA, "loha": AdapterKind.LOHA, "lokr": AdapterKind.LOKR, "dora": AdapterKind.DORA},
+    "type": {"lora": AdapterKind.LORA, "loha": AdapterKind.LOHA, "lokr": AdapterKind.LOKR, "dora": AdapterKind.DORA,
+             "oft": AdapterKind.OFT},
     # Train's timesteps and loss (None: the model family's own sampling)
     "timestep_sampling": {"family default": None, "uniform": TimestepSampling.UNIFORM,
                           "logit-normal": TimestepSampling.LOGIT_NORMAL,

@@ -99,9 +99,13 @@ class LeanLoRALoraConfig:
         return {
             "required": {
                 "rank": ("INT", {"default": 16, "min": 1, "max": 256, "tooltip":
-                    "LoRA dimension (network_dim). Higher learns more detail and makes bigger files; 8-32 is typical."}),
+                    "LoRA dimension (network_dim). Higher learns more detail and makes bigger files; 8-32 is typical. "
+                    "oft: the block size (LyCORIS' dim): each layer's outputs are rotated in blocks of rank rows "
+                    "(smaller where rank does not divide a layer's width or exceeds its square root); 2 or more."}),
                 "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5, "tooltip":
-                    "LoRA alpha (network_alpha): the update is scaled by alpha / rank. Equal to rank = scale 1."}),
+                    "LoRA alpha (network_alpha): the update is scaled by alpha / rank. Equal to rank = scale 1. "
+                    "oft: the constraint instead, the largest size of each layer's rotation (smaller = closer to the "
+                    "base model; 16 hardly constrains)."}),
                 "dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, "tooltip":
                     "Dropout on the LoRA input during training; a little (0.05-0.1) can reduce overfitting."}),
                 "targets": (choices("targets"), {"default": "attention", "tooltip":
@@ -117,7 +121,9 @@ class LeanLoRALoraConfig:
                 "type": (choices("type"), {"default": "lora", "tooltip":
                     "The kind of adapter. lora: the usual one. loha, lokr: LyCORIS types that learn more per file "
                     "size (lokr files are the smallest). dora: LoRA that also learns each input's strength, often "
-                    "closer to full fine-tuning; a bit slower. ComfyUI's Load LoRA loads all four."}),
+                    "closer to full fine-tuning; a bit slower. oft: rotates each layer's outputs (LyCORIS diag-oft), "
+                    "keeping the base model's structure; rank is its block size, alpha its constraint. ComfyUI's "
+                    "Load LoRA loads all five."}),
                 "factor": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
                     "lokr only: how each layer's size is split into two factors. -1 splits as evenly as possible "
                     "(LyCORIS' default); a larger number such as 8 or 16 makes smaller files that learn less."}),

@@ -33,8 +33,9 @@ FAMILIES = ["sd15", *DIT]
 PARTS = {"lora": [{"lora_down.weight", "lora_up.weight", "alpha"}],
          "dora": [{"lora_down.weight", "lora_up.weight", "alpha", "dora_scale"}],
          "loha": [{"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}],
-         "lokr": [{"lokr_w1", "lokr_w2_a", "lokr_w2_b", "alpha"}, {"lokr_w1", "lokr_w2", "alpha"}]}
-MODULE = {"lycoris.kohya": ("loha", "lokr"), "networks.lora": ("lora", "dora")}
+         "lokr": [{"lokr_w1", "lokr_w2_a", "lokr_w2_b", "alpha"}, {"lokr_w1", "lokr_w2", "alpha"}],
+         "oft": [{"oft_blocks", "alpha"}]}
+MODULE = {"lycoris.kohya": ("loha", "lokr", "oft"), "networks.lora": ("lora", "dora")}
 
 
 def _settings(kind: str, **changes) -> LoraSettings:
@@ -108,9 +109,9 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
     assert all(p in PARTS[kind] for p in parts.values()), parts
     assert kind in MODULE[metadata["ss_network_module"]]
     args = json.loads(metadata["ss_network_args"])
-    assert args.get("algo") == (kind if kind in ("loha", "lokr") else None)
-    expected = {"lokr": ("-1", None), "dora": (None, "True")}.get(kind, (None, None))
-    assert (args.get("factor"), args.get("dora_wd")) == expected
+    assert args.get("algo") == {"loha": "loha", "lokr": "lokr", "oft": "diag-oft"}.get(kind)
+    expected = {"lokr": ("-1", None, None), "dora": (None, "True", None), "oft": (None, None, "2.0")}
+    assert (args.get("factor"), args.get("dora_wd"), args.get("constraint")) == expected.get(kind, (None,) * 3)
 
     # continue_from reads it back equal: a fresh copy (other initial weights) exports exactly the file's tensors
     unet, continued = _read_back(objects, dataclasses.replace(lora, continue_from=str(straight.lora_path)))
@@ -147,14 +148,14 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
 
 
 def test_the_list_is_ordered_most_specific_first():
-    assert [kind.kind.value for kind in ADAPTER_TYPES] == ["loha", "lokr", "dora", "lora"]  # DoRA also has lora_down
+    assert [kind.kind.value for kind in ADAPTER_TYPES] == ["loha", "lokr", "oft", "dora", "lora"]  # DoRA: lora_down too
 
 
 _FP8 = MemorySettings("bf16", True, base_weights=BaseWeights.FP8, checkpoint_share=0.5)
 _STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.5)
 
 
-@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora", "oft"])
 @pytest.mark.parametrize("memory", [_FP8, _STREAMED], ids=["fp8-half-checkpointed", "fp8-streamed"])
 def test_each_type_trains_on_fp8_and_streamed_base_weights(family_objects, two_images, kind, memory,  # noqa: F811
                                                           tmp_path):
@@ -190,7 +191,7 @@ def test_dora_normalises_with_the_weight_as_computed_not_the_fp8_storage(family_
             assert float((adapted - base).norm() / base.norm()) < 0.05, path
 
 
-@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora", "oft"])
 def test_each_type_computes_with_bf16_lora_weights_under_autocast(kind):
     """LoRA weights 'bf16 + stochastic rounding' (optimizers.BF16Weights) makes the adapter's parameters bf16 views;
     each type's forward and backward take them under bf16 autocast (on a CPU without bf16 the trainer falls back
@@ -221,10 +222,10 @@ def _trained_file(tmp_path, kind: str) -> str:
 
 
 @pytest.mark.parametrize("file_kind, config_kind", [("loha", "lora"), ("lora", "dora"), ("dora", "lora"),
-                                                    ("lokr", "loha")])
+                                                    ("lokr", "loha"), ("oft", "lokr"), ("lora", "oft")])
 def test_continue_from_refuses_another_type_naming_the_file_and_the_field(tmp_path, file_kind, config_kind):
     path = _trained_file(tmp_path, file_kind)
-    label = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "dora": "DoRA"}[file_kind]
+    label = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "dora": "DoRA", "oft": "OFT"}[file_kind]
     with pytest.raises(LeanLoRAError, match=rf"continue_from '{file_kind}.safetensors' is a {label} file .*LoRA "
                                             rf"Config's type says {config_kind}: set type to {file_kind}"):
         check_file(_settings(config_kind, targets="attention", continue_from=path))
@@ -255,6 +256,74 @@ def test_a_dora_file_with_its_magnitude_per_output_is_refused_saying_why(tmp_pat
         continue_from_file(net, lora, None, _identity())
 
 
+@pytest.mark.parametrize("rank, blocks", [(4, (6, 4, 4)), (3, (8, 3, 3)), (5, (6, 4, 4)), (16, (6, 4, 4))])
+def test_oft_computes_what_comfyuis_loader_applies_with_its_constraint_and_bias(rank, blocks):
+    """Blocks far from zero, so the constraint (alpha: the largest norm of Q, as ComfyUI applies it) scales Q down,
+    on a Linear with a bias: the layer's weight (its output less the bias) is ComfyUI's W + (R^T - I) W, and a
+    fresh layer is the base layer. `rank` splits the output width (24) as LyCORIS' factorisation does: blocks of
+    rank rows where rank divides it and rank^2 does not exceed it, else of a divisor at most rank and sqrt(24)."""
+    from comfy.weight_adapter.oft import OFTAdapter
+    from trainer.lora.oft import OftLinear
+    base = torch.nn.Linear(12, 24)
+    layer = OftLinear(base, torch.nn.Identity(), rank, alpha=0.5)
+    assert tuple(layer.oft_blocks.shape) == blocks
+    eye = torch.eye(12)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(eye), base(eye))  # zero blocks: R = I
+        layer.oft_blocks.copy_(torch.randn(blocks, generator=torch.Generator().manual_seed(0)))
+        q = layer.oft_blocks - layer.oft_blocks.transpose(1, 2)
+        assert float(q.norm()) > 4 * layer.constraint  # the constraint acts
+        trained = (layer(eye) - base.bias).T
+    adapter = OFTAdapter.load("x", {"x.oft_blocks": layer.oft_blocks.detach().clone()}, 0.5, None)
+    applied = adapter.calculate_weight(base.weight.detach().clone(), "x", 1.0, 1.0, None, lambda w: w)
+    torch.testing.assert_close(trained, applied, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(applied, base.weight)
+
+
+def test_oft_dropout_drops_the_rotations_input_and_leaves_the_base_output(tmp_path):
+    """With dropout the rotation's input (the base output less its bias) is dropped, never the base path: at
+    evaluation (no dropout) the same layer computes the exported weight."""
+    from trainer.lora.dropout import step_seeded_dropouts
+    from trainer.lora.oft import OftLinear
+    base = torch.nn.Linear(8, 16)
+    layer = OftLinear(base, step_seeded_dropouts(0.5, 1)[0], 4, alpha=4.0)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer.oft_blocks.normal_(generator=torch.Generator().manual_seed(2))
+        layer.eval()
+        clean = layer(x)
+        layer.train()
+        dropped = layer(x)
+    assert not torch.allclose(clean, dropped)
+    zero = OftLinear(base, step_seeded_dropouts(0.5, 1)[0], 4, alpha=4.0)
+    with torch.no_grad():
+        torch.testing.assert_close(zero(x), base(x))  # R = I: nothing to drop
+
+
+def test_oft_refuses_blocks_of_one_naming_the_rank():
+    from helpers import TinyNet, sd_targets
+    lora = _settings("oft", targets="attention", rank=1)
+    with pytest.raises(LeanLoRAError, match=r"LoRA Config's rank 1: OFT splits .* gets blocks of 1, which cannot "
+                                            r"rotate: set rank to 2 or more"):
+        inject_lora(TinyNet(), lora, 0, sd_targets(lora))
+
+
+def test_an_oft_file_of_another_alpha_or_with_rescale_is_refused_naming_it(tmp_path):
+    from helpers import TinyNet, sd_targets
+    path = _trained_file(tmp_path, "oft")
+    net = TinyNet()
+    lora = _settings("oft", targets="attention", alpha=3.0, continue_from=path)
+    inject_lora(net, lora, 0, sd_targets(lora))
+    with pytest.raises(LeanLoRAError, match=r"has alpha 2 \(OFT's constraint\); LoRA Config says alpha 3: set alpha "
+                                            r"to 2"):
+        continue_from_file(net, lora, None, _identity())
+    tensors = load_file(path)
+    module = next(k for k in tensors if k.endswith(".oft_blocks")).rsplit(".", 1)[0]
+    save_file({**tensors, f"{module}.rescale": torch.ones(16, 1)}, path)
+    with pytest.raises(LeanLoRAError, match=r"holds OFT rescale \(LyCORIS' rescaled\) weights"):
+        check_file(_settings("oft", targets="attention", continue_from=path))
+
+
 def _identity():
     from trainer.model import FamilyIdentity
     return FamilyIdentity("SD1.x", "sd_v1", "stable-diffusion-v1", "diffusers")
@@ -263,8 +332,8 @@ def _identity():
 def test_lora_config_refuses_a_bad_factor_and_an_unknown_type():
     with pytest.raises(LeanLoRAError, match=r"factor: got 0; use -1"):
         _settings("lokr", factor=0)
-    with pytest.raises(LeanLoRAError, match=r"type: got 'oft'; choose one of lora, loha, lokr, dora"):
-        _settings("oft")
+    with pytest.raises(LeanLoRAError, match=r"type: got 'boft'; choose one of lora, loha, lokr, dora, oft"):
+        _settings("boft")
 
 
 def test_a_resume_with_another_type_is_refused_naming_both(family_objects, two_images, tmp_path):  # noqa: F811

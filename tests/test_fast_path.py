@@ -468,7 +468,7 @@ def test_offload_keeps_channels_last_activations_channels_last(stand_in_streams)
     torch.testing.assert_close(x.grad, torch.full_like(x, 4.0))
 
 
-# --- every adapter type (trainer/lora: LoHa, LoKr, DoRA) in graphs ---
+# --- every adapter type (trainer/lora: LoHa, LoKr, DoRA, OFT) in graphs ---
 
 def _typed_run(kind: str, graphed: bool, precision_mode: str, dropout: float):
     """_train's regression with `kind` adapters (and step-seeded dropout fed per micro step, as the session does),
@@ -500,7 +500,7 @@ def _typed_run(kind: str, graphed: bool, precision_mode: str, dropout: float):
 
 
 @cuda
-@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora", "oft"])
 @pytest.mark.parametrize("precision_mode, dropout, tolerance", [("no", 0.0, 1e-5), ("bf16", 0.1, 2e-2)])
 def test_each_type_trains_in_cuda_graphs_like_eager_steps(kind, precision_mode, dropout, tolerance):
     eager_losses, eager_params, _ = _typed_run(kind, False, precision_mode, dropout)

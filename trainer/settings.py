@@ -135,6 +135,7 @@ class AdapterKind(Enum):
     LOHA = "loha"
     LOKR = "lokr"
     DORA = "dora"
+    OFT = "oft"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Adapters on the diffusion model, one file per type behind an ordered list (ComfyUI's comfy/weight_adapter/ idea):
-plain.py (LoRA through peft, and DoRA, its variant), loha.py, lokr.py. Each type owns its injection, its trainable
+plain.py (LoRA through peft, and DoRA, its variant), loha.py, lokr.py, oft.py. Each type owns its injection, its trainable
 parameters (by name prefix), its file keys (kohya / LyCORIS) for export and continue_from, its metadata and its part
 of the resume fingerprint. A file module is read by the first type in ADAPTER_TYPES whose parts it holds.
 
@@ -13,10 +13,12 @@ from ..settings import LoraSettings
 from .dropout import ADAPTER, DropoutSeed, StepSeededDropout, seed_lora_dropout
 from .loha import LOHA
 from .lokr import LOKR
+from .oft import OFT
 from .plain import DORA, PLAIN
 
-# Most specific first: a DoRA module also holds lora_down/lora_up, so DoRA is asked before plain LoRA.
-ADAPTER_TYPES = [LOHA, LOKR, DORA, PLAIN]
+# Most specific first: a DoRA module also holds lora_down/lora_up, so DoRA is asked before plain LoRA (LoHa, LoKr
+# and OFT have parts of their own).
+ADAPTER_TYPES = [LOHA, LOKR, OFT, DORA, PLAIN]
 
 
 def adapter_type(settings: LoraSettings):

@@ -1,6 +1,6 @@
 """Continue training from an existing LoRA file (kohya's prev_lora_ckpt): read it (safetensors only, never pickle),
 recognise its naming and its adapter type (the first of ADAPTER_TYPES whose parts its modules hold: LoHa, LoKr,
-DoRA, plain LoRA), match its modules to the adapter layers injected into the training copy and copy its weights
+OFT, DoRA, plain LoRA), match its modules to the adapter layers injected into the training copy and copy its weights
 in. The file fixes type, rank, alpha and targets: a LoRA Config that says otherwise, or a file made for another
 model, is an error naming both sides and the file.
 
@@ -35,13 +35,14 @@ _LORA_KEY = re.compile(
     r"|\.lora\.(?P<compatible>down|up)\.weight"     # diffusers' LoRACompatibleLinear
     r"|_lora\.(?P<processor>down|up)\.weight"       # diffusers' attention processors (to_q_lora.down)
     r"|\.(?P<alpha>alpha)"
-    r"|\.(?P<lycoris>hada_w[12]_[ab]|lokr_w[12](?:_[ab])?|dora_scale)"  # LyCORIS: LoHa, LoKr, DoRA's magnitude
+    r"|\.(?P<lycoris>hada_w[12]_[ab]|lokr_w[12](?:_[ab])?|dora_scale|oft_blocks)"  # LyCORIS: LoHa, LoKr, DoRA, OFT
     r")$")
-# Weights of adapter forms LeanLoRA does not train (peft's DoRA with its magnitude per output, Tucker convs, OFT)
+# Weights of adapter forms LeanLoRA does not train (peft's DoRA with its magnitude per output, Tucker convs, OFT's
+# learned rescale)
 # and ComfyUI trainer's full bias/norm differences: continuing would silently drop what they learned.
 _VARIANT_PARTS = {".lora_magnitude_vector": "peft DoRA (magnitude per output feature)",
                   ".hada_t1": "Tucker (LoHa on convs)", ".lokr_t2": "Tucker (LoKr on convs)",
-                  ".lora_mid.weight": "Tucker (LoCon)", ".oft_blocks": "OFT",
+                  ".lora_mid.weight": "Tucker (LoCon)", ".rescale": "OFT rescale (LyCORIS' rescaled)",
                   ".diff": "full weight differences", ".diff_b": "bias differences"}
 _TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "te1.", "te2.", "te.", "base_model.model.text_encoder")
 
@@ -198,8 +199,8 @@ def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]]
                 "drop what they learned" + (". It looks like ComfyUI's own trainer's output (LoRA on every layer "
                                             "plus bias and norm differences): continue it with ComfyUI's Train LoRA "
                                             "node" if "diff" in key else "")
-                + ". Pick a LoRA, LoHa, LoKr or DoRA file (kohya, LyCORIS, diffusers/peft or LeanLoRA) or train a "
-                  "new one")
+                + ". Pick a LoRA, LoHa, LoKr, DoRA or OFT file (kohya, LyCORIS, diffusers/peft or LeanLoRA) or train "
+                  "a new one")
         match = _LORA_KEY.match(key)
         if match is None:
             other.append(key)

@@ -400,7 +400,7 @@ def test_samples_during_training_render_with_the_familys_sampler(family_objects,
     assert f"{adapter.family.sample_defaults.sampler} simple" in image.text["parameters"]
     from trainer.errors import LeanLoRAError
     with pytest.raises(LeanLoRAError, match=rf"sample_size: got 4096; {adapter.family.sample_limits.family} samples "
-                                            r"are at most 2048 px \(its native size is 1\d\d\d\b"):
+                                            r"are at most 2048 px \(its native size is 1\d\d\d\D"):
         SampleSettings((PROMPT,), every_steps=5, size=4096).check_within(adapter.family.sample_limits)
 
 

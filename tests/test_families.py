@@ -134,13 +134,19 @@ def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_g
     ("i2v", (36, 16), r"this Wan model \(WAN21_T2V\) is an image-to-video or control model: it takes 20 extra input "
                       r"channels"),
     ("ti2v_5b", (48, 48), r"Wan 2\.2 TI2V-5B \(48-channel latents of the Wan 2\.2 VAE\) is not supported"),
+    ("i2v_generic", (36, 16), r"WAN21 takes extra input channels \(inpainting/edit/video conditioning\), which the "
+                              r"generic path does not build"),
 ])
 def test_wan_models_that_need_conditioning_it_does_not_build_are_refused_before_training(
-        dit_files, family_objects, variant, channels, refusal):
+        dit_files, family_objects, variant, channels, refusal, monkeypatch):
     """The tiny Wan T2V file with the input (and output) channels of an image-to-video or control model, or of Wan
-    2.2 TI2V-5B, loaded as ComfyUI loads such files: Train says what it cannot build, naming the model."""
+    2.2 TI2V-5B, loaded as ComfyUI loads such files: Train says what it cannot build, naming the model. Without the
+    Wan family the generic path refuses the image-to-video model too (its concat_cond adds channels)."""
     import comfy.sd
+    import bridge.families as families
     from trainer.errors import LeanLoRAError
+    if variant.endswith("generic"):
+        monkeypatch.setattr(families, "FAMILIES", [families.Generic()])
     state = load_file(str(dit_files["wan"]["unet_name"]))
     inputs, outputs = channels
     embed = state["patch_embedding.weight"]

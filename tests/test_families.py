@@ -648,6 +648,24 @@ def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server
     assert np.array_equal(_saved(comfy_server, before, "14"), _saved(comfy_server, after, "14"))
 
 
+@pytest.mark.comfy
+def test_wan_trains_with_samples_of_one_frame_through_the_stock_loaders(comfy_server, dit_files):
+    """Train's sample prompts on Wan in a real server: ComfyUI's sampler (the family's uni_pc / simple) renders a
+    one-frame latent, the Wan VAE decodes it, and each sample is one 64x64 image."""
+    info = comfy_server.object_info()
+    prompt = {**_loaders("wan"), **_training(info, "wan")}
+    prompt["7"]["inputs"].update(steps=2, output_name="server_wan_samples", sample_prompts=PROMPT,
+                                 sample_every_n_steps=2, sample_size=64, sample_steps=2, sample_cfg=1.0)
+    entry = comfy_server.run(prompt, timeout=900)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    report = entry["outputs"]["8"]["text"][0]
+    assert "Wan T2V (2 blocks" in report and "each image trains as a one-frame video" in report
+    assert "samples every 2 steps: 1 images rendered" in report, report
+    [image] = (comfy_server.base_dir / "output" / "leanlora_samples" / "server_wan_samples").glob("step2_0.png")
+    with Image.open(image) as png:
+        assert png.size == (64, 64) and "uni_pc simple" in png.text["parameters"]
+
+
 # --- the shipped per-family templates -------------------------------------------------------------------------
 
 def _tiny_overrides(family: str, prompt: dict) -> dict:

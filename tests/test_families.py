@@ -136,7 +136,7 @@ def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_g
     ("ti2v_5b", (48, 48), r"Wan 2\.2 TI2V-5B \(48-channel latents of the Wan 2\.2 VAE\) is not supported"),
     ("i2v_generic", (36, 16), r"WAN21 takes extra input channels \(inpainting/edit/video conditioning\), which the "
                               r"generic path does not build"),
-])
+], ids=["i2v", "ti2v_5b", "i2v_generic"])
 def test_wan_models_that_need_conditioning_it_does_not_build_are_refused_before_training(
         dit_files, family_objects, variant, channels, refusal, monkeypatch):
     """The tiny Wan T2V file with the input (and output) channels of an image-to-video or control model, or of Wan

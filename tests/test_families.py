@@ -26,7 +26,7 @@ from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySetti
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX
 
-DIT = {"z_image": "ZImage", "flux_dev": "Flux", "qwen_image": "QwenImage"}  # tiny set -> family class
+DIT = {"z_image": "ZImage", "flux_dev": "Flux", "chroma": "Chroma", "qwen_image": "QwenImage"}  # tiny set -> family class
 FAMILIES = {"sd15": "SdUnet", **DIT}
 FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible; checkpointing recomputes blocks
 LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
@@ -73,7 +73,7 @@ def _adapter(objects):
 
 def test_the_family_list_is_ordered_with_the_generic_path_last():
     from bridge.families import FAMILIES as LIST
-    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "QwenImage", "Generic"]
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Generic"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -185,20 +185,23 @@ def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
             assert all(any(p.startswith(f"{unit}.") for unit in inside) for p in hits), suffix
 
 
-def test_fluxs_out_of_place_blocks_compute_exactly_what_comfyuis_blocks_compute(family_objects):
+@pytest.mark.parametrize("family", ["flux_dev", "chroma"])
+def test_fluxs_out_of_place_blocks_compute_exactly_what_comfyuis_blocks_compute(family_objects, family):
     """Flux.prepare swaps the training copy's block forwards for out-of-place ones: every block's output, bit for
-    bit, is what ComfyUI's own forward gives on the same inputs."""
-    adapter = _adapter(family_objects["flux_dev"])
+    bit, is what ComfyUI's own forward gives on the same inputs (Chroma's blocks, FLUX.1's without their own
+    modulation, take the approximator's)."""
+    adapter = _adapter(family_objects[family])
     unet = adapter.training_unet()
     calls = {}
     hooks = [block.register_forward_hook(lambda m, args, kwargs, out: calls.setdefault(m, (args, kwargs, out)) and None,
                                          with_kwargs=True) for block in adapter.family.blocks(unet)]
     generator = torch.Generator().manual_seed(0)
-    config = tiny_dit_assets.FLUX_DEV
+    config = tiny_dit_assets.FLUX_DEV if family == "flux_dev" else tiny_dit_assets.CHROMA
+    pooled = {"y": torch.randn(1, config["vec_in_dim"], generator=generator)} if family == "flux_dev" else {}
     with torch.no_grad():
         unet(torch.randn(1, 16, 8, 8, generator=generator), torch.tensor([0.5]),
              context=torch.randn(1, 256, config["context_in_dim"], generator=generator),
-             y=torch.randn(1, config["vec_in_dim"], generator=generator), guidance=torch.tensor([1.0]))
+             guidance=torch.tensor([1.0]), **pooled)
     for hook in hooks:
         hook.remove()
     assert len(calls) == len(adapter.family.blocks(unet)) == 4
@@ -240,6 +243,8 @@ def _extra_inputs(model) -> dict:
     name = type(model.model).__name__
     if name == "Flux":
         return {"y": torch.zeros(1, model.model.diffusion_model.params.vec_in_dim), "guidance": torch.tensor([3.5])}
+    if name == "Chroma":
+        return {"guidance": torch.tensor([0.0])}
     if name == "Lumina2":
         return {"num_tokens": 8}
     return {}
@@ -373,9 +378,10 @@ _STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, 
 
 
 @pytest.mark.parametrize("family, memory", [("flux_dev", _OFFLOADED), ("z_image", _STREAMED), ("qwen_image", _OFFLOADED),
-                                            ("flux_dev", _STREAMED)],
+                                            ("flux_dev", _STREAMED), ("chroma", _OFFLOADED)],
                          ids=["flux-fp8-half-checkpointed-offloaded", "z_image-streamed-batch2-8bit",
-                              "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit"])
+                              "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit",
+                              "chroma-fp8-half-checkpointed-offloaded"])
 def test_every_memory_technique_runs_on_each_family(family_objects, two_images, family, memory, tmp_path):
     lora = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # step-seeded LoRA dropout through the recompute
     outcome = train_lora(_adapter(family_objects[family]), two_images, memory, lora,
@@ -670,5 +676,5 @@ def test_flux_dev_trains_each_size_at_the_shift_comfyui_samples_it_with(family_o
     patched = comfy.model_sampling.ModelSamplingFlux()
     patched.set_parameters(shift=0.9)
     assert adapter.family.resolution_shift(patched, (64, 64)) == 1.0
-    for family in ("sd15", "z_image", "qwen_image"):
+    for family in ("sd15", "z_image", "chroma", "qwen_image"):  # Chroma: sampled on its own table at every size
         assert _adapter(family_objects[family]).resolution_shift((64, 64)) == 1.0

@@ -474,14 +474,16 @@ def test_z_image_loras_load_in_diffusers_with_each_fused_projection_split_exactl
         torch.testing.assert_close(parts, delta, rtol=1e-3, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("family", ["flux_dev", "chroma"])
 def test_flux_lora_names_are_the_kohya_names_diffusers_converts_for_flux_transformer(family_objects, two_images,
-                                                                                    tmp_path):
-    """diffusers reads FLUX.1 LoRAs in kohya's naming (our file's) with FluxPipeline's converter, which splits the
-    fused qkv and linear1 at FLUX.1's own widths (3072 x 3 + 12288, written into it): so our tiny file's keys, with
-    tensors of the full model's shapes, must all be converted (none left over) onto modules of a full-width
-    FluxTransformer2DModel (built on the meta device) whose shapes they fit."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-    trained = _train(family_objects["flux_dev"], two_images, tmp_path, 2, "flux_for_diffusers")
+                                                                                    tmp_path, family):
+    """diffusers reads FLUX.1 and Chroma LoRAs in kohya's naming (our file's) with FluxPipeline's converter (its
+    ChromaPipeline's too), which splits the fused qkv and linear1 at FLUX.1's own widths (3072 x 3 + 12288, written
+    into it): so our tiny file's keys, with tensors of the full model's shapes, must all be converted (none left
+    over) onto modules of a full-width FluxTransformer2DModel / ChromaTransformer2DModel (built on the meta device)
+    whose shapes they fit."""
+    from diffusers import ChromaTransformer2DModel, FluxPipeline, FluxTransformer2DModel
+    trained = _train(family_objects[family], two_images, tmp_path, 2, f"{family}_for_diffusers")
     saved = load_file(str(trained.lora_path))
     hidden, rank = 3072, 4
     out_in = {"img_attn_qkv": (3 * hidden, hidden), "txt_attn_qkv": (3 * hidden, hidden),
@@ -497,7 +499,8 @@ def test_flux_lora_names_are_the_kohya_names_diffusers_converts_for_flux_transfo
     converted = FluxPipeline.lora_state_dict(full)
     converted = converted[0] if isinstance(converted, tuple) else converted
     with torch.device("meta"):
-        transformer = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True)
+        transformer = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True) \
+            if family == "flux_dev" else ChromaTransformer2DModel(num_layers=2, num_single_layers=2)
     modules = dict(transformer.named_modules())
     targets = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in converted}
     # q, k, v (and the single blocks' MLP input) split out of each fused layer: 3 / 4 diffusers modules per module

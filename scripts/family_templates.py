@@ -40,6 +40,16 @@ FAMILIES = {
                  "12 GB); models/text_encoders: clip_l.safetensors + t5xxl_fp8_e4m3fn.safetensors (DualCLIPLoader "
                  "type flux); models/vae: ae.safetensors",
     },
+    "chroma": {
+        "title": "Chroma",
+        "loaders": {"UNETLoader": {"unet_name": "Chroma1-HD.safetensors", "weight_dtype": "fp8_e4m3fn"},
+                    "CLIPLoader": {"clip_name": "t5xxl_fp8_e4m3fn.safetensors", "type": "chroma"},
+                    "VAELoader": {"vae_name": "ae.safetensors"}},
+        "sampler": {"steps": 26, "cfg": 4.0},
+        "files": "models/diffusion_models: Chroma1-HD.safetensors (weight_dtype fp8 keeps it at 9 GB); "
+                 "models/text_encoders: t5xxl_fp8_e4m3fn.safetensors (CLIPLoader type chroma); models/vae: "
+                 "ae.safetensors",
+    },
     "qwen_image": {
         "title": "Qwen-Image",
         "loaders": {"UNETLoader": {"unet_name": "qwen_image_fp8_e4m3fn.safetensors", "weight_dtype": "default"},

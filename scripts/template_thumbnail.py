@@ -43,7 +43,8 @@ TEMPLATES = {
     **{f"leanlora_{family}_train_then_generate": (f"LeanLoRA: {title}, train + generate",
                                                   (f"your {title}\nfiles", "your images\n+ captions",
                                                    "card: auto\n+ LoRA shape"), ("with LoRA", "models/loras"))
-       for family, title in (("z_image", "Z-Image"), ("flux_dev", "FLUX.1-dev"), ("qwen_image", "Qwen-Image"))},
+       for family, title in (("z_image", "Z-Image"), ("flux_dev", "FLUX.1-dev"), ("chroma", "Chroma"),
+                             ("qwen_image", "Qwen-Image"))},
 }
 
 

@@ -1,5 +1,5 @@
-"""Tiny, random-weight DiT test assets: Z-Image, FLUX.1-dev, Qwen-Image and Wan 2.1 T2V file sets for ComfyUI's
-stock loaders.
+"""Tiny, random-weight DiT test assets: Z-Image, FLUX.1-dev, Chroma, Qwen-Image and Wan 2.1 T2V file sets for
+ComfyUI's stock loaders.
 
 Each set is what a user downloads for that family, shrunk: a diffusion model for UNETLoader
 (models/diffusion_models/), its text encoder(s) for CLIPLoader / DualCLIPLoader (models/text_encoders/) and its VAE
@@ -21,7 +21,7 @@ For training tests: ComfyUI 0.3.75's Flux blocks add to their residual streams i
 through them fails ("modified by an inplace operation"), with or without checkpointing. Z-Image's and Qwen-Image's
 blocks are out of place and backpropagate as loaded.
 
-CLI:  python scripts/tiny_dit_assets.py BASE_DIR [--family z_image|flux_dev|qwen_image|wan|all] [--verify]
+CLI:  python scripts/tiny_dit_assets.py BASE_DIR [--family z_image|flux_dev|chroma|qwen_image|wan|all] [--verify]
 """
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ Z_IMAGE = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=256, cap
                n_layers=2, n_refiner_layers=2, qk_norm=True, n_heads=2, n_kv_heads=2, axes_dims=[32, 48, 48],
                axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True,
                time_scale=1000.0, pad_tokens_multiple=32)
+# Chroma: FLUX.1-schnell's blocks without their per-block modulation (a distilled guidance approximator makes every
+# block's shift/scale/gate from the timestep); T5-XXL alone. in/out_channels count the 2x2-patched latent (64).
+CHROMA = dict(image_model="chroma", in_channels=64, out_channels=64, context_in_dim=T5XXL["d_model"], hidden_size=256,
+              mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=[16, 56, 56], theta=10000,
+              patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128, n_layers=2)
 QWEN_IMAGE = dict(image_model="qwen_image", in_channels=64, out_channels=16, num_layers=2, attention_head_dim=128,
                   num_attention_heads=2, joint_attention_dim=QWEN25_7B["hidden_size"])
 # Wan 2.1 T2V (and Wan 2.2 T2V-A14B, the same WanModel): detection reads dim, ffn_dim, depth and in/out channels
@@ -82,6 +87,11 @@ WORKFLOW = {
     "z_image": {
         "UNETLoader": {"unet_name": "leanlora_tiny_z_image.safetensors", "weight_dtype": "default"},
         "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_3_4b.safetensors", "type": "lumina2"},
+        "VAELoader": {"vae_name": "leanlora_tiny_ae.safetensors"},
+    },
+    "chroma": {
+        "UNETLoader": {"unet_name": "leanlora_tiny_chroma.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_t5xxl.safetensors", "type": "chroma"},
         "VAELoader": {"vae_name": "leanlora_tiny_ae.safetensors"},
     },
     "flux_dev": {
@@ -177,6 +187,19 @@ def build_flux_dev_model(path: str | Path, seed: int = 0) -> Path:
         net = _on_meta(build)
         return _state_dict(net, seed, torch.bfloat16)
     return _write(path, f"flux_dev-seed{seed}", make)
+
+
+def build_chroma_model(path: str | Path, seed: int = 0) -> Path:
+    """Chroma diffusion model (comfy.ldm.chroma.model.Chroma): 2 double + 2 single blocks, a 2-layer approximator."""
+    def make():
+        cfg = {k: v for k, v in CHROMA.items() if k != "image_model"}
+        def build(comfy, ops):
+            import comfy.ldm.chroma.model
+            return comfy.ldm.chroma.model.Chroma(image_model="chroma", dtype=torch.float32, device="meta",
+                                                 operations=ops, **cfg)
+        net = _on_meta(build)
+        return _state_dict(net, seed, torch.bfloat16)
+    return _write(path, f"chroma-seed{seed}", make)
 
 
 def build_z_image_model(path: str | Path, seed: int = 0) -> Path:
@@ -307,6 +330,7 @@ def build_wan21_vae(path: str | Path, seed: int = 0) -> Path:
 _BUILDERS = {
     "leanlora_tiny_z_image.safetensors": build_z_image_model,
     "leanlora_tiny_flux1_dev.safetensors": build_flux_dev_model,
+    "leanlora_tiny_chroma.safetensors": build_chroma_model,
     "leanlora_tiny_qwen_image.safetensors": build_qwen_image_model,
     "leanlora_tiny_qwen_3_4b.safetensors": build_qwen3_4b,
     "leanlora_tiny_clip_l.safetensors": build_clip_l,

@@ -26,7 +26,8 @@ from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySetti
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX
 
-DIT = {"z_image": "ZImage", "flux_dev": "Flux", "qwen_image": "QwenImage", "wan": "Wan"}  # tiny set -> family class
+DIT = {"z_image": "ZImage", "flux_dev": "Flux", "chroma": "Chroma", "qwen_image": "QwenImage",
+       "wan": "Wan"}  # tiny set -> family class
 VIDEO_LATENTS = ("qwen_image", "wan")  # the Wan 2.1 VAE's 5-D latents (batch, 16, frames, height/8, width/8)
 TEMPLATED = [family for family in DIT if family != "wan"]  # a template in example_workflows/ (Wan has none yet)
 FAMILIES = {"sd15": "SdUnet", **DIT}
@@ -75,7 +76,7 @@ def _adapter(objects):
 
 def test_the_family_list_is_ordered_with_the_generic_path_last():
     from bridge.families import FAMILIES as LIST
-    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "QwenImage", "Wan", "Generic"]
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Wan", "Generic"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -223,20 +224,23 @@ def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
             assert all(any(p.startswith(f"{unit}.") for unit in inside) for p in hits), suffix
 
 
-def test_fluxs_out_of_place_blocks_compute_exactly_what_comfyuis_blocks_compute(family_objects):
+@pytest.mark.parametrize("family", ["flux_dev", "chroma"])
+def test_fluxs_out_of_place_blocks_compute_exactly_what_comfyuis_blocks_compute(family_objects, family):
     """Flux.prepare swaps the training copy's block forwards for out-of-place ones: every block's output, bit for
-    bit, is what ComfyUI's own forward gives on the same inputs."""
-    adapter = _adapter(family_objects["flux_dev"])
+    bit, is what ComfyUI's own forward gives on the same inputs (Chroma's blocks, FLUX.1's without their own
+    modulation, take the approximator's)."""
+    adapter = _adapter(family_objects[family])
     unet = adapter.training_unet()
     calls = {}
     hooks = [block.register_forward_hook(lambda m, args, kwargs, out: calls.setdefault(m, (args, kwargs, out)) and None,
                                          with_kwargs=True) for block in adapter.family.blocks(unet)]
     generator = torch.Generator().manual_seed(0)
-    config = tiny_dit_assets.FLUX_DEV
+    config = tiny_dit_assets.FLUX_DEV if family == "flux_dev" else tiny_dit_assets.CHROMA
+    pooled = {"y": torch.randn(1, config["vec_in_dim"], generator=generator)} if family == "flux_dev" else {}
     with torch.no_grad():
         unet(torch.randn(1, 16, 8, 8, generator=generator), torch.tensor([0.5]),
              context=torch.randn(1, 256, config["context_in_dim"], generator=generator),
-             y=torch.randn(1, config["vec_in_dim"], generator=generator), guidance=torch.tensor([1.0]))
+             guidance=torch.tensor([1.0]), **pooled)
     for hook in hooks:
         hook.remove()
     assert len(calls) == len(adapter.family.blocks(unet)) == 4
@@ -284,6 +288,8 @@ def _extra_inputs(model) -> dict:
     name = type(model.model).__name__
     if name == "Flux":
         return {"y": torch.zeros(1, model.model.diffusion_model.params.vec_in_dim), "guidance": torch.tensor([3.5])}
+    if name == "Chroma":
+        return {"guidance": torch.tensor([0.0])}
     if name == "Lumina2":
         return {"num_tokens": 8}
     return {}
@@ -416,10 +422,10 @@ _STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, 
 
 
 @pytest.mark.parametrize("family, memory", [("flux_dev", _OFFLOADED), ("z_image", _STREAMED), ("qwen_image", _OFFLOADED),
-                                            ("flux_dev", _STREAMED), ("wan", _STREAMED)],
+                                            ("flux_dev", _STREAMED), ("chroma", _OFFLOADED), ("wan", _STREAMED)],
                          ids=["flux-fp8-half-checkpointed-offloaded", "z_image-streamed-batch2-8bit",
                               "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit",
-                              "wan-streamed-batch2-8bit"])
+                              "chroma-fp8-half-checkpointed-offloaded", "wan-streamed-batch2-8bit"])
 def test_every_memory_technique_runs_on_each_family(family_objects, two_images, family, memory, tmp_path):
     lora = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # step-seeded LoRA dropout through the recompute
     outcome = train_lora(_adapter(family_objects[family]), two_images, memory, lora,
@@ -512,14 +518,16 @@ def test_z_image_loras_load_in_diffusers_with_each_fused_projection_split_exactl
         torch.testing.assert_close(parts, delta, rtol=1e-3, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("family", ["flux_dev", "chroma"])
 def test_flux_lora_names_are_the_kohya_names_diffusers_converts_for_flux_transformer(family_objects, two_images,
-                                                                                    tmp_path):
-    """diffusers reads FLUX.1 LoRAs in kohya's naming (our file's) with FluxPipeline's converter, which splits the
-    fused qkv and linear1 at FLUX.1's own widths (3072 x 3 + 12288, written into it): so our tiny file's keys, with
-    tensors of the full model's shapes, must all be converted (none left over) onto modules of a full-width
-    FluxTransformer2DModel (built on the meta device) whose shapes they fit."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-    trained = _train(family_objects["flux_dev"], two_images, tmp_path, 2, "flux_for_diffusers")
+                                                                                    tmp_path, family):
+    """diffusers reads FLUX.1 and Chroma LoRAs in kohya's naming (our file's) with FluxPipeline's converter (its
+    ChromaPipeline's too), which splits the fused qkv and linear1 at FLUX.1's own widths (3072 x 3 + 12288, written
+    into it): so our tiny file's keys, with tensors of the full model's shapes, must all be converted (none left
+    over) onto modules of a full-width FluxTransformer2DModel / ChromaTransformer2DModel (built on the meta device)
+    whose shapes they fit."""
+    from diffusers import ChromaTransformer2DModel, FluxPipeline, FluxTransformer2DModel
+    trained = _train(family_objects[family], two_images, tmp_path, 2, f"{family}_for_diffusers")
     saved = load_file(str(trained.lora_path))
     hidden, rank = 3072, 4
     out_in = {"img_attn_qkv": (3 * hidden, hidden), "txt_attn_qkv": (3 * hidden, hidden),
@@ -535,7 +543,8 @@ def test_flux_lora_names_are_the_kohya_names_diffusers_converts_for_flux_transfo
     converted = FluxPipeline.lora_state_dict(full)
     converted = converted[0] if isinstance(converted, tuple) else converted
     with torch.device("meta"):
-        transformer = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True)
+        transformer = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True) \
+            if family == "flux_dev" else ChromaTransformer2DModel(num_layers=2, num_single_layers=2)
     modules = dict(transformer.named_modules())
     targets = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in converted}
     # q, k, v (and the single blocks' MLP input) split out of each fused layer: 3 / 4 diffusers modules per module
@@ -732,5 +741,5 @@ def test_flux_dev_trains_each_size_at_the_shift_comfyui_samples_it_with(family_o
     patched = comfy.model_sampling.ModelSamplingFlux()
     patched.set_parameters(shift=0.9)
     assert adapter.family.resolution_shift(patched, (64, 64)) == 1.0
-    for family in ("sd15", "z_image", "qwen_image", "wan"):
+    for family in ("sd15", "z_image", "chroma", "qwen_image", "wan"):  # Chroma: sampled on its own table at every size
         assert _adapter(family_objects[family]).resolution_shift((64, 64)) == 1.0

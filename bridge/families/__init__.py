@@ -2,6 +2,7 @@
 yes trains the model; the generic path comes last. Adding a family: a file here and an entry in FAMILIES."""
 from __future__ import annotations
 
+from .chroma import Chroma
 from .flux import Flux
 from .generic import Generic
 from .qwen_image import QwenImage
@@ -14,7 +15,7 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
 
-FAMILIES = [SdUnet(), ZImage(), Flux(), QwenImage(), Wan(), Generic()]
+FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), Generic()]
 
 
 def family_for(base):

@@ -20,6 +20,8 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
 1. comfy.model_detection.detect_unet_config is wrapped. After ComfyUI's own detection it fills in the widths
    ComfyUI pins, from the file's shapes, keeping the real head width (128) and RoPE axes:
    Flux (image_model "flux", hidden_size != 3072): num_heads = hidden_size // sum(axes_dim).
+   Chroma (image_model "chroma", hidden_size != 3072): the same num_heads, and its approximator's widths and depth
+   (out_dim = hidden_size, hidden_dim and n_layers from distilled_guidance_layer's shapes).
    Lumina 2 with a `cap_pad_token` (only Z-Image has one) and dim not 2304/3840: Z-Image's own settings
    (z_image_modulation, time_scale 1000, axes [32, 48, 48], rope_theta 256, ffn 8/3, pad to 32) with
    n_heads = n_kv_heads = dim // 128.
@@ -28,16 +30,17 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
 2. comfy.model_detection.model_config_from_unet_config is wrapped: such a tiny Z-Image config returns
    comfy.supported_models.ZImage(unet_config), exactly what ComfyUI returns when ZImage matches (it would
    otherwise fall through to Lumina2, with shift 6 instead of 3).
-3. comfy.sd.load_text_encoder_state_dicts (behind CLIPLoader, DualCLIPLoader and comfy.sd.load_clip) is wrapped:
+3. comfy.sd.detect_te_model is wrapped: a narrow T5-XXL file loaded alone (CLIPLoader, Chroma) has 2 blocks, not
+   24, and would be taken for T5-base; it is detected as T5-XXL. So is a narrow umt5-xxl (T5 v1.1 gated blocks, a
+   relative attention bias in every block, encoder width below 4096: Wan's, CLIPLoader type wan), as ComfyUI
+   detects the real file; CLIPLoader type wan then builds its umt5 encoder and tokenizer.
+4. comfy.sd.load_text_encoder_state_dicts (behind CLIPLoader, DualCLIPLoader and comfy.sd.load_clip) is wrapped:
    for a narrow CLIP-L, T5-XXL, umt5-xxl, Qwen3-4B or Qwen2.5-VL-7B state dict it adds ComfyUI's own per-encoder
-   config override, model_options["<t5xxl|umt5xxl|qwen3_4b|qwen25_7b>_model_config"] (read by sd1_clip.SDClipModel and merged
-   into the json / dataclass config), with the widths and depths read from the file. For CLIP-L it is
+   config override, model_options["<t5xxl|umt5xxl|qwen3_4b|qwen25_7b>_model_config"] (read by
+   sd1_clip.SDClipModel and merged into the json / dataclass config), with the widths and depths read from the file. For CLIP-L it is
    model_options["model_config"]: ComfyUI's long-CLIP support (text_encoders/long_clipl.py) rebuilds
    "clip_l_model_config" from that key for every CLIP-L file. ComfyUI's loaders, encoder classes, tokenizers and
    encode code are otherwise unchanged.
-4. comfy.sd.detect_te_model is wrapped: a narrow umt5-xxl state dict (T5 v1.1 gated blocks, a relative attention
-   bias in every block, encoder width below 4096) is TEModel.T5_XXL, what ComfyUI says for the real file (CLIPLoader
-   type wan then builds its umt5 encoder and tokenizer). Every other state dict is detected as before.
 
 Not shrinkable this way: llama.py's head_dim (a class attribute, 128, so Qwen files keep 128-wide heads; the
 Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128), and Qwen2.5-VL's vision tower, built at
@@ -67,6 +70,11 @@ def _tiny_unet_config(cfg: dict | None, sd: dict, prefix: str) -> dict | None:
     model = cfg.get("image_model")
     if model == "flux" and cfg.get("hidden_size", 3072) != 3072:
         cfg["num_heads"] = cfg["hidden_size"] // sum(cfg["axes_dim"])
+    elif model == "chroma" and cfg.get("hidden_size", 3072) != 3072:
+        # Chroma also pins its approximator (out_dim 3072 = the blocks' width, hidden_dim 5120, 5 layers)
+        cfg.update(num_heads=cfg["hidden_size"] // sum(cfg["axes_dim"]), out_dim=cfg["hidden_size"],
+                   hidden_dim=sd[f"{prefix}distilled_guidance_layer.in_proj.weight"].shape[0],
+                   n_layers=_count(sd, rf"{re.escape(prefix)}distilled_guidance_layer\.layers\.(\d+)\."))
     elif model == "lumina2" and cfg["dim"] not in (2304, 3840) and f"{prefix}cap_pad_token" in sd:
         cfg.update(n_heads=cfg["dim"] // _HEAD_DIM, n_kv_heads=cfg["dim"] // _HEAD_DIM, axes_dims=[32, 48, 48],
                    axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
@@ -172,7 +180,14 @@ def _install() -> None:
 
     @functools.wraps(detect_te)
     def detect_te_model(sd):
-        return comfy.sd.TEModel.T5_XXL if _narrow_umt5(sd) else detect_te(sd)
+        if _narrow_umt5(sd):  # Wan's umt5-xxl (CLIPLoader type wan)
+            return comfy.sd.TEModel.T5_XXL
+        # a single T5-XXL (CLIPLoader: Chroma) is told from T5-base by its 24th block, which a 2-block file lacks
+        found = detect_te(sd)
+        if found == comfy.sd.TEModel.T5_BASE and "t5xxl_model_config" in _te_overrides(sd) \
+                and sd["shared.weight"].shape[1] != 768:
+            return comfy.sd.TEModel.T5_XXL
+        return found
 
     for f in (detect_unet_config, model_config_from_unet_config, load_text_encoder_state_dicts, detect_te_model):
         f._leanlora_tiny = True

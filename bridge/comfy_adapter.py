@@ -137,8 +137,11 @@ class ComfyAdapter:
         with torch.inference_mode():
             encoded = dict(self.clip.encode_from_tokens(self.clip.tokenize(caption), return_dict=True))
             cond = encoded.pop("cond")
-            latent_channels = self.family.sample_defaults.latent_channels
-            noise = torch.zeros(1, latent_channels, max(1, height // 8), max(1, width // 8))
+            # a latent of the model's own format (extra_conds reads its shape: Wan builds image channels for any
+            # channels the model takes beyond it), with a time axis of one frame where the latents are video
+            latent_format = self.base.latent_format
+            noise = torch.zeros(1, latent_format.latent_channels, *(1,) * (latent_format.latent_dimensions - 2),
+                                max(1, height // 8), max(1, width // 8))
             conds = self.base.extra_conds(cross_attn=cond, **{**encoded, **self.family.text_conditioning},
                                           width=width, height=height, noise=noise, device=torch.device("cpu"))
         out = {}

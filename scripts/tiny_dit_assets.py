@@ -1,23 +1,27 @@
-"""Tiny, random-weight DiT test assets: Z-Image, FLUX.1-dev, Chroma and Qwen-Image file sets for ComfyUI's stock loaders.
+"""Tiny, random-weight DiT test assets: Z-Image, FLUX.1-dev, Chroma, Qwen-Image and Wan 2.1 T2V file sets for
+ComfyUI's stock loaders.
 
 Each set is what a user downloads for that family, shrunk: a diffusion model for UNETLoader
 (models/diffusion_models/), its text encoder(s) for CLIPLoader / DualCLIPLoader (models/text_encoders/) and its VAE
 for VAELoader (models/vae/). As in tiny_assets.py, the tensors' names and shapes come from ComfyUI's own classes
 (built on the meta device) and their values from a seeded generator, so a file is deterministic for a seed.
 
-ComfyUI 0.3.75 pins these models' widths in code (model_detection.py, t5_config_xxl.json, llama.py), so the
+ComfyUI 0.3.75 pins these models' widths in code (model_detection.py, t5_config_xxl.json, umt5_config_xxl.json,
+llama.py), so the
 narrow files load through the stock loaders only in a ComfyUI that also imported the test-only package
 tests/tiny_dit_configs (see its docstring for exactly what it patches; real files are never affected).
 The two VAEs are the exception: the Flux "ae" (AutoencoderKL, ch 128, 16 latent channels) has its widths pinned in
 comfy.sd.VAE with no override hook, so it is full size (84M parameters, 168 MB in bf16, shared by Flux and
-Z-Image as in the real releases); the Wan 2.1 VAE of Qwen-Image takes its width from the file, so it is tiny.
+Z-Image as in the real releases); the Wan 2.1 VAE of Qwen-Image (and of Wan 2.1 / 2.2 14B) takes its width from the file, so it is tiny.
+Wan's umt5-xxl file carries its SentencePiece tokenizer (`spiece_model`, as the files users download do); the tiny
+one carries ComfyUI's own T5 pile tokenizer model (32,000 pieces) instead of umt5's 256,384-piece one.
 
 For training tests: ComfyUI 0.3.75's Flux blocks add to their residual streams in place (DoubleStreamBlock
 `img += ...`, `txt += ...`; SingleStreamBlock `x += ...`) after a LayerNorm saved that tensor, so a backward pass
 through them fails ("modified by an inplace operation"), with or without checkpointing. Z-Image's and Qwen-Image's
 blocks are out of place and backpropagate as loaded.
 
-CLI:  python scripts/tiny_dit_assets.py BASE_DIR [--family z_image|flux_dev|chroma|qwen_image|all] [--verify]
+CLI:  python scripts/tiny_dit_assets.py BASE_DIR [--family z_image|flux_dev|chroma|qwen_image|wan|all] [--verify]
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ CLIP_L = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num
 T5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2)
 QWEN3_4B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
 QWEN25_7B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+UMT5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_size=32000)  # the pile tokenizer's
 
 # Diffusion models: what ComfyUI's detection (+ tests/tiny_dit_configs) derives from the files' shapes. Widths are
 # multiples of the real 128-wide heads; Z-Image's must be >= 256 (its modulation input is min(dim, 256) while the
@@ -65,6 +70,11 @@ CHROMA = dict(image_model="chroma", in_channels=64, out_channels=64, context_in_
               patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128, n_layers=2)
 QWEN_IMAGE = dict(image_model="qwen_image", in_channels=64, out_channels=16, num_layers=2, attention_head_dim=128,
                   num_attention_heads=2, joint_attention_dim=QWEN25_7B["hidden_size"])
+# Wan 2.1 T2V (and Wan 2.2 T2V-A14B, the same WanModel): detection reads dim, ffn_dim, depth and in/out channels
+# from the file and pins 128-wide heads (num_heads = dim // 128) and text_dim 4096 (the constructor's default).
+WAN21_T2V = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=256,
+                 ffn_dim=512, freq_dim=256, text_dim=UMT5XXL["d_model"], out_dim=16, num_heads=2, num_layers=2,
+                 window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
 
 # VAEs, as comfy.sd.VAE builds them from these files.
 FLUX_AE = dict(double_z=True, z_channels=16, resolution=256, in_channels=3, out_ch=3, ch=128, ch_mult=[1, 2, 4, 4],
@@ -95,6 +105,11 @@ WORKFLOW = {
         "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_2.5_vl_7b.safetensors", "type": "qwen_image"},
         "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},
     },
+    "wan": {
+        "UNETLoader": {"unet_name": "leanlora_tiny_wan2.1_t2v.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_umt5_xxl.safetensors", "type": "wan"},
+        "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},  # the Wan 2.1 VAE itself
+    },
 }
 _FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "clip_name1": "text_encoders",
             "clip_name2": "text_encoders", "vae_name": "vae"}
@@ -105,7 +120,8 @@ _FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "clip
 def _init_tensor(module: torch.nn.Module, pname: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """Fan-in scaled normals for matrices and convs, 0.02 normals for embeddings and pad tokens, ones/zeros for
     norm scales/shifts and biases: every forward pass is finite and depends on its inputs."""
-    if isinstance(module, torch.nn.Embedding) or pname.endswith("pad_token"):
+    if isinstance(module, torch.nn.Embedding) or pname.endswith("pad_token") or pname == "modulation":
+        # (Wan's per-block `modulation` is a learned table added to the timestep's, small like an embedding)
         return torch.randn(shape, generator=gen) * 0.02
     if pname in ("bias", "beta"):
         return torch.zeros(shape)
@@ -211,6 +227,35 @@ def build_qwen_image_model(path: str | Path, seed: int = 0) -> Path:
     return _write(path, f"qwen_image-seed{seed}", make)
 
 
+def build_wan21_t2v_model(path: str | Path, seed: int = 0) -> Path:
+    """Wan 2.1 text-to-video diffusion model (comfy.ldm.wan.model.WanModel, t2v): 2 blocks, 256 wide, bf16."""
+    def make():
+        cfg = {k: v for k, v in WAN21_T2V.items() if k != "image_model"}
+        def build(comfy, ops):
+            import comfy.ldm.wan.model
+            return comfy.ldm.wan.model.WanModel(image_model="wan2.1", dtype=torch.float32, device="meta",
+                                                operations=ops, **cfg)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"wan21_t2v-seed{seed}", make)
+
+
+def build_umt5_xxl(path: str | Path, seed: int = 0) -> Path:
+    """Wan's text encoder (comfy.text_encoders.t5.T5 as umt5: relative attention bias in every block, the layout
+    of umt5_xxl_fp16.safetensors), fp16, with a SentencePiece tokenizer as `spiece_model` (see the docstring)."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.wan
+            with open(Path(comfy.text_encoders.wan.__file__).parent / "umt5_config_xxl.json") as f:
+                config = {**json.load(f), **UMT5XXL}
+            return comfy.text_encoders.t5.T5(config, torch.float32, "meta", ops)
+        sd = _state_dict(_on_meta(build), seed, torch.float16)
+        import comfy.text_encoders.t5
+        tokenizer = Path(comfy.text_encoders.t5.__file__).parent / "t5_pile_tokenizer" / "tokenizer.model"
+        sd["spiece_model"] = torch.frombuffer(bytearray(tokenizer.read_bytes()), dtype=torch.uint8)
+        return sd
+    return _write(path, f"umt5_xxl-seed{seed}", make)
+
+
 def build_clip_l(path: str | Path, seed: int = 0) -> Path:
     """CLIP-L text encoder (comfy.clip_model.CLIPTextModel, the layout of clip_l.safetensors), fp16."""
     def make():
@@ -293,6 +338,8 @@ _BUILDERS = {
     "leanlora_tiny_qwen_2.5_vl_7b.safetensors": build_qwen25_vl_7b,
     "leanlora_tiny_ae.safetensors": build_flux_ae,
     "leanlora_tiny_qwen_image_vae.safetensors": build_wan21_vae,
+    "leanlora_tiny_wan2.1_t2v.safetensors": build_wan21_t2v_model,
+    "leanlora_tiny_umt5_xxl.safetensors": build_umt5_xxl,
 }
 
 
@@ -316,6 +363,10 @@ def build_flux_dev_set(base_dir: str | Path, seed: int = 0) -> dict[str, Path]:
 
 def build_qwen_image_set(base_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     return build_family(base_dir, "qwen_image", seed)
+
+
+def build_wan_set(base_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    return build_family(base_dir, "wan", seed)
 
 
 def build_all(base_dir: str | Path, seed: int = 0) -> dict[str, dict[str, Path]]:

@@ -1,5 +1,5 @@
 """One conformance test over the adapter types (trainer/lora: ADAPTER_TYPES) x the model families with tiny models
-here (the SD1.5 UNet, Z-Image, FLUX.1-dev, Qwen-Image): inject -> train (the loss on the same draws goes down) ->
+here (the SD1.5 UNet, Z-Image, FLUX.1-dev, Qwen-Image, Wan): inject -> train (the loss on the same draws goes down) ->
 export -> ComfyUI's own loader applies every key, to the weights the trained layers compute -> continue_from reads
 the file back equal -> an exact resume equals the uninterrupted run -> the user's MODEL is unchanged. Then the
 types on fp8 and streamed base weights (the bridge's cast path), and the refusals a user can meet."""
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from test_families import (DIT, FP32_CHECKPOINTED, _adapter, _base_output, _fingerprint, dit_files,  # noqa: F401
-                           family_objects, two_images)
+                           family_objects, latent_shape, two_images)
 from trainer.errors import LeanLoRAError
 from trainer.lora import ADAPTER_TYPES, adapter_type, inject_lora, kohya_state_dict
 from trainer.lora.continue_from import check_file, continue_from_file
@@ -51,7 +51,7 @@ def _run(objects, dataset, folder, steps, name, lora, **train):
 def _output(model, family) -> bytes:
     """The base model's prediction on fixed inputs, as ComfyUI's sampler calls it."""
     if family != "sd15":
-        return _base_output(model, (1, 16, 1, 8, 8) if family == "qwen_image" else (1, 16, 8, 8))
+        return _base_output(model, latent_shape(family))
     state = model.model.diffusion_model.state_dict()
     width = next(v.shape[1] for k, v in state.items() if k.endswith("attn2.to_k.weight"))
     with torch.inference_mode():

@@ -26,7 +26,10 @@ from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySetti
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX
 
-DIT = {"z_image": "ZImage", "flux_dev": "Flux", "chroma": "Chroma", "qwen_image": "QwenImage"}  # tiny set -> family class
+DIT = {"z_image": "ZImage", "flux_dev": "Flux", "chroma": "Chroma", "qwen_image": "QwenImage",
+       "wan": "Wan"}  # tiny set -> family class
+VIDEO_LATENTS = ("qwen_image", "wan")  # the Wan 2.1 VAE's 5-D latents (batch, 16, frames, height/8, width/8)
+TEMPLATED = [family for family in DIT if family != "wan"]  # a template in example_workflows/ (Wan has none yet)
 FAMILIES = {"sd15": "SdUnet", **DIT}
 FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible; checkpointing recomputes blocks
 LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
@@ -73,7 +76,7 @@ def _adapter(objects):
 
 def test_the_family_list_is_ordered_with_the_generic_path_last():
     from bridge.families import FAMILIES as LIST
-    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Generic"]
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Wan", "Generic"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -97,7 +100,7 @@ def test_a_model_no_family_knows_is_refused_naming_it_and_the_families():
     class AudioModel:
         diffusion_model = Pixels()
     with pytest.raises(LeanLoRAError, match=r"cannot train this MODEL \(AudioModel, diffusion model Pixels\).*"
-                                            r"SD1.x/SD2.x/SDXL UNet.*Z-Image.*FLUX.1.*Qwen-Image.*generic"):
+                                            r"SD1.x/SD2.x/SDXL UNet.*Z-Image.*FLUX.1.*Qwen-Image.*Wan 2.1/2.2 T2V.*generic"):
         family_for(AudioModel())
 
 
@@ -128,6 +131,38 @@ def test_the_generic_path_trains_any_repeated_linear_blocks_and_says_it_cannot_g
     assert set(generic.checkpoint_units(net, latent_size=(8, 8))) == set(net.blocks)
 
 
+@pytest.mark.parametrize("variant, channels, refusal", [
+    ("i2v", (36, 16), r"this Wan model \(WAN21_T2V\) is an image-to-video or control model: it takes 20 extra input "
+                      r"channels"),
+    ("ti2v_5b", (48, 48), r"Wan 2\.2 TI2V-5B \(48-channel latents of the Wan 2\.2 VAE\) is not supported"),
+    ("i2v_generic", (36, 16), r"WAN21 takes extra input channels \(inpainting/edit/video conditioning\), which the "
+                              r"generic path does not build"),
+], ids=["i2v", "ti2v_5b", "i2v_generic"])
+def test_wan_models_that_need_conditioning_it_does_not_build_are_refused_before_training(
+        dit_files, family_objects, variant, channels, refusal, monkeypatch):
+    """The tiny Wan T2V file with the input (and output) channels of an image-to-video or control model, or of Wan
+    2.2 TI2V-5B, loaded as ComfyUI loads such files: Train says what it cannot build, naming the model. Without the
+    Wan family the generic path refuses the image-to-video model too (its concat_cond adds channels)."""
+    import comfy.sd
+    import bridge.families as families
+    from trainer.errors import LeanLoRAError
+    if variant.endswith("generic"):
+        monkeypatch.setattr(families, "FAMILIES", [families.Generic()])
+    state = load_file(str(dit_files["wan"]["unet_name"]))
+    inputs, outputs = channels
+    embed = state["patch_embedding.weight"]
+    state["patch_embedding.weight"] = torch.zeros(embed.shape[0], inputs, *embed.shape[2:], dtype=embed.dtype)
+    patch = 4  # (1, 2, 2)
+    state["head.head.weight"] = torch.zeros(outputs * patch, state["head.head.weight"].shape[1], dtype=embed.dtype)
+    state["head.head.bias"] = torch.zeros(outputs * patch, dtype=embed.dtype)
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model_state_dict(state)
+    assert type(model.model).__name__ == ("WAN22" if variant == "ti2v_5b" else "WAN21")
+    _, clip, vae = family_objects["wan"]
+    with pytest.raises(LeanLoRAError, match=rf"LeanLoRA Train: {refusal}"):
+        _adapter((model, clip, vae))
+
+
 def test_a_machine_without_the_ram_for_the_private_copy_gets_the_numbers_before_training(family_objects, monkeypatch):
     import bridge.comfy_adapter as comfy_adapter
     from trainer.errors import LeanLoRAError
@@ -141,19 +176,23 @@ def test_a_machine_without_the_ram_for_the_private_copy_gets_the_numbers_before_
     assert adapter.training_unet() is not None
 
 
+@pytest.mark.parametrize("family, config", [("qwen_image", "QwenImage"), ("wan", "WAN21_T2V")])
 def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, two_images, tmp_path, monkeypatch,
-                                                                 caplog):
-    """Qwen-Image as if no family knew it: ComfyUI core's approach (LoRA on the Linear layers of the repeated
-    blocks, the loss through model_sampling) trains it, and ComfyUI applies every key of the file."""
+                                                                 caplog, family, config):
+    """Qwen-Image and Wan as if no family knew them: ComfyUI core's approach (LoRA on the Linear layers of the
+    repeated blocks, the loss through model_sampling) trains them, and ComfyUI applies every key of the file. The
+    conditioning is built for a latent of the model's own format: Wan's extra_conds adds zero image channels (an
+    image-to-video input) for any channels a latent lacks."""
     import comfy.sd
     import bridge.families as families
     monkeypatch.setattr(families, "FAMILIES", [families.Generic()])
-    model = family_objects["qwen_image"][0]
-    adapter = _adapter(family_objects["qwen_image"])
+    model = family_objects[family][0]
+    adapter = _adapter(family_objects[family])
     assert type(adapter.family).__name__ == "Generic" and "via the generic path" in adapter.describe()
-    assert adapter.graph_blocker and adapter.identity().name == "QwenImage (generic)"
-    outcome = train_lora(adapter, two_images, FP32_CHECKPOINTED, LORA, TrainSettings(2, 1e-3, 0, "generic"), tmp_path,
-                         lambda **event: None, lambda: False)
+    assert adapter.graph_blocker and adapter.identity().name == f"{config} (generic)"
+    assert set(adapter.encode_text(PROMPT, 64, 64)) == {"c_crossattn"}
+    outcome = train_lora(adapter, two_images, FP32_CHECKPOINTED, LORA, TrainSettings(2, 1e-3, 0, f"generic_{family}"),
+                         tmp_path, lambda **event: None, lambda: False)
     assert "via the generic path" in outcome.report and all(np.isfinite(outcome.losses))
     assert re.search(r"host RAM: this process's peak since it started \d+\.\d\d GiB", outcome.report)
     saved = load_file(str(outcome.lora_path))
@@ -236,7 +275,13 @@ def _base_output(model, latent_shape) -> bytes:
 
 def _context_key(model) -> str:
     state = model.model.diffusion_model.state_dict()
-    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight") if k in state)
+    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight", "text_embedding.0.weight")
+                if k in state)
+
+
+def latent_shape(family: str) -> tuple[int, ...]:
+    """A 64-pixel square latent of the family's VAE."""
+    return (1, 16, 1, 8, 8) if family in VIDEO_LATENTS else (1, 4, 8, 8) if family == "sd15" else (1, 16, 8, 8)
 
 
 def _extra_inputs(model) -> dict:
@@ -263,8 +308,7 @@ def test_a_family_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_t
     import comfy.lora
     import comfy.sd
     model, clip, _ = family_objects[family]
-    latent_shape = (1, 16, 1, 8, 8) if family == "qwen_image" else (1, 16, 8, 8)
-    weights_before, output_before = _fingerprint(model), _base_output(model, latent_shape)
+    weights_before, output_before = _fingerprint(model), _base_output(model, latent_shape(family))
 
     straight = _train(family_objects[family], two_images, tmp_path / "straight", 4, family, save_every_steps=2)
     assert straight.lora_path.is_file() and not straight.partial and len(straight.losses) == 4
@@ -295,7 +339,7 @@ def test_a_family_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_t
     assert f"{len(modules)} modules loaded" in continued.report and "4 steps recorded" in continued.report
 
     assert _fingerprint(model) == weights_before
-    assert _base_output(model, latent_shape) == output_before
+    assert _base_output(model, latent_shape(family)) == output_before
 
 
 @pytest.mark.parametrize("family", DIT)
@@ -365,10 +409,10 @@ def test_samples_during_training_render_with_the_familys_sampler(family_objects,
     [path] = renderer(3, kohya_state_dict(unet, inject))
     image = Image.open(path)
     assert path.name == "step3_0.png" and image.size == (64, 64)
-    assert "euler simple" in image.text["parameters"]
+    assert f"{adapter.family.sample_defaults.sampler} simple" in image.text["parameters"]
     from trainer.errors import LeanLoRAError
     with pytest.raises(LeanLoRAError, match=rf"sample_size: got 4096; {adapter.family.sample_limits.family} samples "
-                                            r"are at most 2048 px \(its native size is 1\d\d\d\)"):
+                                            r"are at most 2048 px \(its native size is 1\d\d\d\D"):
         SampleSettings((PROMPT,), every_steps=5, size=4096).check_within(adapter.family.sample_limits)
 
 
@@ -378,10 +422,10 @@ _STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, 
 
 
 @pytest.mark.parametrize("family, memory", [("flux_dev", _OFFLOADED), ("z_image", _STREAMED), ("qwen_image", _OFFLOADED),
-                                            ("flux_dev", _STREAMED), ("chroma", _OFFLOADED)],
+                                            ("flux_dev", _STREAMED), ("chroma", _OFFLOADED), ("wan", _STREAMED)],
                          ids=["flux-fp8-half-checkpointed-offloaded", "z_image-streamed-batch2-8bit",
                               "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit",
-                              "chroma-fp8-half-checkpointed-offloaded"])
+                              "chroma-fp8-half-checkpointed-offloaded", "wan-streamed-batch2-8bit"])
 def test_every_memory_technique_runs_on_each_family(family_objects, two_images, family, memory, tmp_path):
     lora = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # step-seeded LoRA dropout through the recompute
     outcome = train_lora(_adapter(family_objects[family]), two_images, memory, lora,
@@ -613,6 +657,24 @@ def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server
     assert np.array_equal(_saved(comfy_server, before, "14"), _saved(comfy_server, after, "14"))
 
 
+@pytest.mark.comfy
+def test_wan_trains_with_samples_of_one_frame_through_the_stock_loaders(comfy_server, dit_files):
+    """Train's sample prompts on Wan in a real server: ComfyUI's sampler (the family's uni_pc / simple) renders a
+    one-frame latent, the Wan VAE decodes it, and each sample is one 64x64 image."""
+    info = comfy_server.object_info()
+    prompt = {**_loaders("wan"), **_training(info, "wan")}
+    prompt["7"]["inputs"].update(steps=2, output_name="server_wan_samples", sample_prompts=PROMPT,
+                                 sample_every_n_steps=2, sample_size=64, sample_steps=2, sample_cfg=1.0)
+    entry = comfy_server.run(prompt, timeout=900)
+    assert entry["status"]["status_str"] == "success", execution_error(entry)
+    report = entry["outputs"]["8"]["text"][0]
+    assert "Wan T2V (2 blocks" in report and "each image trains as a one-frame video" in report
+    assert "samples every 2 steps: 1 images rendered" in report, report
+    [image] = (comfy_server.base_dir / "output" / "leanlora_samples" / "server_wan_samples").glob("step2_0.png")
+    with Image.open(image) as png:
+        assert png.size == (64, 64) and "uni_pc simple" in png.text["parameters"]
+
+
 # --- the shipped per-family templates -------------------------------------------------------------------------
 
 def _tiny_overrides(family: str, prompt: dict) -> dict:
@@ -627,7 +689,7 @@ def _tiny_overrides(family: str, prompt: dict) -> dict:
 
 
 @pytest.mark.comfy
-@pytest.mark.parametrize("family", DIT)
+@pytest.mark.parametrize("family", TEMPLATED)
 def test_each_familys_template_is_current_and_trains_then_samples_on_its_models(comfy_server, dit_files, family):
     import json
 
@@ -679,5 +741,5 @@ def test_flux_dev_trains_each_size_at_the_shift_comfyui_samples_it_with(family_o
     patched = comfy.model_sampling.ModelSamplingFlux()
     patched.set_parameters(shift=0.9)
     assert adapter.family.resolution_shift(patched, (64, 64)) == 1.0
-    for family in ("sd15", "z_image", "chroma", "qwen_image"):  # Chroma: sampled on its own table at every size
+    for family in ("sd15", "z_image", "chroma", "qwen_image", "wan"):  # Chroma: sampled on its own table at every size
         assert _adapter(family_objects[family]).resolution_shift((64, 64)) == 1.0

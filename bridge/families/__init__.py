@@ -7,6 +7,7 @@ from .flux import Flux
 from .generic import Generic
 from .qwen_image import QwenImage
 from .sd_unet import SdUnet
+from .wan import Wan
 from .z_image import ZImage
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
@@ -14,7 +15,7 @@ if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI i
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
 
-FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Generic()]
+FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), Generic()]
 
 
 def family_for(base):

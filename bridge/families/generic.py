@@ -25,6 +25,20 @@ _ATTENTION = re.compile(r"(^|\.)(attn\w*|attention\w*|self_attn|cross_attn)\.|(^
                         r"|v_proj|o_proj|out_proj|to_add_out|add_[qkv]_proj)(\.|$)")
 
 
+def _builds_concat_channels(base) -> bool:
+    """Whether the model's own concat_cond adds input channels to a plain latent of its format (e.g. Wan's
+    image-to-video models: zero image and mask channels). Such a model's diffusion model cannot take the latent
+    alone, and the generic path does not concatenate them."""
+    latent_format = getattr(base, "latent_format", None)
+    if latent_format is None or not hasattr(base, "concat_cond"):
+        return False
+    noise = torch.zeros(1, latent_format.latent_channels, *(1,) * (latent_format.latent_dimensions - 2), 8, 8)
+    try:
+        return base.concat_cond(noise=noise, device=torch.device("cpu")) is not None
+    except (KeyError, TypeError, AttributeError):  # a concat_cond that needs inputs only a sampler has
+        return False
+
+
 class Generic:
     name = "generic (any ComfyUI diffusion model of comfy.ops Linear layers)"
     timestep_sampling = TimestepSampling.UNIFORM
@@ -41,7 +55,7 @@ class Generic:
         return isinstance(unet, torch.nn.Module) and bool(linear_paths(unet, repeated_blocks(unet)))
 
     def unsupported(self, base) -> str | None:
-        if getattr(base, "concat_keys", ()):
+        if getattr(base, "concat_keys", ()) or _builds_concat_channels(base):
             return (f"{type(base).__name__} takes extra input channels (inpainting/edit/video conditioning), which "
                     "the generic path does not build")
         return None

@@ -8,8 +8,11 @@ models from tensor shapes but pins their *widths* in code, so a small file would
   so hidden_size must be 3072; Qwen-Image keeps the class defaults num_attention_heads=24 and
   joint_attention_dim=3584; Z-Image's settings (heads, RoPE axes, z_image_modulation, ...) are set only when
   dim == 3840, and supported_models.ZImage matches only dim 3840 (any other width becomes plain Lumina 2).
-- Text encoders: T5-XXL's width comes from t5_config_xxl.json, CLIP-L's from sd1_clip_config.json, Qwen3-4B's and
-  Qwen2.5-VL-7B's from dataclasses in comfy/text_encoders/llama.py; the loaders never look at the file's shapes.
+  Wan 2.1 derives heads from dim (128 wide, as here) but keeps the constructor's text_dim=4096 (umt5-xxl's width).
+- Text encoders: T5-XXL's width comes from t5_config_xxl.json, umt5-xxl's from umt5_config_xxl.json, CLIP-L's from
+  sd1_clip_config.json, Qwen3-4B's and Qwen2.5-VL-7B's from dataclasses in comfy/text_encoders/llama.py; the loaders
+  never look at the file's shapes. comfy.sd.detect_te_model knows a T5-XXL or umt5-xxl only by its 24th block
+  (encoder.block.23) being 4096 wide; a narrower one is taken for T5-base.
 
 What is patched, at import, and only for files narrower than the real model (a real file is never affected,
 so the SD1.5 fixture and real models load exactly as before in the same server):
@@ -23,15 +26,18 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    (z_image_modulation, time_scale 1000, axes [32, 48, 48], rope_theta 256, ffn 8/3, pad to 32) with
    n_heads = n_kv_heads = dim // 128.
    Qwen-Image (img_in width != 3072): num_attention_heads = width // 128, joint_attention_dim = txt_in width.
+   Wan 2.1 (text_embedding.0 input width != 4096): text_dim = that width.
 2. comfy.model_detection.model_config_from_unet_config is wrapped: such a tiny Z-Image config returns
    comfy.supported_models.ZImage(unet_config), exactly what ComfyUI returns when ZImage matches (it would
    otherwise fall through to Lumina2, with shift 6 instead of 3).
 3. comfy.sd.detect_te_model is wrapped: a narrow T5-XXL file loaded alone (CLIPLoader, Chroma) has 2 blocks, not
-   24, and would be taken for T5-base; it is detected as T5-XXL.
+   24, and would be taken for T5-base; it is detected as T5-XXL. So is a narrow umt5-xxl (T5 v1.1 gated blocks, a
+   relative attention bias in every block, encoder width below 4096: Wan's, CLIPLoader type wan), as ComfyUI
+   detects the real file; CLIPLoader type wan then builds its umt5 encoder and tokenizer.
 4. comfy.sd.load_text_encoder_state_dicts (behind CLIPLoader, DualCLIPLoader and comfy.sd.load_clip) is wrapped:
-   for a narrow CLIP-L, T5-XXL, Qwen3-4B or Qwen2.5-VL-7B state dict it adds ComfyUI's own per-encoder config
-   override, model_options["<t5xxl|qwen3_4b|qwen25_7b>_model_config"] (read by sd1_clip.SDClipModel and merged
-   into the json / dataclass config), with the widths and depths read from the file. For CLIP-L it is
+   for a narrow CLIP-L, T5-XXL, umt5-xxl, Qwen3-4B or Qwen2.5-VL-7B state dict it adds ComfyUI's own per-encoder
+   config override, model_options["<t5xxl|umt5xxl|qwen3_4b|qwen25_7b>_model_config"] (read by
+   sd1_clip.SDClipModel and merged into the json / dataclass config), with the widths and depths read from the file. For CLIP-L it is
    model_options["model_config"]: ComfyUI's long-CLIP support (text_encoders/long_clipl.py) rebuilds
    "clip_l_model_config" from that key for every CLIP-L file. ComfyUI's loaders, encoder classes, tokenizers and
    encode code are otherwise unchanged.
@@ -73,6 +79,8 @@ def _tiny_unet_config(cfg: dict | None, sd: dict, prefix: str) -> dict | None:
         cfg.update(n_heads=cfg["dim"] // _HEAD_DIM, n_kv_heads=cfg["dim"] // _HEAD_DIM, axes_dims=[32, 48, 48],
                    axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
                    z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
+    elif model == "wan2.1" and sd[f"{prefix}text_embedding.0.weight"].shape[1] != 4096:
+        cfg["text_dim"] = sd[f"{prefix}text_embedding.0.weight"].shape[1]
     elif model == "qwen_image" and sd[f"{prefix}img_in.weight"].shape[0] != 3072:
         cfg["num_attention_heads"] = sd[f"{prefix}img_in.weight"].shape[0] // _HEAD_DIM
         cfg["joint_attention_dim"] = sd[f"{prefix}txt_in.weight"].shape[1]
@@ -94,6 +102,13 @@ def _te_overrides(sd: dict) -> dict:
             num_hidden_layers=_count(sd, r"model\.layers\.(\d+)\."),
             num_attention_heads=sd["model.layers.0.self_attn.q_proj.weight"].shape[0] // _HEAD_DIM,
             num_key_value_heads=sd["model.layers.0.self_attn.k_proj.weight"].shape[0] // _HEAD_DIM)}
+    if _narrow_umt5(sd):  # Wan's umt5-xxl (umt5_config_xxl.json)
+        heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
+        return {"umt5xxl_model_config": dict(
+            vocab_size=sd["shared.weight"].shape[0], d_model=sd["shared.weight"].shape[1], num_heads=heads,
+            d_kv=sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0] // heads,
+            d_ff=sd["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0],
+            num_layers=_count(sd, r"encoder\.block\.(\d+)\."))}
     if "shared.weight" in sd and "encoder.block.0.layer.1.DenseReluDense.wi_1.weight" in sd:  # T5 v1.1 (XXL)
         vocab, d_model = sd["shared.weight"].shape
         if d_model == 4096:
@@ -116,6 +131,13 @@ def _te_overrides(sd: dict) -> dict:
     return {}
 
 
+def _narrow_umt5(sd: dict) -> bool:
+    """A umt5 encoder (every block has its own relative attention bias) narrower than umt5-xxl's 4096."""
+    return ("shared.weight" in sd and "encoder.block.0.layer.1.DenseReluDense.wi_1.weight" in sd
+            and "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" in sd
+            and sd["shared.weight"].shape[1] != 4096)
+
+
 def _install() -> None:
     import comfy.model_detection as md
     import comfy.sd
@@ -127,6 +149,7 @@ def _install() -> None:
     detect = md.detect_unet_config
     config_from_unet_config = md.model_config_from_unet_config
     load_te = comfy.sd.load_text_encoder_state_dicts
+    detect_te = comfy.sd.detect_te_model
 
     @functools.wraps(detect)
     def detect_unet_config(state_dict, key_prefix, metadata=None):
@@ -155,10 +178,10 @@ def _install() -> None:
         return load_te(state_dicts, embedding_directory=embedding_directory, clip_type=clip_type,
                        model_options=model_options)
 
-    detect_te = comfy.sd.detect_te_model
-
     @functools.wraps(detect_te)
     def detect_te_model(sd):
+        if _narrow_umt5(sd):  # Wan's umt5-xxl (CLIPLoader type wan)
+            return comfy.sd.TEModel.T5_XXL
         # a single T5-XXL (CLIPLoader: Chroma) is told from T5-base by its 24th block, which a 2-block file lacks
         found = detect_te(sd)
         if found == comfy.sd.TEModel.T5_BASE and "t5xxl_model_config" in _te_overrides(sd) \
@@ -171,7 +194,7 @@ def _install() -> None:
     md.detect_unet_config = detect_unet_config
     md.model_config_from_unet_config = model_config_from_unet_config
     comfy.sd.load_text_encoder_state_dicts = load_text_encoder_state_dicts
-    comfy.sd.detect_te_model = detect_te_model
+    comfy.sd.detect_te_model = detect_te_model  # looked up as a module global by load_text_encoder_state_dicts
 
 
 _install()

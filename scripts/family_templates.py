@@ -50,6 +50,18 @@ FAMILIES = {
                  "models/text_encoders: t5xxl_fp8_e4m3fn.safetensors (CLIPLoader type chroma); models/vae: "
                  "ae.safetensors",
     },
+    "wan": {
+        "title": "Wan 2.1",
+        "loaders": {"UNETLoader": {"unet_name": "wan2.1_t2v_14B_fp8_e4m3fn.safetensors", "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"},
+                    "VAELoader": {"vae_name": "wan_2.1_vae.safetensors"}},
+        # ComfyUI's Wan text-to-video template's sampler; one frame: the LoRA's images
+        "sampler": {"steps": 30, "cfg": 6.0, "sampler_name": "uni_pc"},
+        "latent": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"length": 1}},
+        "files": "models/diffusion_models: wan2.1_t2v_14B_fp8_e4m3fn.safetensors (or the 1.3B, or one of Wan 2.2 "
+                 "A14B's two experts: the LoRA trains on the one loaded); models/text_encoders: "
+                 "umt5_xxl_fp8_e4m3fn_scaled.safetensors (CLIPLoader type wan); models/vae: wan_2.1_vae.safetensors",
+    },
     "qwen_image": {
         "title": "Qwen-Image",
         "loaders": {"UNETLoader": {"unet_name": "qwen_image_fp8_e4m3fn.safetensors", "weight_dtype": "default"},
@@ -72,6 +84,7 @@ def family_prompt(family: str) -> dict:
     spec = FAMILIES[family]
     clip_loader = "DualCLIPLoader" if "DualCLIPLoader" in spec["loaders"] else "CLIPLoader"
     prompt_text = f"{TRIGGER}, a photo"
+    latent = spec.get("latent", {"class_type": "EmptySD3LatentImage"})  # a video model: its latent of one frame
     return {
         "1": {"class_type": "UNETLoader", "inputs": dict(spec["loaders"]["UNETLoader"])},
         "2": {"class_type": clip_loader, "inputs": dict(spec["loaders"][clip_loader])},
@@ -86,8 +99,9 @@ def family_prompt(family: str) -> dict:
                          "memory": ["5", 0], "lora_config": ["6", 0]}},
         "8": {"class_type": "CLIPTextEncode", "inputs": {"text": prompt_text, "clip": ["7", 1]}},
         "9": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["7", 1]}},
-        "10": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
-        "11": {"class_type": "KSampler", "inputs": {"seed": 42, **spec["sampler"], "sampler_name": "euler",
+        "10": {"class_type": latent["class_type"],
+               "inputs": {"width": 1024, "height": 1024, **latent.get("inputs", {}), "batch_size": 1}},
+        "11": {"class_type": "KSampler", "inputs": {"seed": 42, "sampler_name": "euler", **spec["sampler"],
                                                     "scheduler": "simple", "denoise": 1.0, "model": ["7", 0],
                                                     "positive": ["8", 0], "negative": ["9", 0],
                                                     "latent_image": ["10", 0]}},
@@ -117,7 +131,8 @@ def family_template(family: str, object_info: dict) -> dict:
                  "used by the sampler on the right in the same run."},
         {"pos": (1160, 680), "size": (340, 140),
          "text": f"The trigger word ({TRIGGER}) is added to every caption; keep it in your prompts. The sampler "
-                 "uses the family's usual settings (euler, simple schedule)."},
+                 f"uses the family's usual settings ({spec['sampler'].get('sampler_name', 'euler')}, simple "
+                 "schedule)."},
     ]
     titles = {"4": "LeanLoRA Dataset (your image folder)", "1": f"Load Diffusion Model ({spec['title']})"}
     return api_to_ui(family_prompt(family), object_info, LAYOUT, titles, notes)

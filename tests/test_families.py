@@ -29,7 +29,7 @@ from trainer.training_state import STATE_SUFFIX
 DIT = {"z_image": "ZImage", "flux_dev": "Flux", "chroma": "Chroma", "qwen_image": "QwenImage",
        "wan": "Wan"}  # tiny set -> family class
 VIDEO_LATENTS = ("qwen_image", "wan")  # the Wan 2.1 VAE's 5-D latents (batch, 16, frames, height/8, width/8)
-TEMPLATED = [family for family in DIT if family != "wan"]  # a template in example_workflows/ (Wan has none yet)
+
 FAMILIES = {"sd15": "SdUnet", **DIT}
 FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible; checkpointing recomputes blocks
 LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
@@ -689,7 +689,7 @@ def _tiny_overrides(family: str, prompt: dict) -> dict:
 
 
 @pytest.mark.comfy
-@pytest.mark.parametrize("family", TEMPLATED)
+@pytest.mark.parametrize("family", DIT)
 def test_each_familys_template_is_current_and_trains_then_samples_on_its_models(comfy_server, dit_files, family):
     import json
 

@@ -209,3 +209,36 @@ def test_dit_smoke_wan_trains_and_samples_in_a_live_server(tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [(r["server"], r["status"], r["steps_done"]) for r in rows] == [("smoke_wan_cpu", "ok", 3)]
     assert "Prompt executed" in (out / "servers" / "smoke_wan_cpu" / "comfyui.log").read_text()
+
+
+def test_dit_full_size_files_are_detected_as_comfyui_detects_the_real_ones():
+    """The full-size key sets and shapes (meta tensors in the files' dtypes): ComfyUI 0.3.75's detection gives
+    exactly the configs bench.dit_assets builds (the rest are the constructors' defaults) and the text-encoder
+    options the real fp8 files get (scaled fp8 for Qwen2.5-VL-7B and umt5-xxl)."""
+    import torch
+    import comfy.model_detection as md
+    import comfy.sd
+    from bench import dit_assets as da
+
+    def meta_sd(kind):
+        module, dtype_of, skip, extra, _loaded = da._RECIPES[kind]
+        root = module(False)
+        sd = {k: torch.empty(shape, dtype=dtype, device="meta")
+              for k, _m, _p, shape, dtype in da._entries(root, dtype_of, skip)}
+        return {**sd, **(extra(root, dtype_of, skip) if extra else {})}
+
+    for kind, full, model_config in [("qwen_image", da.QWEN_IMAGE_FULL, "QwenImage"), ("chroma", da.CHROMA_FULL, "Chroma"),
+                                     ("wan", da.WAN21_T2V_14B, "WAN21_T2V")]:
+        sd = meta_sd(kind)
+        detected = md.detect_unet_config(sd, "")
+        assert type(md.model_config_from_unet_config(detected, sd)).__name__ == model_config
+        for key, value in detected.items():
+            if key in full:
+                assert (list(value) if isinstance(value, tuple) else value) == \
+                    (list(full[key]) if isinstance(full[key], tuple) else full[key]), (kind, key)
+    sd = meta_sd("qwen25_7b_fp8")
+    assert comfy.sd.detect_te_model(sd) == comfy.sd.TEModel.QWEN25_7B
+    assert comfy.sd.llama_detect([sd]) == {"dtype_llama": torch.bfloat16, "llama_scaled_fp8": torch.float8_e4m3fn}
+    sd = meta_sd("umt5_xxl_fp8")
+    assert comfy.sd.detect_te_model(sd) == comfy.sd.TEModel.T5_XXL
+    assert comfy.sd.t5xxl_detect([sd]) == {"dtype_t5": torch.float16, "t5xxl_scaled_fp8": torch.float8_e4m3fn}

@@ -1,7 +1,8 @@
 """The GPU server matrix (bench/server_matrix.py) end to end on the CPU, before any device time is spent: a real
 ComfyUI with this pack, tiny SD1.5 files in both forms, train + KSampler, Cancel then a new queue, the base image
 pixel-identical after training, ComfyUI's own trainer as the peer rows queue it; plus the card-emulation launcher's ordering and the SDXL file layouts (shapes
-only, on the meta device)."""
+only, on the meta device); and the DiT matrix's newer families (Qwen-Image, Chroma, Wan): prompts, plans, full-size
+files (meta device: detection, sizes), tiny files through the stock loaders, one live CPU smoke server (Wan)."""
 import json
 import os
 import subprocess

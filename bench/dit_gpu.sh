@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The DiT server matrix (bench/dit_matrix.py) as one device command on the GPU machine (repo root, .gpu/ carried:
-# bash bench/prepare_gpu_carry.sh, then the two tokenizers these families need, which that carry leaves out:
-#   (cd .cache/comfyui && tar czf ../../.gpu/dit_tokenizers.tgz comfy/text_encoders/qwen25_tokenizer comfy/text_encoders/t5_tokenizer)
-#   LIMIT_S=560 bash bench/dit_gpu.sh PLAN OUT_DIR      PLAN: z_image | flux_dev | flux_peer | flux_all
+# bash bench/prepare_gpu_carry.sh, then the tokenizers these families need, which that carry leaves out: Qwen2.5's
+# (Qwen-Image), T5's (FLUX.1-dev, Chroma) and T5 pile's (its SentencePiece model goes into the random umt5-xxl file
+# as `spiece_model`, which CLIPLoader type wan reads; Z-Image's Qwen3 reads qwen25_tokenizer too):
+#   (cd .cache/comfyui && tar czf ../../.gpu/dit_tokenizers.tgz comfy/text_encoders/qwen25_tokenizer comfy/text_encoders/t5_tokenizer comfy/text_encoders/t5_pile_tokenizer)
+#   LIMIT_S=560 bash bench/dit_gpu.sh PLAN OUT_DIR
+#   PLAN: z_image | flux_dev | flux_peer | flux_all | cards24 | qwen_image | chroma | wan
 # Installs the carried wheels into /tmp/site, unpacks ComfyUI 0.3.75 (+ tokenizers), writes the family's full-size
 # random files to /tmp/dit_assets (other families' files there are removed first: the disk is 64 GiB), runs the
 # plan with a time budget that ends the whole command within LIMIT_S, and leaves in OUT_DIR: results.json (every
 # job, copied every 10 s too), table.md, console.txt (machine, progress lines), logs.tgz (each server's log).
+# Rows the budget skips are run by the same command again with MATRIX_ARGS="--only ROW,..." (the files stay).
 set -uo pipefail
-PLAN="${1:?plan: z_image, flux_dev, flux_peer or flux_all}"; mkdir -p "${2:?output folder}"; OUT="$(cd "$2" && pwd)"
+PLAN="${1:?plan: z_image, flux_dev, flux_peer, flux_all, cards24, qwen_image, chroma or wan}"; mkdir -p "${2:?output folder}"; OUT="$(cd "$2" && pwd)"
 LIMIT_S="${LIMIT_S:-560}"
 begun=$SECONDS
 mkdir -p .cache
@@ -16,7 +20,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   >/dev/null 2>&1 || echo "[dit_gpu] pip install failed"
 tar xzf .gpu/comfyui.tgz -C .cache && tar xzf .gpu/dit_tokenizers.tgz -C .cache/comfyui
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-case "$PLAN" in z_image|cards24) FAMILY=z_image ;; *) FAMILY=flux_dev ;; esac
+case "$PLAN" in
+  z_image|cards24) FAMILY=z_image ;;
+  qwen_image*) FAMILY=qwen_image ;;
+  chroma*) FAMILY=chroma ;;
+  wan*) FAMILY=wan ;;
+  *) FAMILY=flux_dev ;;
+esac
+if [ "$FAMILY" = wan ] && [ ! -f .cache/comfyui/comfy/text_encoders/t5_pile_tokenizer/tokenizer.model ]; then
+  echo "[dit_gpu] .gpu/dit_tokenizers.tgz lacks comfy/text_encoders/t5_pile_tokenizer (Wan's umt5 file needs it): rebuild it as above"
+  exit 2
+fi
 ASSETS=/tmp/dit_assets
 if [ -f "$ASSETS/assets.json" ] && ! grep -q "\"$FAMILY\"" "$ASSETS/assets.json"; then rm -rf "$ASSETS"; fi
 { nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader

@@ -1,22 +1,30 @@
-"""The DiT families (Z-Image, FLUX.1-dev) in the server matrix: the LeanLoRA Train node as users run it, in a real
-ComfyUI server, stock loaders, full-size random weights, 1024², batch 1, rank 16, under emulated card sizes.
+"""The DiT families (Z-Image, FLUX.1-dev, Qwen-Image, Chroma, Wan 2.1 T2V 14B) in the server matrix: the LeanLoRA
+Train node as users run it, in a real ComfyUI server, stock loaders, full-size random weights, 1024², batch 1,
+rank 16, under emulated card sizes.
 
     python -m bench.dit_matrix --plan z_image --out DIR [--comfyui PATH] [--budget-s S] [--only NAME,...]
+    python -m bench.dit_matrix --plan qwen_image --list          # the rows, time estimates, disk / RAM estimates
     python -m bench.dit_matrix --plan smoke --tiny --out DIR     # CPU: the tiny fixtures, no caps, no NVML
+    python -m bench.dit_matrix --plan smoke_wan --tiny --out DIR # CPU: one newer family (smoke_qwen_image,
+                                                                 # smoke_chroma, smoke_wan; smoke_families: all 3)
 
 Everything but what differs for these families is bench/server_matrix.py's (servers, jobs, NVML peaks, the
 trainer's s/step with the first burst left out, the time budget, results.json / table.md); this file supplies:
 - the files (bench/dit_assets.py, built in a child process: its CUDA context stays out of the NVML baseline);
-- the prompt: UNETLoader + CLIPLoader type lumina2 (Z-Image) or DualCLIPLoader type flux (CLIP-L + fp8 T5-XXL) +
-  VAELoader, then LeanLoRA Dataset / Memory Settings / LoRA Config / Train and a KSampler after training
-  (EmptySD3LatentImage, euler/simple, cfg 1 as these distilled models are sampled), or ComfyUI's own
-  TrainLoraNode as the peer;
+- the prompt: UNETLoader + CLIPLoader type lumina2 (Z-Image) / qwen_image / chroma / wan or DualCLIPLoader type
+  flux (CLIP-L + fp8 T5-XXL) + VAELoader, then LeanLoRA Dataset / Memory Settings / LoRA Config / Train and a
+  KSampler after training, sampled as the family's shipped template samples (scripts/family_templates.py
+  FAMILIES: scheduler simple; euler, cfg 1 for Z-Image and FLUX.1-dev; euler, cfg 4 with the empty negative for
+  Chroma; euler, cfg 2.5 for Qwen-Image; uni_pc, cfg 6 on a one-frame EmptyHunyuanLatentVideo for Wan;
+  EmptySD3LatentImage otherwise), or ComfyUI's own TrainLoraNode as the peer;
 - the launcher: bench/dit_launcher.py (comfy_launcher.py + the text-encoder placement a real card of that size
   gets; see its docstring);
 - host RAM: the server process's resident set (/proc/PID/status VmRSS) sampled every 0.1 s during each job (job
   peak, and the peak from the first training step to the job's end), and its VmHWM (lifetime peak) after the job.
-Plans: z_image (uncapped fast, 24 GiB, 8 GiB), flux_dev (the same), flux_peer (ComfyUI's TrainLoraNode on that
-Flux, uncapped: bf16, rank 16, its default gradient checkpointing), smoke (CPU).
+Plans: z_image (uncapped fast, 24 GiB, 8 GiB), flux_dev (the same), chroma (the same), wan (the same),
+qwen_image (uncapped fast, 24, 12, 8 GiB: issue 31's Qwen-Image targets are 12/8/6), flux_peer (ComfyUI's
+TrainLoraNode on that Flux, uncapped: bf16, rank 16, its default gradient checkpointing), smoke (CPU: Z-Image,
+FLUX.1-dev, the peer), smoke_<family> / smoke_families (CPU: the newer families).
 """
 from __future__ import annotations
 
@@ -37,22 +45,24 @@ REPO = sm.REPO
 DIT_LAUNCHER = REPO / "bench" / "dit_launcher.py"
 TINY_CONFIGS = REPO / "tests" / "tiny_dit_configs"
 GIB = sm.GIB
-FAMILIES = ("z_image", "flux_dev")
+FAMILIES = ("z_image", "flux_dev")  # the smoke plan's; the newer ones have their own smoke plans
+NEW_FAMILIES = ("qwen_image", "chroma", "wan")
 
 
 # --- plans ---------------------------------------------------------------------------------------------------
 
-def _family(fam: str, step_s: tuple[float, float, float], setup_s: tuple[float, float, float]) -> list[Server]:
-    """Uncapped fast (the ratio's denominator), then auto-fit 24 and 8 GiB: 110 steps each (102 measured)."""
-    fast_s, s24, s8 = step_s
-    return [
-        Server(f"{fam}_uncapped", fam, [Job("fast", settings("fast"), est_step_s=fast_s, est_setup_s=setup_s[0],
-                                            timeout_s=420)], card_gib=None, est_start_s=15),
-        Server(f"{fam}_24", fam, [Job("autofit_24", settings("fast", auto_fit="24 GiB"), est_step_s=s24,
-                                      est_setup_s=setup_s[1], timeout_s=480)], card_gib=24, est_start_s=15),
-        Server(f"{fam}_8", fam, [Job("autofit_8", settings("fast", auto_fit="8 GiB"), est_step_s=s8,
-                                     est_setup_s=setup_s[2], timeout_s=540)], card_gib=8, est_start_s=15),
-    ]
+def _family(fam: str, step_s: tuple[float, ...], setup_s: tuple[float, ...], cards: tuple[float, ...] = (24, 8),
+            timeouts: tuple[float, ...] = (420, 480, 540)) -> list[Server]:
+    """Uncapped fast (the ratio's denominator), then auto-fit at each card size: 110 steps each (102 measured).
+    step_s / setup_s / timeouts: the uncapped row's, then each card's."""
+    servers = [Server(f"{fam}_uncapped", fam, [Job("fast", settings("fast"), est_step_s=step_s[0],
+                                                   est_setup_s=setup_s[0], timeout_s=timeouts[0])],
+                      card_gib=None, est_start_s=15)]
+    for card, step, setup, timeout in zip(cards, step_s[1:], setup_s[1:], timeouts[1:]):
+        servers.append(Server(f"{fam}_{card:g}", fam, [Job(f"autofit_{card:g}", settings("fast", auto_fit=f"{card:g} GiB"),
+                                                            est_step_s=step, est_setup_s=setup, timeout_s=timeout)],
+                              card_gib=card, est_start_s=15))
+    return servers
 
 
 def plan_z_image() -> list[Server]:
@@ -61,6 +71,24 @@ def plan_z_image() -> list[Server]:
 
 def plan_flux_dev() -> list[Server]:
     return _family("flux_dev", (0.5, 0.7, 1.1), (60, 60, 70))
+
+
+# Not measured yet: s/step guesses from DESIGN.md's frozen-model measurements (Qwen-Image 0.446 s bf16, FLUX 0.448)
+# and the FLUX.1-dev rows' card ratios; setup from the files' sizes (loading ~0.6 GiB/s + encoding + caching).
+def plan_qwen_image() -> list[Server]:
+    """Qwen-Image 20.4 B (an fp8 file, as users load it), uncapped and at 24 / 12 / 8 GiB."""
+    return _family("qwen_image", (0.55, 0.9, 1.3, 1.8), (90, 90, 100, 110), cards=(24, 12, 8),
+                   timeouts=(480, 540, 560, 560))
+
+
+def plan_chroma() -> list[Server]:
+    """Chroma 8.9 B bf16 + the fp8 T5-XXL (CLIPLoader type chroma), uncapped and at 24 / 8 GiB."""
+    return _family("chroma", (0.45, 0.65, 1.0), (60, 60, 70))
+
+
+def plan_wan() -> list[Server]:
+    """Wan 2.1 T2V 14 B (an fp8 file) + umt5-xxl (scaled fp8), one-frame 1024² videos, uncapped and at 24 / 8 GiB."""
+    return _family("wan", (0.7, 1.1, 1.6), (75, 80, 90), timeouts=(480, 540, 560))
 
 
 def plan_flux_peer() -> list[Server]:
@@ -79,13 +107,22 @@ def plan_smoke() -> list[Server]:
                                                            **tiny)], est_start_s=15)]
 
 
+def _plan_smoke_new(families=NEW_FAMILIES) -> list[Server]:
+    """CPU, the tiny fixtures of the newer families: each trains 3 steps + samples (fast preset)."""
+    tiny = dict(est_step_s=0.5, est_setup_s=20, timeout_s=240)
+    return [Server(f"smoke_{fam}_cpu", fam, [Job("fast", settings("fast"), steps=3, **tiny)], est_start_s=15)
+            for fam in families]
+
+
 def plan_cards24() -> list[Server]:
     """The two 24 GiB rows again, with the NVML timeline (where in the job the process peak falls)."""
     return [s for s in plan_flux_dev() + plan_z_image() if s.card_gib == 24]
 
 
 PLANS = {"cards24": plan_cards24, "z_image": plan_z_image, "flux_dev": plan_flux_dev, "flux_peer": plan_flux_peer, "smoke": plan_smoke,
-         "flux_all": lambda: plan_flux_dev() + plan_flux_peer()}
+         "flux_all": lambda: plan_flux_dev() + plan_flux_peer(), "qwen_image": plan_qwen_image, "chroma": plan_chroma,
+         "wan": plan_wan, "smoke_families": _plan_smoke_new,
+         **{f"smoke_{fam}": (lambda fam=fam: _plan_smoke_new((fam,))) for fam in NEW_FAMILIES}}
 
 
 # --- prompt --------------------------------------------------------------------------------------------------
@@ -93,8 +130,20 @@ PLANS = {"cards24": plan_cards24, "z_image": plan_z_image, "flux_dev": plan_flux
 _base_build_prompt = sm.build_prompt
 
 
+def sampling(family: str) -> dict:
+    """The family's KSampler inputs and latent node as its shipped template has them (scripts/family_templates.py
+    FAMILIES; the bench's own sampler steps): {"cfg", "sampler_name", "latent": {"class_type", "inputs"}}."""
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from family_templates import FAMILIES as TEMPLATES
+    spec = TEMPLATES[family]
+    return {"cfg": float(spec["sampler"].get("cfg", 1.0)), "sampler_name": spec["sampler"].get("sampler_name", "euler"),
+            "latent": spec.get("latent", {"class_type": "EmptySD3LatentImage"})}
+
+
 def build_prompt(job, model, form, assets, memory_inputs, run_tag, sampler_steps, cfg=5.0, peer_lora_output=0):
-    """server_matrix's prompt with the family's stock loaders and a flow model's sampling (cfg 1)."""
+    """server_matrix's prompt with the family's stock loaders and its template's sampling (cfg, sampler, latent)."""
     files = assets[model]
     if "loaders" not in files:  # an SD model: as server_matrix has it
         return _base_build_prompt(job, model, form, assets, memory_inputs, run_tag, sampler_steps, cfg,
@@ -108,11 +157,13 @@ def build_prompt(job, model, form, assets, memory_inputs, run_tag, sampler_steps
     prompt["vae"] = {"class_type": "VAELoader", "inputs": dict(loaders["VAELoader"])}
     clip_node = "DualCLIPLoader" if "DualCLIPLoader" in loaders else "CLIPLoader"
     prompt["clip"] = {"class_type": clip_node, "inputs": dict(loaders[clip_node])}
+    sampler = sampling(model)
     for node in prompt.values():
-        if node["class_type"] == "EmptyLatentImage":  # 16-channel latents
-            node["class_type"] = "EmptySD3LatentImage"
+        if node["class_type"] == "EmptyLatentImage":  # 16-channel latents (Wan: a one-frame video)
+            node["class_type"] = sampler["latent"]["class_type"]
+            node["inputs"].update(sampler["latent"].get("inputs", {}))
         elif node["class_type"] == "KSampler":
-            node["inputs"]["scheduler"] = "simple"
+            node["inputs"].update(scheduler="simple", cfg=sampler["cfg"], sampler_name=sampler["sampler_name"])
     return prompt
 
 
@@ -267,6 +318,27 @@ def main(argv=None) -> None:
             argv[i] = "--plan=dit_smoke"
     sys.argv = [sys.argv[0], *argv]
     sm.main(argv)
+    if "--list" in argv and "--tiny" not in argv:
+        print_asset_estimates(argv)
+
+
+def print_asset_estimates(argv) -> None:
+    """--list: the plan's full-size files against the GPU machine (bench.dit_assets --estimate, in a child process:
+    it imports ComfyUI to build the models on the meta device)."""
+    plan = next((a.split("=", 1)[1] for a in argv if a.startswith("--plan=")), None) or \
+        next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--plan"), "core")
+    comfyui = next((a.split("=", 1)[1] for a in argv if a.startswith("--comfyui=")), None) or \
+        next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--comfyui"), None)
+    families = sorted({s.model for s in sm.PLANS[plan]()} & set(FAMILIES + NEW_FAMILIES))
+    if not families:
+        return
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    if comfyui:
+        env["COMFYUI_PATH"] = str(Path(comfyui).resolve())
+    done = subprocess.run([sys.executable, "-m", "bench.dit_assets", "--estimate", "--families", ",".join(families)],
+                          cwd=REPO, capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[assets]")]
+    print("\n".join(lines) if lines else f"[assets] estimate unavailable: {done.stderr.strip()[-500:]}", flush=True)
 
 
 if __name__ == "__main__":

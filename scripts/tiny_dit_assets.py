@@ -390,14 +390,18 @@ def _shapes(d: dict) -> dict:
     return {k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in d.items()}
 
 
-def verify_family(base_dir: str | Path, family: str) -> dict:
+def verify_family(base_dir: str | Path, family: str, loaders: dict | None = None) -> dict:
     """Load a family's files with the functions the stock loader nodes call, encode "a photo", run the diffusion
-    model once on a 64x64-pixel latent and the VAE once each way; print and return the shapes."""
+    model once on a 64x64-pixel latent and the VAE once each way; print and return the shapes. loaders: other
+    files already under base_dir/models/ (the stock loaders' inputs, as WORKFLOW has them; bench/dit_assets.py's)."""
     import_tiny_configs()
     import comfy.sd
 
-    files = build_family(base_dir, family)
-    loaders = WORKFLOW[family]
+    if loaders is None:
+        files, loaders = build_family(base_dir, family), WORKFLOW[family]
+    else:
+        files = {key: Path(base_dir) / "models" / _FOLDERS[key] / name
+                 for inputs in loaders.values() for key, name in inputs.items() if key in _FOLDERS}
     model = comfy.sd.load_diffusion_model(str(files["unet_name"]))
     if "DualCLIPLoader" in loaders:
         clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],

@@ -1,7 +1,8 @@
 """The GPU server matrix (bench/server_matrix.py) end to end on the CPU, before any device time is spent: a real
 ComfyUI with this pack, tiny SD1.5 files in both forms, train + KSampler, Cancel then a new queue, the base image
 pixel-identical after training, ComfyUI's own trainer as the peer rows queue it; plus the card-emulation launcher's ordering and the SDXL file layouts (shapes
-only, on the meta device)."""
+only, on the meta device); and the DiT matrix's newer families (Qwen-Image, Chroma, Wan): prompts, plans, full-size
+files (meta device: detection, sizes), tiny files through the stock loaders, one live CPU smoke server (Wan)."""
 import json
 import os
 import subprocess
@@ -125,3 +126,120 @@ def test_smoke_trains_samples_cancels_and_requeues_in_one_live_server(smoke):
     table = (out / "table.md").read_text()
     assert "| smoke_sd15_cpu | train_balanced | sd15/split |" in table and table in stdout + "\n"
     assert (out / "servers" / "smoke_sd15_cpu" / "comfyui.log").read_text().count("Prompt executed") >= 3
+
+
+# --- the DiT families (bench/dit_matrix.py, bench/dit_assets.py) ---------------------------------------------------
+
+DIT_LOADERS = {"z_image": ("CLIPLoader", "lumina2"), "flux_dev": ("DualCLIPLoader", "flux"),
+               "qwen_image": ("CLIPLoader", "qwen_image"), "chroma": ("CLIPLoader", "chroma"), "wan": ("CLIPLoader", "wan")}
+# (cfg, sampler, latent node) as scripts/family_templates.py's shipped templates sample
+DIT_SAMPLING = {"z_image": (1.0, "euler", "EmptySD3LatentImage"), "flux_dev": (1.0, "euler", "EmptySD3LatentImage"),
+                "qwen_image": (2.5, "euler", "EmptySD3LatentImage"), "chroma": (4.0, "euler", "EmptySD3LatentImage"),
+                "wan": (6.0, "uni_pc", "EmptyHunyuanLatentVideo")}
+
+
+@pytest.mark.parametrize("family", sorted(DIT_LOADERS))
+def test_dit_prompt_has_the_familys_stock_loaders_and_its_templates_sampling(family):
+    from bench import dit_assets, dit_matrix
+    from bench.server_matrix import Job, settings
+
+    assets = {family: {"loaders": dit_assets.names(family), "dataset": "/data", "resolution": 1024}}
+    prompt = dit_matrix.build_prompt(Job("fast", settings("fast")), family, "split", assets, {}, "t", 2)
+    clip_node, clip_type = DIT_LOADERS[family]
+    assert prompt["clip"] == {"class_type": clip_node, "inputs": dit_assets.names(family)[clip_node]}
+    assert prompt["clip"]["inputs"]["type"] == clip_type
+    assert prompt["unet"]["inputs"]["weight_dtype"] == "default" and prompt["vae"]["class_type"] == "VAELoader"
+    cfg, sampler, latent = DIT_SAMPLING[family]
+    ksampler = prompt["ksampler_trained"]["inputs"]
+    assert (ksampler["cfg"], ksampler["sampler_name"], ksampler["scheduler"]) == (cfg, sampler, "simple")
+    assert ksampler["model"] == ["train", 0] and prompt["neg_trained"]["inputs"]["text"] == ""  # the empty negative
+    node = prompt["latent_trained"]
+    assert node["class_type"] == latent and node["inputs"]["width"] == node["inputs"]["height"] == 1024
+    if family == "wan":
+        assert node["inputs"]["length"] == 1  # one frame: the LoRA's images
+
+
+def test_dit_plans_cover_the_newer_families_with_the_issues_cards():
+    from bench import dit_matrix
+    cards = {name: [s.card_gib for s in dit_matrix.PLANS[name]()] for name in ("qwen_image", "chroma", "wan")}
+    assert cards == {"qwen_image": [None, 24, 12, 8], "chroma": [None, 24, 8], "wan": [None, 24, 8]}
+    for name in ("qwen_image", "chroma", "wan"):
+        assert all(s.model == name and s.jobs[0].steps == 110 for s in dit_matrix.PLANS[name]())
+    assert [s.model for s in dit_matrix.PLANS["smoke_families"]()] == ["qwen_image", "chroma", "wan"]
+
+
+def test_dit_full_size_files_fit_the_gpu_machine():
+    """The full-size configs as ComfyUI 0.3.75 detects the real files, on the meta device: sizes and that each
+    family's files fit the GPU machine's disk and RAM (bench.dit_assets.estimate)."""
+    from bench import dit_assets
+    est = {f: dit_assets.estimate(f) for f in ("qwen_image", "chroma", "wan")}
+    files = {f: e["files_gib"] for f, e in est.items()}
+    assert 18.5 < files["qwen_image"]["leanlora_random_qwen_image_fp8_e4m3fn.safetensors"] < 19.5  # 20.4 B, fp8
+    assert 16.3 < files["chroma"]["leanlora_random_chroma_bf16.safetensors"] < 16.8  # 8.9 B, bf16
+    assert 13 < files["wan"]["leanlora_random_wan2.1_t2v_14B_fp8_e4m3fn.safetensors"] < 14  # 14 B, fp8 blocks
+    assert all(e["fits"] for e in est.values()), est
+
+
+def test_dit_tiny_files_of_the_newer_families_load_through_the_stock_loaders(tmp_path):
+    """bench.dit_assets --tiny (the writer the GPU run uses, narrow configs): the files load with what UNETLoader /
+    CLIPLoader / VAELoader call, encode, denoise once and decode, finite (scripts/tiny_dit_assets.verify_family)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import tiny_dit_assets
+    from bench import dit_assets
+    from safetensors import safe_open
+    models = tmp_path / "models"
+    for family in ("qwen_image", "chroma", "wan"):
+        loaders = dit_assets.build_family(family, models, tiny=True, device="cpu")
+        report = tiny_dit_assets.verify_family(tmp_path, family, loaders)
+        assert report["finite"] and report["diffusion_model"] == {
+            "qwen_image": "QwenImageTransformer2DModel", "chroma": "Chroma", "wan": "WanModel"}[family]
+    with safe_open(str(models / "text_encoders" / dit_assets.names("qwen_image")["CLIPLoader"]["clip_name"]), "pt") as f:
+        keys = set(f.keys())
+        assert "scaled_fp8" in keys and "model.layers.0.mlp.up_proj.scale_weight" in keys
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == __import__("torch").float8_e4m3fn
+    with safe_open(str(models / "text_encoders" / dit_assets.names("wan")["CLIPLoader"]["clip_name"]), "pt") as f:
+        assert "spiece_model" in set(f.keys()) and "scaled_fp8" in set(f.keys())
+
+
+def test_dit_smoke_wan_trains_and_samples_in_a_live_server(tmp_path):
+    """bench.dit_matrix's CPU smoke plan for one newer family (Wan: uni_pc on a one-frame video latent), end to end."""
+    out = tmp_path / "dit"
+    done = subprocess.run([sys.executable, "-m", "bench.dit_matrix", "--plan", "smoke_wan", "--tiny", "--out", str(out),
+                           "--budget-s", "200"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["server"], r["status"], r["steps_done"]) for r in rows] == [("smoke_wan_cpu", "ok", 3)]
+    assert "Prompt executed" in (out / "servers" / "smoke_wan_cpu" / "comfyui.log").read_text()
+
+
+def test_dit_full_size_files_are_detected_as_comfyui_detects_the_real_ones():
+    """The full-size key sets and shapes (meta tensors in the files' dtypes): ComfyUI 0.3.75's detection gives
+    exactly the configs bench.dit_assets builds (the rest are the constructors' defaults) and the text-encoder
+    options the real fp8 files get (scaled fp8 for Qwen2.5-VL-7B and umt5-xxl)."""
+    import torch
+    import comfy.model_detection as md
+    import comfy.sd
+    from bench import dit_assets as da
+
+    def meta_sd(kind):
+        module, dtype_of, skip, extra, _loaded = da._RECIPES[kind]
+        root = module(False)
+        sd = {k: torch.empty(shape, dtype=dtype, device="meta")
+              for k, _m, _p, shape, dtype in da._entries(root, dtype_of, skip)}
+        return {**sd, **(extra(root, dtype_of, skip) if extra else {})}
+
+    for kind, full, model_config in [("qwen_image", da.QWEN_IMAGE_FULL, "QwenImage"), ("chroma", da.CHROMA_FULL, "Chroma"),
+                                     ("wan", da.WAN21_T2V_14B, "WAN21_T2V")]:
+        sd = meta_sd(kind)
+        detected = md.detect_unet_config(sd, "")
+        assert type(md.model_config_from_unet_config(detected, sd)).__name__ == model_config
+        for key, value in detected.items():
+            if key in full:
+                assert (list(value) if isinstance(value, tuple) else value) == \
+                    (list(full[key]) if isinstance(full[key], tuple) else full[key]), (kind, key)
+    sd = meta_sd("qwen25_7b_fp8")
+    assert comfy.sd.detect_te_model(sd) == comfy.sd.TEModel.QWEN25_7B
+    assert comfy.sd.llama_detect([sd]) == {"dtype_llama": torch.bfloat16, "llama_scaled_fp8": torch.float8_e4m3fn}
+    sd = meta_sd("umt5_xxl_fp8")
+    assert comfy.sd.detect_te_model(sd) == comfy.sd.TEModel.T5_XXL
+    assert comfy.sd.t5xxl_detect([sd]) == {"dtype_t5": torch.float16, "t5xxl_scaled_fp8": torch.float8_e4m3fn}

@@ -10,10 +10,12 @@ lora_te1_ = clip_l, lora_te2_ = clip_g); SD1.x has one (lora_te_)."""
 from __future__ import annotations
 
 import numbers
+import types
 from dataclasses import replace
 
 import torch
 
+import comfy.clip_model
 import comfy.lora
 import comfy.model_base
 import comfy.model_management
@@ -78,6 +80,9 @@ class ComfyTextEncoderLora:
             if weight is not None:
                 weight.data = comfy.lora.calculate_weight(patches, weight.data.float(), key).to(weight.dtype)
         self.model.requires_grad_(False)
+        for layer in self.model.modules():
+            if isinstance(layer, comfy.clip_model.CLIPLayer):
+                layer.forward = types.MethodType(_residual_out_of_place, layer)
         self.frozen_bytes_total = frozen_weight_bytes(self.model)
         self.base_fingerprint = model_fingerprint(self.model)  # before the LoRA: the weights it trains on
         self.params = inject_lora(self.model, self.settings, seed + 1, self.target_modules())
@@ -152,6 +157,13 @@ class ComfyTextEncoderLora:
     def fingerprint(self) -> str:
         """The copy's base weights (sampled), for the resume check: another CLIP is another run."""
         return self.base_fingerprint
+
+
+def _residual_out_of_place(self, x, mask=None, optimized_attention=None):
+    """ComfyUI's CLIPLayer.forward with its residual adds out of place (`x = x + ...`, the same sums): its `x += ...`
+    overwrites the input the layer norm keeps for backward, which an inference-only forward can afford."""
+    x = x + self.self_attn(self.layer_norm1(x), mask, optimized_attention)
+    return x + self.mlp(self.layer_norm2(x))
 
 
 def caption_tokens(clip, caption: str) -> dict[str, torch.Tensor]:

@@ -86,3 +86,82 @@ def test_sd15_trains_the_text_encoder_exports_kohya_keys_comfyui_applies_and_the
     patched = _clip_keys_all_load(clip, saved, caplog)
     assert _encoded(patched) != before  # the trained te LoRA changes what the CLIP encodes
     assert _encoded(clip) == before
+
+
+# --- SDXL: ComfyUI's SDXL model and SDXLClipModel (clip_l + clip_g), narrowed ------------------------------------
+
+# ComfyUI reads `<encoder>_model_config` from the CLIP's model options over its built-in CLIP-L / bigG configs
+# (comfy/sd1_clip.py SDClipModel): the same classes, tokenizers and layer options (clip_l's and clip_g's penultimate
+# layer), at test widths. The UNet takes their widths: context 32 + 48, y = clip_g's pooled 48 (ComfyUI projects
+# to its width) + the size embedding. 64 channels: with GroupNorm's 32 groups of one channel each, the ResBlocks' norm
+# would remove the embedding's per-channel shift, and with it every gradient through `y`.
+_CLIP_L = {"hidden_size": 32, "intermediate_size": 40, "num_attention_heads": 4, "num_hidden_layers": 3,
+           "projection_dim": 32}
+_CLIP_G = {"hidden_size": 48, "intermediate_size": 56, "num_attention_heads": 4, "num_hidden_layers": 3,
+           "projection_dim": 24}
+_SDXL_UNET = dict(image_size=32, use_spatial_transformer=True, legacy=False, adm_in_channels=48 + 6 * 256,
+                  num_classes="sequential",
+                  in_channels=4, out_channels=4, model_channels=64, num_res_blocks=[1], channel_mult=[1],
+                  transformer_depth=[1], transformer_depth_output=[1, 1], transformer_depth_middle=1,
+                  use_linear_in_transformer=True, context_dim=32 + 48, use_temporal_resblock=False,
+                  use_temporal_attention=False)
+
+
+def _seeded(module: torch.nn.Module, seed: int) -> None:
+    """ComfyUI builds layers uninitialised (its loaders fill them): seeded values scaled by fan-in (so every path, SDXL's
+    pooled output through `y` included, carries signal as in a trained model), norm scales at one, biases at zero."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=generator) / p[0].numel() ** 0.5)
+            else:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+
+
+@pytest.fixture(scope="module")
+def sdxl_objects(comfy_objects):
+    import comfy.model_patcher
+    import comfy.sd
+    import comfy.sdxl_clip
+    import comfy.supported_models
+
+    config = comfy.supported_models.SDXL(dict(_SDXL_UNET))
+    config.unet_config["num_head_channels"] = 16  # SDXL's is 64; these widths are multiples of 16
+    model = config.get_model({}, device="cpu")
+    _seeded(model.diffusion_model, 1)
+    patcher = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
+
+    class Target:
+        clip, tokenizer, params = comfy.sdxl_clip.SDXLClipModel, comfy.sdxl_clip.SDXLTokenizer, {}
+    clip = comfy.sd.CLIP(Target(), model_options={"clip_l_model_config": _CLIP_L, "clip_g_model_config": _CLIP_G})
+    _seeded(clip.cond_stage_model, 2)
+    return patcher, clip, comfy_objects[2]
+
+
+def _te_modules(state_dict, prefix: str) -> set[str]:
+    return {k.split(".", 1)[0] for k in state_dict if k.startswith(prefix)}
+
+
+def test_sdxl_trains_both_encoders_with_clip_gs_pooled_output_and_comfyui_applies_every_key(
+        sdxl_objects, two_images, tmp_path, caplog):  # noqa: F811
+    clip = sdxl_objects[1]
+    before = _encoded(clip)
+    on = _run(sdxl_objects, two_images, tmp_path, "sdxl_te", TE)
+    assert _encoded(clip) == before
+    saved = load_file(str(on.lora_path))
+    te1, te2 = _te_modules(saved, "lora_te1_"), _te_modules(saved, "lora_te2_")
+    assert len(te1) == len(te2) == 3 * 6 and not _te_modules(saved, "lora_te_")
+    assert "lora_te2_text_model_encoder_layers_2_mlp_fc2" in te2
+    # SDXL's context is clip_l's and clip_g's penultimate layer: clip_g's last layer reaches the UNet only through
+    # its pooled output (in `y`), so its LoRA learns only if the pooled output flows with gradients
+    last_g = [k for k in saved if k.startswith("lora_te2_text_model_encoder_layers_2_") and "lora_up" in k]
+    assert last_g and all(saved[k].abs().max() > 0 for k in last_g), {k: float(saved[k].abs().max()) for k in last_g}
+    # clip_l's pooled output is not used by SDXL (kohya the same): its last layer's LoRA stays at its start
+    last_l = [k for k in saved if k.startswith("lora_te1_text_model_encoder_layers_2_") and "lora_up" in k]
+    assert last_l and all(saved[k].abs().max() == 0 for k in last_l)
+    assert any(saved[k].abs().max() > 0 for k in saved if k.startswith("lora_te1_") and "lora_up" in k)
+
+    patched = _clip_keys_all_load(clip, saved, caplog)
+    assert _encoded(patched)[1] != before[1]  # the pooled output moves with the trained LoRA
+    assert _encoded(clip) == before

@@ -27,7 +27,7 @@ PROMPT = "lnlr, a red circle on a blue background"
 
 def _run(objects, dataset, folder, name, lora, steps=3, **train):
     return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, lora,
-                      TrainSettings(steps, 1e-3, 0, name, "cosine", 1, **train), folder,
+                      TrainSettings(steps, 1e-3, 0, name, "cosine", min(1, steps - 1), **train), folder,
                       lambda **event: None, lambda: False)
 
 
@@ -156,7 +156,7 @@ def test_sdxl_trains_both_encoders_with_clip_gs_pooled_output_and_comfyui_applie
     # SDXL's context is clip_l's and clip_g's penultimate layer: clip_g's last layer reaches the UNet only through
     # its pooled output (in `y`), so its LoRA learns only if the pooled output flows with gradients
     last_g = [k for k in saved if k.startswith("lora_te2_text_model_encoder_layers_2_") and "lora_up" in k]
-    assert last_g and all(saved[k].abs().max() > 0 for k in last_g), {k: float(saved[k].abs().max()) for k in last_g}
+    assert last_g and all(saved[k].abs().max() > 0 for k in last_g)
     # clip_l's pooled output is not used by SDXL (kohya the same): its last layer's LoRA stays at its start
     last_l = [k for k in saved if k.startswith("lora_te1_text_model_encoder_layers_2_") and "lora_up" in k]
     assert last_l and all(saved[k].abs().max() == 0 for k in last_l)
@@ -165,3 +165,77 @@ def test_sdxl_trains_both_encoders_with_clip_gs_pooled_output_and_comfyui_applie
     patched = _clip_keys_all_load(clip, saved, caplog)
     assert _encoded(patched)[1] != before[1]  # the pooled output moves with the trained LoRA
     assert _encoded(clip) == before
+
+
+def test_exact_resume_with_the_text_encoder_equals_the_uninterrupted_run_and_on_off_must_match(
+        sdxl_objects, two_images, tmp_path):  # noqa: F811
+    straight = _run(sdxl_objects, two_images, tmp_path / "straight", "te", TE, steps=4, save_every_steps=2)
+    state = tmp_path / "straight" / f"te_step2{STATE_SUFFIX}"
+    resumed = _run(sdxl_objects, two_images, tmp_path / "resumed", "te", TE, steps=4, resume_from=state)
+    assert resumed.losses == straight.losses
+    assert resumed.lora_path.read_bytes() == straight.lora_path.read_bytes()
+    with pytest.raises(LeanLoRAError, match=r"it trained the text encoder too \(text_encoder_lr 0.0005\), and LoRA "
+                                            r"Config's text_encoder_lr is 0: set it above 0"):
+        _run(sdxl_objects, two_images, tmp_path / "off", "te", LORA, steps=4, resume_from=state)
+    _run(sdxl_objects, two_images, tmp_path / "unet_only", "unet", LORA, steps=3, save_every_steps=1)
+    with pytest.raises(LeanLoRAError, match=r"it trained the diffusion model alone \(text_encoder_lr 0\), and LoRA "
+                                            r"Config's text_encoder_lr is set: set it to 0"):
+        _run(sdxl_objects, two_images, tmp_path / "on", "unet", TE, steps=3,
+             resume_from=tmp_path / "unet_only" / f"unet_step1{STATE_SUFFIX}")
+
+
+def test_continue_from_reads_the_text_encoder_back_and_skips_it_with_a_note_when_off(sdxl_objects, two_images,
+                                                                                    tmp_path):  # noqa: F811
+    from trainer.lora import inject_lora
+    from trainer.lora.continue_from import continue_from_file
+    from trainer.settings import LoraTargets
+    first = _run(sdxl_objects, two_images, tmp_path, "first", TE, steps=2)
+    saved = load_file(str(first.lora_path))
+    adapter = _adapter(sdxl_objects)
+    unet = adapter.training_unet()
+    presets = {targets: adapter.lora_targets(unet, targets) for targets in LoraTargets}
+    lora = dataclasses.replace(TE, continue_from=str(first.lora_path))
+    inject_lora(unet, lora, 1, presets[lora.targets])
+    encoder = adapter.training_text_encoder(lora, 7)  # another seed: only the file can make its weights equal
+    continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.identity(), presets,
+                                   encoder)
+    again = encoder.state_dict()
+    assert again.keys() == {k for k in saved if k.startswith("lora_te")}
+    assert all(torch.equal(again[k], saved[k]) for k in again)
+    assert continued.text_encoder_modules == 36 and "36 text-encoder modules loaded" in continued.describe()
+    # text_encoder_lr 0: the UNet part continues, the te keys are skipped and the report says how to train them on
+    off = _run(sdxl_objects, two_images, tmp_path / "off", "off", dataclasses.replace(LORA, continue_from=str(
+        first.lora_path)), steps=1)
+    assert "text-encoder keys skipped (text_encoder_lr is 0" in off.report
+    assert not any(k.startswith("lora_te") for k in load_file(str(off.lora_path)))
+    # and on, the continued run's first loss is the trained one's, lower than the fresh run's first
+    on = _run(sdxl_objects, two_images, tmp_path / "on", "on", lora, steps=1)
+    assert on.losses[0] < first.losses[0]
+
+
+# --- refusals, before any work ----------------------------------------------------------------------------------
+
+def test_a_family_without_a_trainable_text_encoder_refuses_naming_the_field(family_objects, two_images, tmp_path,
+                                                                            monkeypatch):  # noqa: F811
+    from bridge.comfy_adapter import ComfyAdapter
+    monkeypatch.setattr(ComfyAdapter, "encode_image", lambda self, pixels: pytest.fail("encoded before the error"))
+    with pytest.raises(LeanLoRAError, match=r"^text_encoder_lr: got 0.0005, but this model is Lumina2 \(Z-Image\); "
+                                            r"LeanLoRA trains the text encoder of SD1.5 and SDXL only: set LoRA Config's "
+                                            r"text_encoder_lr to 0"):
+        _run(family_objects["z_image"], two_images, tmp_path, "zimage", TE)
+
+
+def test_other_adapter_types_and_bf16_lora_weights_refuse_the_text_encoder_naming_the_field(
+        sdxl_objects, two_images, tmp_path):  # noqa: F811
+    with pytest.raises(LeanLoRAError, match=r"^text_encoder_lr: got 0.0005 with type loha: the text encoder is "
+                                            r"trained with plain LoRA only; set type to lora"):
+        dataclasses.replace(TE, type="loha")
+    from trainer.settings import MemorySettings
+    with pytest.raises(LeanLoRAError, match=r"^text_encoder_lr: .*lora_weights bf16_stochastic_rounding.*set Memory "
+                                            r"Settings' lora_weights to fp32"):
+        train_lora(_adapter(sdxl_objects), two_images, MemorySettings("bf16", lora_weights="bf16_stochastic_rounding"),
+                   TE, TrainSettings(1), tmp_path, lambda **event: None, lambda: False)
+    with pytest.raises(LeanLoRAError, match=r"^text_encoder_lr: got 0.0005 with optimizer Prodigy.*set "
+                                            r"text_encoder_lr to 1.0"):
+        train_lora(_adapter(sdxl_objects), two_images, MemorySettings("no", optimizer="Prodigy"), TE,
+                   TrainSettings(1, 1.0), tmp_path, lambda **event: None, lambda: False)

@@ -563,7 +563,7 @@ def check_text_encoder(adapter: ModelAdapter, lora: LoraSettings, memory: Memory
     try:
         check_learning_rate(memory.optimizer, lora.text_encoder_lr)
     except LeanLoRAError as error:  # the same rule for the encoder's rate, named as its field
-        raise LeanLoRAError("text_encoder_" + str(error).replace("set learning_rate", "set text_encoder_lr")) from None
+        raise LeanLoRAError(str(error).replace("learning_rate", "text_encoder_lr")) from None
 
 
 def check_optimizer(optimizer: str, train: TrainSettings) -> None:

@@ -213,6 +213,21 @@ def test_continue_from_reads_the_text_encoder_back_and_skips_it_with_a_note_when
     assert on.losses[0] < first.losses[0]
 
 
+def test_text_encoder_lr_0_touches_nothing_of_the_text_encoder(sdxl_objects, two_images, tmp_path,
+                                                              monkeypatch):  # noqa: F811
+    """Off (the default), a run is the one it was before the option existed: no encoder copy, no tokens in the
+    batches, no te keys or metadata. (Checked once across the change: a seeded SD1.5 run with caption options wrote
+    the same tensors and metadata, timestamps aside, before and after it.)"""
+    from bridge.comfy_adapter import ComfyAdapter
+    for name in ("check_text_encoder", "text_encoder_tokens", "training_text_encoder"):
+        monkeypatch.setattr(ComfyAdapter, name, lambda *args, **kwargs: pytest.fail("text encoder touched"))
+    off = _run(sdxl_objects, two_images, tmp_path, "off", LORA, steps=2)
+    with safe_open(str(off.lora_path), "pt") as file:
+        assert not any(k.startswith("lora_te") for k in file.keys())
+        assert not any("text_encoder" in k or k == "ss_unet_lr" for k in file.metadata())
+    assert "text encoder" not in off.report
+
+
 # --- refusals, before any work ----------------------------------------------------------------------------------
 
 def test_a_family_without_a_trainable_text_encoder_refuses_naming_the_field(family_objects, two_images, tmp_path,

@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -226,6 +227,21 @@ def test_text_encoder_lr_0_touches_nothing_of_the_text_encoder(sdxl_objects, two
         assert not any(k.startswith("lora_te") for k in file.keys())
         assert not any("text_encoder" in k or k == "ss_unet_lr" for k in file.metadata())
     assert "text encoder" not in off.report
+
+
+def test_samples_while_training_encode_the_prompts_through_the_trained_text_encoder(sdxl_objects, two_images,
+                                                                                    tmp_path):  # noqa: F811
+    from bridge.samples import SampleRenderer
+    from trainer.settings import SampleSettings
+    trained = load_file(str(_run(sdxl_objects, two_images, tmp_path, "sampled", TE, steps=2).lora_path))
+    settings = SampleSettings(("lnlr, a red circle",), every_steps=1, size=64, steps=2)
+    images = []
+    for name, state_dict in (("with", trained), ("without", {k: v for k, v in trained.items()
+                                                               if not k.startswith("lora_te")})):
+        renderer = SampleRenderer(*sdxl_objects, settings, tmp_path / name)
+        with Image.open(renderer(2, state_dict)[0]) as image:
+            images.append(np.asarray(image, np.int16))
+    assert np.abs(images[0] - images[1]).max() > 0  # the te keys change what the prompt conditions on
 
 
 # --- refusals, before any work ----------------------------------------------------------------------------------

@@ -244,6 +244,34 @@ def test_samples_while_training_encode_the_prompts_through_the_trained_text_enco
     assert np.abs(images[0] - images[1]).max() > 0  # the te keys change what the prompt conditions on
 
 
+def test_the_memory_estimate_holds_the_encoders_weights_lora_and_optimizer_state(sdxl_objects, two_images, tmp_path,
+                                                                                 monkeypatch):  # noqa: F811
+    from trainer.session import TrainingSession
+    started = []
+    real = TrainingSession.start
+
+    def start(self, memory):
+        estimate, lines = real(self, memory)
+        encoder = self.text_encoder.params if self.text_encoder is not None else []
+        started.append((estimate, sum(p.numel() * 4 for p in encoder),
+                        [g["initial_lr"] for g in self.optimizer.param_groups]))
+        return estimate, lines
+    monkeypatch.setattr(TrainingSession, "start", start)
+    _run(sdxl_objects, two_images, tmp_path / "off", "off", LORA, steps=1)
+    on = _run(sdxl_objects, two_images, tmp_path / "on", "on", TE, steps=1)
+    (off_estimate, _, off_groups), (estimate, encoder_params, groups) = started
+    clip = sdxl_objects[1].cond_stage_model
+    clip_weights = sum(t.numel() * t.element_size() for t in [*clip.parameters(), *clip.buffers()])
+    assert encoder_params > 0 and clip_weights > 0
+    assert estimate.frozen_weights == off_estimate.frozen_weights + clip_weights  # resident for the whole run
+    assert estimate.lora_parameters == off_estimate.lora_parameters + encoder_params
+    assert estimate.gradients == estimate.lora_parameters
+    assert estimate.optimizer_state == off_estimate.optimizer_state + 2 * encoder_params  # AdamW's two moments
+    # one optimizer, two groups: the encoder's LoRA at its own rate, the schedule over both
+    assert off_groups == [1e-3] and groups == [1e-3, 5e-4]
+    assert "learning rate 0.0005" in on.report
+
+
 # --- refusals, before any work ----------------------------------------------------------------------------------
 
 def test_a_family_without_a_trainable_text_encoder_refuses_naming_the_field(family_objects, two_images, tmp_path,

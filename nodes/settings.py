@@ -125,8 +125,8 @@ class LeanLoRALoraConfig:
                     "round": False, "tooltip":
                     "SD1.5/SDXL only (kohya's text_encoder_lr). 0: off, the LoRA trains the diffusion model alone. "
                     "Above 0: it also trains a LoRA on the CLIP text encoder(s) at this rate, saved in the same file "
-                    "(lora_te_ keys); about half the learning rate is usual (5e-5 next to 1e-4; Prodigy: 1.0). Costs the text "
-                    "encoder's memory on the GPU and a text encoding per step; type lora only."}),
+                    "(lora_te_ keys); about half the learning rate is usual (5e-5 next to 1e-4; Prodigy: 1.0). "
+                    "Costs the text encoder's memory on the GPU and a text encoding per step; type lora only."}),
             },
         }
 

@@ -109,8 +109,9 @@ _SDXL_UNET = dict(image_size=32, use_spatial_transformer=True, legacy=False, adm
 
 
 def _seeded(module: torch.nn.Module, seed: int) -> None:
-    """ComfyUI builds layers uninitialised (its loaders fill them): seeded values scaled by fan-in (so every path, SDXL's
-    pooled output through `y` included, carries signal as in a trained model), norm scales at one, biases at zero."""
+    """ComfyUI builds layers uninitialised (its loaders fill them): seeded values scaled by fan-in (so every path,
+    SDXL's pooled output through `y` included, carries signal as in a trained model), norm scales at one, biases
+    at zero."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -279,8 +280,8 @@ def test_a_family_without_a_trainable_text_encoder_refuses_naming_the_field(fami
     from bridge.comfy_adapter import ComfyAdapter
     monkeypatch.setattr(ComfyAdapter, "encode_image", lambda self, pixels: pytest.fail("encoded before the error"))
     with pytest.raises(LeanLoRAError, match=r"^text_encoder_lr: got 0.0005, but this model is Lumina2 \(Z-Image\); "
-                                            r"LeanLoRA trains the text encoder of SD1.5 and SDXL only: set LoRA Config's "
-                                            r"text_encoder_lr to 0"):
+                                            r"LeanLoRA trains the text encoder of SD1.5 and SDXL only: set LoRA "
+                                            r"Config's text_encoder_lr to 0"):
         _run(family_objects["z_image"], two_images, tmp_path, "zimage", TE)
 
 
@@ -298,3 +299,15 @@ def test_other_adapter_types_and_bf16_lora_weights_refuse_the_text_encoder_namin
                                             r"text_encoder_lr to 1.0"):
         train_lora(_adapter(sdxl_objects), two_images, MemorySettings("no", optimizer="Prodigy"), TE,
                    TrainSettings(1, 1.0), tmp_path, lambda **event: None, lambda: False)
+
+
+def test_lora_config_carries_text_encoder_lr_off_by_default_with_its_tooltip():
+    from helpers import node_module
+    node = node_module("settings").LeanLoRALoraConfig
+    assert node().execute(8, 8.0, 0.0, "attention")[0].text_encoder_lr == 0.0  # workflows saved before it
+    assert node().execute(8, 8.0, 0.0, "attention", text_encoder_lr=5e-5)[0].text_encoder_lr == 5e-5
+    kind, options = node.INPUT_TYPES()["optional"]["text_encoder_lr"]
+    assert kind == "FLOAT" and options["default"] == 0.0 and "half the learning rate" in options["tooltip"]
+    with pytest.raises(LeanLoRAError, match=r"^text_encoder_lr: got -1"):
+        LoraSettings(text_encoder_lr=-1.0)
+

@@ -24,6 +24,7 @@ if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.errors import LeanLoRAError
     from ..trainer.lora import adapter_type, inject_lora
     from ..trainer.lora.file import text_encoder_state_dict
+    from ..trainer.memory.vram import GIB, available_ram_bytes
     from ..trainer.settings import LoraSettings
     from ..trainer.step.frozen_weights import frozen_weight_bytes
     from ..trainer.text_encoder import TOKEN_KEY
@@ -32,6 +33,7 @@ else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
     from trainer.lora import adapter_type, inject_lora
     from trainer.lora.file import text_encoder_state_dict
+    from trainer.memory.vram import GIB, available_ram_bytes
     from trainer.settings import LoraSettings
     from trainer.step.frozen_weights import frozen_weight_bytes
     from trainer.text_encoder import TOKEN_KEY
@@ -74,6 +76,12 @@ class ComfyTextEncoderLora:
         from .comfy_adapter import _get_param, _plain_copy  # the UNet copy's helpers (import cycle otherwise)
         with torch.inference_mode():  # ComfyUI's model management in inference mode (see ComfyAdapter.encode_image)
             comfy.model_management.unload_all_models()
+        need = sum(t.numel() * t.element_size() for t in clip.cond_stage_model.state_dict().values())
+        available = available_ram_bytes()
+        if available is not None and need > available:  # as for the UNet's copy: an error, not a swapping halt
+            raise LeanLoRAError(f"text_encoder_lr: the private copy of the text encoder needs {need / GIB:.2f} GiB of "
+                                f"free RAM, and this machine has {available / GIB:.2f} GiB available: free RAM, or set "
+                                "text_encoder_lr to 0")
         self.model = _plain_copy(clip.cond_stage_model)  # normal tensors: ComfyUI's are inference tensors
         for key, patches in clip.patcher.patches.items():  # LoRAs already on the CLIP are baked in, as for the UNet
             weight = _get_param(self.model, key)

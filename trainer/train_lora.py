@@ -150,7 +150,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     params = inject_lora(unet, lora, train.seed, presets[lora.targets])
     text_encoder = None
     if lora.trains_text_encoder:  # its LoRA weights come after the UNet's: one list for clipping, EMA and state
-        text_encoder = adapter.training_text_encoder(lora, train.seed)
+        try:
+            text_encoder = adapter.training_text_encoder(lora, train.seed)
+        except LeanLoRAError:
+            adapter.free(unet)
+            raise
         params = params + text_encoder.params
         fingerprints["text_encoder"] = text_encoder.fingerprint()
         report.append(text_encoder.describe())

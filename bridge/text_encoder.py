@@ -116,8 +116,8 @@ class ComfyTextEncoderLora:
         """`cond` with the token entries replaced by what the LoRA'd encoder makes of them: the cross-attention
         context, and for SDXL the pooled output at the front of `y` (its size embedding after it stays cached)."""
         tokens = {name[len(TOKEN_KEY):]: cond.pop(name) for name in list(cond) if name.startswith(TOKEN_KEY)}
-        if not tokens:
-            return cond
+        if not tokens:  # every caption the cache holds is tokenized: a batch without would train the cached one
+            raise RuntimeError("a batch reached the trained text encoder without its captions' tokens")
         keys = sorted({name.rsplit(".", 1)[0] for name in tokens})
         batch = tokens[f"{keys[0]}.ids"].shape[0]
         contexts, pooled = [], []

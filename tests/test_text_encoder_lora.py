@@ -273,6 +273,18 @@ def test_the_memory_estimate_holds_the_encoders_weights_lora_and_optimizer_state
     assert "learning rate 0.0005" in on.report
 
 
+def test_validation_and_caption_options_run_through_the_trained_encoder(sdxl_objects, two_images,
+                                                                        tmp_path):  # noqa: F811
+    """Held-out images are scored with the trained encoder (their tokens stay on the host like the batches'), and
+    caption variants and the dropped caption carry their own tokens (a batch without would be an error)."""
+    options = dict(validation_fraction=0.5, validation_every_steps=1)
+    plain = _run(sdxl_objects, two_images, tmp_path / "plain", "plain", TE, steps=3, **options)
+    assert len(plain.validation_losses) == 3 and all(np.isfinite(v) for _, v in plain.validation_losses)
+    varied = _run(sdxl_objects, two_images, tmp_path / "varied", "varied", TE, steps=3, shuffle_tags=True,
+                  caption_dropout=0.5, **options)
+    assert varied.losses != plain.losses
+
+
 # --- refusals, before any work ----------------------------------------------------------------------------------
 
 def test_a_family_without_a_trainable_text_encoder_refuses_naming_the_field(family_objects, two_images, tmp_path,

@@ -19,19 +19,20 @@ import comfy.sd
 
 from . import cast_weights
 from .families import family_for
+from .text_encoder import ComfyTextEncoderLora, caption_tokens, text_encoder_support
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.errors import LeanLoRAError
     from ..trainer.step.frozen_weights import cast_frozen_weights
     from ..trainer.model import FamilyIdentity
     from ..trainer.memory.vram import GIB, available_ram_bytes
-    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
+    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
     from trainer.step.frozen_weights import cast_frozen_weights
     from trainer.model import FamilyIdentity
     from trainer.memory.vram import GIB, available_ram_bytes
-    from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraTargets
+    from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraTargets
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -293,6 +294,20 @@ class ComfyAdapter:
 
     def diffusers_module_names(self) -> dict[str, str] | None:
         return self.family.diffusers_module_names(self.base)
+
+    # --- the text encoder, trained beside the diffusion model (LoRA Config's text_encoder_lr) ---
+    def check_text_encoder(self, lora: LoraSettings) -> None:
+        """A model whose text encoder LeanLoRA cannot train is refused here, naming the field, before any work."""
+        text_encoder_support(self.base, self.clip, self.family.name, lora.text_encoder_lr)
+
+    def text_encoder_tokens(self, caption: str) -> dict[str, torch.Tensor]:
+        return caption_tokens(self.clip, caption)
+
+    def training_text_encoder(self, lora: LoraSettings, seed: int) -> ComfyTextEncoderLora:
+        """A private copy of the CLIP model with LoRA layers (the user's CLIP untouched), in CPU memory until the
+        session places it."""
+        encoders = text_encoder_support(self.base, self.clip, self.family.name, lora.text_encoder_lr)
+        return ComfyTextEncoderLora(self.clip, encoders, lora, seed, self.device)
 
     def free(self, unet: torch.nn.Module) -> None:
         unet.to("cpu")

@@ -36,7 +36,8 @@ class SampleRenderer:
     """`renderer(step, lora_state_dict)` renders one image per prompt and writes `step<N>_<i>.png` (i from 0, in
     prompt order) into this run's own folder; returns the paths. The folder is `folder`, or `folder_2`, `_3`, ...
     where an earlier run has one (created at the first image: a run never overwrites another run's samples).
-    The prompts are encoded once, at the first call. `should_stop()` (Cancel) is asked after every sampler step
+    The prompts are encoded once, at the first call (with text-encoder keys in the state dict, text_encoder_lr: at
+    every call, through that LoRA on a clone of the CLIP). `should_stop()` (Cancel) is asked after every sampler step
     and before each image and decode: Cancel stops a sample within one sampler step."""
 
     def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path,
@@ -68,10 +69,15 @@ class SampleRenderer:
 
     def _render(self, lora_state_dict: dict[str, torch.Tensor]) -> list[np.ndarray]:
         settings = self.settings
-        if self._conds is None:
-            encode = lambda text: self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))  # noqa: E731
-            self._conds = [encode(prompt) for prompt in settings.prompts], encode("")
-        positives, negative = self._conds
+        if any(key.startswith("lora_te") for key in lora_state_dict):  # text_encoder_lr: the prompts through its LoRA
+            _, clip = apply_lora(None, self.clip, lora_state_dict, 0.0, 1.0)
+            encode = lambda text: clip.encode_from_tokens_scheduled(clip.tokenize(text))  # noqa: E731
+            positives, negative = [encode(prompt) for prompt in settings.prompts], encode("")
+        else:
+            if self._conds is None:
+                encode = lambda text: self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))  # noqa: E731
+                self._conds = [encode(prompt) for prompt in settings.prompts], encode("")
+            positives, negative = self._conds
         patched, _ = apply_lora(self.model, None, lora_state_dict, 1.0, 0.0)
         latent_size = settings.size // 8
         images = []

@@ -127,6 +127,12 @@ class LeanLoRALoraConfig:
                 "factor": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip":
                     "lokr only: how each layer's size is split into two factors. -1 splits as evenly as possible "
                     "(LyCORIS' default); a larger number such as 8 or 16 makes smaller files that learn less."}),
+                "text_encoder_lr": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 10.0, "step": 0.00001,
+                    "round": False, "tooltip":
+                    "SD1.5/SDXL only (kohya's text_encoder_lr). 0: off, the LoRA trains the diffusion model alone. "
+                    "Above 0: it also trains a LoRA on the CLIP text encoder(s) at this rate, saved in the same file "
+                    "(lora_te_ keys); about half the learning rate is usual (5e-5 next to 1e-4; Prodigy: 1.0). "
+                    "Costs the text encoder's memory on the GPU and a text encoding per step; type lora only."}),
             },
         }
 
@@ -144,7 +150,7 @@ class LeanLoRALoraConfig:
         return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
     def execute(self, rank, alpha, dropout, targets, continue_from=NO_LORA, type="lora",  # noqa: A002 - the widget
-                factor=-1):
+                factor=-1, text_encoder_lr=0.0):
         path = None
         if continue_from != NO_LORA:
             path = _lora_path(continue_from)
@@ -152,7 +158,7 @@ class LeanLoRALoraConfig:
                 raise LeanLoRAError(f"continue_from: {continue_from!r} is not in the loras folder any more; pick "
                                     "another LoRA (refresh the list with R) or none")
         labels = values_of({"targets": targets, "type": type})
-        settings = LoraSettings(rank, alpha, dropout, labels["targets"], path, labels["type"], factor)
+        settings = LoraSettings(rank, alpha, dropout, labels["targets"], path, labels["type"], factor, text_encoder_lr)
         if path is not None:
             from ..trainer.lora.continue_from import check_file  # imports peft: only when a file is checked
             check_file(settings)  # unreadable, not a LoRA, other rank/alpha: fails here, before any encoding

@@ -343,7 +343,8 @@ class LeanLoRATrain:
     RETURN_TYPES = ("MODEL", "CLIP", "LORA_MODEL", "STRING", "IMAGE", "STRING")
     RETURN_NAMES = ("model", "clip", "lora", "lora_name", "loss_plot", "report")
     OUTPUT_TOOLTIPS = ("The input MODEL with the trained LoRA applied (strength 1).",
-                       "The input CLIP, passed through (the LoRA trains the diffusion model only).",
+                       "The input CLIP; with LoRA Config's text_encoder_lr set, with the trained text-encoder LoRA "
+                       "applied (strength 1).",
                        "The LoRA weights, usable by ComfyUI's Load LoRA Model node and LeanLoRA Apply LoRA.",
                        "The saved file's name in the loras folder (pick it in Load LoRA in later runs).",
                        "Loss per step (raw and smoothed); the validation loss in green when validation_fraction is on.",

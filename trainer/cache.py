@@ -87,13 +87,16 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 store: LatentTextStore | None = None, image_encoder_id: str = "", text_encoder_id: str = "",
                 stats: CacheStats | None = None, preprocess: str = PREPROCESS,
                 captions: CaptionOptions = CaptionOptions(), seed: int = 0,
-                masked_loss: bool = False) -> list[CachedSample]:
+                masked_loss: bool = False,
+                tokenize: Callable[[str], dict[str, torch.Tensor]] | None = None) -> list[CachedSample]:
     """Encodes what the store does not hold yet (without a store: everything) and counts into `stats`. A hit
     skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP.
     An image that has become unusable since the scan (deleted, truncated, undecodable, replaced by a link that
     leads out of the dataset's confinement) is skipped and listed in `stats`; only when none is left is that an
     error. `captions`: caption variants to encode as well (captions.py), seeded by `seed`. `masked_loss`: each
-    sample gets its loss mask (dataset.load_mask) at the latent's size, area-averaged as the VAE downsamples."""
+    sample gets its loss mask (dataset.load_mask) at the latent's size, area-averaged as the VAE downsamples.
+    `tokenize` (a trained text encoder's, text_encoder.py): each caption's conditioning also holds its tokens (never
+    stored: tokenizing is cheap, and the store's entries stay those of the encoder's output)."""
     mask_sources: dict[str, int] = {}
     stats = stats if stats is not None else CacheStats()
     run_texts: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}  # a repeated caption is encoded once
@@ -123,6 +126,8 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 run_texts[text_id], hit = _fetch(
                     store, lambda: text_key(caption, width, height, text_encoder_id),
                     lambda: {k: v.detach().to("cpu") for k, v in encode_text(caption, width, height).items()})
+                if tokenize is not None:
+                    run_texts[text_id] = {**run_texts[text_id], **tokenize(caption)}
             stats.text_hits += hit
             stats.text_misses += not hit
             return run_texts[text_id]

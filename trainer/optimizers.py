@@ -71,7 +71,8 @@ def _short(error: Exception) -> str:
 
 def _torch_adamw(params, lr, weight_decay, device):
     # The fused kernel is the fastest and needs every tensor on CUDA and floating point.
-    fused = device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in params)
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]  # or groups
+    fused = device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in tensors)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
                              **({"fused": True} if fused else {"foreach": True}))
 
@@ -274,14 +275,22 @@ def _maker(name, device):
 
 
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 1e-2, *,
-                    device: torch.device, flat: bool = False,
-                    bf16_weights: bool = False) -> tuple[torch.optim.Optimizer, str | None]:
+                    device: torch.device, flat: bool = False, bf16_weights: bool = False,
+                    extra_groups: tuple[tuple[list[torch.nn.Parameter], float], ...] = ()
+                    ) -> tuple[torch.optim.Optimizer, str | None]:
     """The optimizer, and a note for the report when another one had to be used instead (None otherwise).
     flat=True: a bitsandbytes optimizer or Prodigy steps all tensors as one (FlatParameters, kept as
     `.leanlora_flat`; its zero_grad zeroes in place). bf16_weights=True: the LoRA weights become bf16 (BF16Weights,
-    any optimizer)."""
+    any optimizer). `extra_groups`: (tensors, learning rate) stepped as param groups of their own after `params`
+    (the text encoder's LoRA at text_encoder_lr; the LR schedule scales every group alike); tensors then stay
+    unflattened, and bf16 weights are refused before this (train_lora)."""
     _check_name(name)
     params, device = list(params), torch.device(device)
+    if extra_groups:
+        if bf16_weights:
+            raise LeanLoRAError("lora_weights: bf16 + stochastic rounding steps one group of LoRA weights; with "
+                                "text_encoder_lr set, set lora_weights to fp32")
+        flat = False
     whys: dict[str, list[str]] = {}  # reason -> the candidates it ruled out
     todos = []
     for candidate in _CHAINS[name]:  # every chain ends with torch AdamW, which always builds
@@ -300,6 +309,9 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
     elif flat and candidate in _FLAT and params:
         flat_params = FlatParameters(params)
         optimizer = make([flat_params.param], lr, weight_decay)
+    elif extra_groups:
+        optimizer = make([{"params": params}, *({"params": list(group), "lr": group_lr}
+                                                 for group, group_lr in extra_groups)], lr, weight_decay)
     else:
         optimizer = make(params, lr, weight_decay)
     if flat_params is not None:

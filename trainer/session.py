@@ -33,6 +33,7 @@ from .step.compiled_blocks import compile_before_first_step, compile_blocks
 from .step.frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
 from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step, graphs_incompatible
 from .step.precision import Precision, norms_in_compute_dtype
+from .text_encoder import TrainedTextEncoder, is_token_entry
 from .training_state import TrainingState, restore_rng_states, rng_states
 
 
@@ -40,12 +41,15 @@ class TrainingSession:
     """The mutable parts of a run that memory settings control; `configure` moves between settings mid-run."""
 
     def __init__(self, adapter: ModelAdapter, unet, params, cache: list[CachedSample], repeats: int,
-                 train: TrainSettings, inductor_settings: dict | None = None, offload_settings: dict | None = None):
+                 train: TrainSettings, inductor_settings: dict | None = None, offload_settings: dict | None = None,
+                 text_encoder: TrainedTextEncoder | None = None, text_encoder_lr: float = 0.0):
         """inductor_settings, offload_settings: experiment knobs (the bench's), the product's defaults if None:
         the inductor options compiled blocks use (compiled_blocks.INDUCTOR_OPTIONS) and ActivationOffload's keyword
-        arguments."""
+        arguments. `text_encoder` (LoRA Config's text_encoder_lr): its LoRA weights are the last of `params`,
+        stepped at `text_encoder_lr`; each step encodes the batch's captions through it."""
         self.adapter, self.unet, self.params, self.cache, self.repeats, self.train = \
             adapter, unet, params, cache, repeats, train
+        self.text_encoder, self.text_encoder_lr = text_encoder, text_encoder_lr
         self.inductor_settings, self.offload_settings = inductor_settings, offload_settings or {}
         self.generator = torch.Generator().manual_seed(train.seed)
         # Random draws and timesteps are computed from a CPU copy of the schedule: no step waits for the GPU.
@@ -132,13 +136,17 @@ class TrainingSession:
                            + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays on the "
                               "GPU)" if memory.stream_share < 1 else ""))
         place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
+        if old is None and self.text_encoder is not None:
+            self.text_encoder.to(device)  # as loaded (no fp8, no streaming): the ladder works on the UNet
         if self.train.ema_decay and self.ema is None:
             self.ema = LoraEMA(self.params, self.train.ema_decay)
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
-            self.optimizer, note = build_optimizer(memory.optimizer, self.params, self.train.learning_rate,
-                                                   device=device, flat=True,
-                                                   bf16_weights=memory.lora_weights is not LoraWeights.FP32)
+            encoder_params = {id(p) for p in self.text_encoder.params} if self.text_encoder is not None else set()
+            self.optimizer, note = build_optimizer(
+                memory.optimizer, [p for p in self.params if id(p) not in encoder_params], self.train.learning_rate,
+                device=device, flat=True, bf16_weights=memory.lora_weights is not LoraWeights.FP32,
+                extra_groups=((self.text_encoder.params, self.text_encoder_lr),) if encoder_params else ())
             self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
                                                  self.train.steps, self.steps_done)
             if note:
@@ -162,7 +170,9 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=self.adapter.cancel_errors,
-            incompatible=graphs_incompatible(random_forward) or self.adapter.graph_blocker,
+            incompatible=graphs_incompatible(random_forward) or self.adapter.graph_blocker or (
+                "the text encoder is trained (its captions' tokens are read on the host every step)"
+                if self.text_encoder is not None else None),
             offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -227,6 +237,8 @@ class TrainingSession:
                                 state_params=flat.state_shapes() if flat is not None else None)
         if self.ema is not None:  # its fp32 average counts with the LoRA weights (not as `other` when probed)
             estimate.lora_parameters += self.ema.nbytes
+        if self.text_encoder is not None:  # its LoRA, gradients and optimizer state are in self.params already
+            estimate.frozen_weights += self.text_encoder.frozen_bytes(self.adapter.device)
         # Compiled blocks: probe the shape compile_before_first_step compiled, once (another probe shape would cost a full
         # compile); before or without a compile step, probe uncompiled.
         at_run_shape = self.is_compiled and self.compiled_batch == self.run_batch_size()
@@ -303,15 +315,20 @@ class TrainingSession:
                                 **{f"cond.{name}": value for name, value in cond.items() if name != MASK_KEY}})
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """All but the trained text encoder's tokens, which it reads on the host (text_encoder.TOKEN_KEY)."""
         device = self.adapter.device
+        tokens = {name: t for name, t in tensors.items() if is_token_entry(name.removeprefix("cond."))}
+        tensors = {name: t for name, t in tensors.items() if name not in tokens}
         if device.type != "cuda":
-            return {name: t.to(device) for name, t in tensors.items()}
-        return {name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}
+            return {**{name: t.to(device) for name, t in tensors.items()}, **tokens}
+        return {**{name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}, **tokens}
 
     def compute_loss(self, inputs: dict[str, torch.Tensor], loss: LossFunction | None = None) -> torch.Tensor:
         if "dropout_seed" in inputs:  # read by the forward and by checkpointing's recompute in backward
             seed_lora_dropout(self.unet).feed(inputs["dropout_seed"])
         cond = {name[len("cond."):]: t for name, t in inputs.items() if name.startswith("cond.")}
+        if self.text_encoder is not None:  # the captions through the trained encoder, with gradients
+            cond = self.text_encoder.condition(cond)
         predict = lambda x, t, c: self.adapter.predict(self.unet, x, t, c)  # noqa: E731
         # the mask weighs the training loss only: validation's plain MSE stays comparable between runs
         return denoising_loss(self.adapter.model_sampling, predict, inputs["clean"], cond, inputs["noise"],
@@ -461,6 +478,7 @@ class TrainingSession:
             param.grad = None
         self.optimizer = self.lr_schedule = self.data = self.micro_step = self.step = self.compiled = None
         self.unet = self.params = self.cache = self._checkpoint_units = self._step_start = None
+        self.text_encoder = None
         gc.collect()
         if self.adapter.device.type == "cuda":
             torch.cuda.synchronize(self.adapter.device)

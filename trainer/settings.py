@@ -231,6 +231,9 @@ class LoraSettings:
     continue_from: str | None = None  # a LoRA .safetensors to start from (kohya's prev_lora_ckpt; lora/continue_from.py)
     type: AdapterKind = AdapterKind.LORA
     factor: int = -1  # LoKr's Kronecker factor (LyCORIS' `factor`): -1 splits each dimension as evenly as it can
+    # 0: off (the diffusion model alone, as before). Else kohya's text_encoder_lr: a LoRA on the CLIP text
+    # encoder(s) of SD1.x/SDXL too, stepped at this rate (trainer/text_encoder.py)
+    text_encoder_lr: float = 0.0
 
     def __post_init__(self):
         _require(1 <= self.rank <= 1024, "rank", f"got {self.rank}; use 1..1024 (4-32 is typical)")
@@ -247,6 +250,17 @@ class LoraSettings:
             _require(isinstance(path, str) and path.lower().endswith(".safetensors"), "continue_from",
                      f"got {path!r}; use the path of a .safetensors LoRA (pickled .pt/.ckpt files are never read)")
             _require(Path(path).is_file(), "continue_from", f"{path!r} is not a file; pick an existing LoRA")
+        rate = self.text_encoder_lr
+        _require(_number(rate) and 0 <= rate <= 10, "text_encoder_lr",
+                 f"got {rate!r}; use 0 (off: the diffusion model alone) or a small rate such as 5e-5 (about half the "
+                 "learning rate)")
+        _require(not rate or self.type is AdapterKind.LORA, "text_encoder_lr",
+                 f"got {rate:g} with type {getattr(self.type, 'value', self.type)}: the text encoder is trained with "
+                 "plain LoRA only; set type to lora, or text_encoder_lr to 0")
+
+    @property
+    def trains_text_encoder(self) -> bool:
+        return self.text_encoder_lr > 0
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "cosine_with_restarts", "polynomial")  # diffusers' names

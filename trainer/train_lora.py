@@ -31,8 +31,8 @@ from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import (OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, MemorySettings,
-                       TrainSettings)
+from .settings import (OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, LoraWeights,
+                       MemorySettings, TrainSettings)
 from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
                              save_training_state, state_path)
@@ -98,6 +98,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         report.append("timesteps and loss: " + ", ".join(f"{key} {value}"
                                                           for key, value in train.objective_changes().items()))
     check_optimizer(memory.optimizer, train)  # before any encoding
+    if lora.trains_text_encoder:  # a model whose text encoder cannot be trained: refused before any encoding
+        check_text_encoder(adapter, lora, memory)
+        report.append(f"text encoder trained too: LoRA on the CLIP text encoder(s) at learning rate "
+                      f"{lora.text_encoder_lr:g} (text_encoder_lr)")
     if train.option_changes():
         report.append("training options: " + ", ".join(f"{key} {value}"
                                                        for key, value in train.option_changes().items()))
@@ -119,7 +123,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                             on_item=lambda done, total: emit(kind="cache", done=done, total=total), store=store,
                             image_encoder_id=adapter.image_encoder_id() if store else "",
                             text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats,
-                            captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss)
+                            captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss,
+                            tokenize=adapter.text_encoder_tokens if lora.trains_text_encoder else None)
     except cancel_errors as cancel:
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
     report.append(stats.describe())
@@ -143,16 +148,27 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     fingerprints = {"dataset": dataset_id, "model": model_fingerprint(unet)}
     presets = {targets: adapter.lora_targets(unet, targets) for targets in LoraTargets}  # before LoRA wraps layers
     params = inject_lora(unet, lora, train.seed, presets[lora.targets])
+    text_encoder = None
+    if lora.trains_text_encoder:  # its LoRA weights come after the UNet's: one list for clipping, EMA and state
+        try:
+            text_encoder = adapter.training_text_encoder(lora, train.seed)
+        except LeanLoRAError:
+            adapter.free(unet)
+            raise
+        params = params + text_encoder.params
+        fingerprints["text_encoder"] = text_encoder.fingerprint()
+        report.append(text_encoder.describe())
     continued = None
     if lora.continue_from:
         try:
             continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.identity(),
-                                           presets)
+                                           presets, text_encoder)
         except LeanLoRAError:
             adapter.free(unet)
             raise
         report.append(continued.describe())
-    fingerprints["lora"] = lora_fingerprint(lora, params, adapter_type(lora).fingerprint(lora))
+    fingerprints["lora"] = lora_fingerprint(lora, params, adapter_type(lora).fingerprint(lora)
+                                            + (("text_encoder_lr on",) if text_encoder is not None else ()))
     if held_out:
         fingerprints["validation"] = split_fingerprint(cached_images, held_out)
     if resumed is not None:
@@ -165,7 +181,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
     check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
-    session = TrainingSession(adapter, unet, params, cache, dataset.repeats, train)
+    session = TrainingSession(adapter, unet, params, cache, dataset.repeats, train, text_encoder=text_encoder,
+                              text_encoder_lr=lora.text_encoder_lr)
     run.recoveries = session.recoveries
     validation = None
     if held_out:
@@ -212,9 +229,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "lora_type": lora.type.value,  # a resume refuses another type by name (check_resumable)
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
+                      # a resume checks it is on or off as the state trained (check_resumable)
+                      **({"text_encoder_lr": repr(lora.text_encoder_lr)} if lora.trains_text_encoder else {}),
                       **train.objective_values(), **train.option_values()}
     exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,
-                            len(held_out))
+                            len(held_out), text_encoder)
     step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
 
     def write_state(lora_path: Path) -> None:
@@ -362,6 +381,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         """The training copy off the device, then everything the session holds: the final samples and the
         KSampler after Train find the card as it was before the run."""
         adapter.free(unet)
+        if text_encoder is not None:
+            text_encoder.to("cpu")
         session.release()
     if steps_done == first_step:
         release_training()
@@ -481,8 +502,9 @@ class LoraExporter:
 
     def __init__(self, adapter: ModelAdapter, unet: torch.nn.Module, lora: LoraSettings,
                  target_modules: tuple[str, ...], dataset: Dataset, train: TrainSettings, started_at: float,
-                 continued: ContinuedLora | None = None, held_out: int = 0):
+                 continued: ContinuedLora | None = None, held_out: int = 0, text_encoder=None):
         self.adapter, self.unet, self.lora, self.dataset, self.train = adapter, unet, lora, dataset, train
+        self.text_encoder = text_encoder  # its kohya te keys go into the same file
         self.target_modules = target_modules
         self.held_out = held_out  # images validation keeps out of training
         self.continued = continued  # the LoRA file this run started from: its steps count in ss_steps
@@ -491,15 +513,19 @@ class LoraExporter:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The LoRA file's tensors at the current weights, checked finite."""
-        lora, names = self.lora, self.module_names
-        state_dict = kohya_state_dict(self.unet, lora, names)
-        if non_finite_tensors(state_dict) and not non_finite_tensors(kohya_state_dict(self.unet, lora, names,
-                                                                                       dtype=torch.float32)):
-            state_dict = kohya_state_dict(self.unet, lora, names, dtype=torch.float32)  # finite beyond fp16's range
+        state_dict = self._state_dict(torch.float16)
+        if non_finite_tensors(state_dict) and not non_finite_tensors(self._state_dict(torch.float32)):
+            state_dict = self._state_dict(torch.float32)  # finite beyond fp16's range
         bad = non_finite_tensors(state_dict)
         if bad:  # the loop's checks should make this unreachable; never write or apply such weights
             raise LeanLoRAError(f"the trained LoRA has NaN/inf weights ({len(bad)} tensors, e.g. {bad[0]}); "
                                 "nothing was saved. Lower the learning rate or alpha/rank, or use mixed precision bf16")
+        return state_dict
+
+    def _state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        state_dict = kohya_state_dict(self.unet, self.lora, self.module_names, dtype=dtype)
+        if self.text_encoder is not None:
+            state_dict.update(self.text_encoder.state_dict(dtype))
         return state_dict
 
     def contents(self, steps_done: int, partial: bool, stem: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -511,6 +537,11 @@ class LoraExporter:
             timestamp=self.started_at, extra={"leanlora_version": __version__, "ss_steps": str(steps_done),
                                               "ss_max_train_steps": str(train.steps),
                                               "ss_learning_rate": str(train.learning_rate), "ss_seed": str(train.seed),
+                                              **({"ss_unet_lr": str(train.learning_rate),  # only where on: a
+                                                  # run without it writes the file it always wrote
+                                                  "ss_text_encoder_lr": str(lora.text_encoder_lr),
+                                                  "ss_network_train_unet_only": "False"}
+                                                 if lora.trains_text_encoder else {}),
                                               "ss_lr_scheduler": train.lr_schedule,
                                               "ss_lr_warmup_steps": str(train.warmup_steps),
                                               "ss_num_train_images": str((len(dataset.samples) - self.held_out) * dataset.repeats),
@@ -519,6 +550,24 @@ class LoraExporter:
                                               "leanlora_partial": str(partial),
                                               **(self.continued.metadata(steps_done) if self.continued else {})})
         return state_dict, with_file_hashes(state_dict, metadata)
+
+
+def check_text_encoder(adapter: ModelAdapter, lora: LoraSettings, memory: MemorySettings) -> None:
+    """text_encoder_lr against the model and the memory settings, before any work: a LeanLoRAError naming the field."""
+    check = getattr(adapter, "check_text_encoder", None)
+    if check is None:
+        raise LeanLoRAError(f"text_encoder_lr: got {lora.text_encoder_lr:g}, but this model comes without a text "
+                            "encoder LeanLoRA can train (SD1.5 and SDXL through ComfyUI's CLIP only): set LoRA "
+                            "Config's text_encoder_lr to 0")
+    check(lora)
+    if memory.lora_weights is not LoraWeights.FP32:
+        raise LeanLoRAError(f"text_encoder_lr: got {lora.text_encoder_lr:g} with lora_weights "
+                            f"{memory.lora_weights.value}, which steps one group of LoRA weights: set Memory Settings' "
+                            "lora_weights to fp32, or text_encoder_lr to 0")
+    try:
+        check_learning_rate(memory.optimizer, lora.text_encoder_lr)
+    except LeanLoRAError as error:  # the same rule for the encoder's rate, named as its field
+        raise LeanLoRAError(str(error).replace("learning_rate", "text_encoder_lr")) from None
 
 
 def check_optimizer(optimizer: str, train: TrainSettings) -> None:

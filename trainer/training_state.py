@@ -316,7 +316,7 @@ def _check_rng(rng, damaged) -> None:
 
 
 def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, str], total_steps: int,
-                    checks: tuple[str, ...] = ("dataset", "model", "lora", "validation"),
+                    checks: tuple[str, ...] = ("dataset", "model", "lora", "validation", "text_encoder"),
                     lora_shapes: list[tuple[int, ...]] | None = None, lora_type: str | None = None) -> None:
     """Raises a LeanLoRAError naming the file and what differs; a state is resumed only on its own dataset,
     base model, LoRA shape and validation split, with steps left to train. `checks`: the fingerprints to compare
@@ -329,12 +329,23 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
             "lora": "the LoRA shape (rank, alpha, targets or LoKr factor) differs: set LoRA Config as the state was "
                     "trained",
             "validation": "the images held out for validation differ (validation_fraction or seed changed): set "
-                          "them as the state was trained, so it trains on the same images"}
+                          "them as the state was trained, so it trains on the same images",
+            "text_encoder": "the text encoder (CLIP) differs from the one it trained: resume with the same CLIP, or "
+                            "continue from its LoRA file (LoRA Config's continue_from)"}
     trained_type = state.settings.get("lora_type", "lora")  # states saved before adapter types trained LoRA
     if lora_type is not None and trained_type != lora_type:
         raise LeanLoRAError(f"cannot resume from {path.name}: it trained a {trained_type} adapter, and LoRA Config's "
                             f"type says {lora_type}: set type to {trained_type} to resume it (or resume 'off' to "
                             "start a new one)")
+    if "lora" in checks:  # on or off as it trained (before the shapes, which differ then too)
+        trained_lr = float(state.settings.get("text_encoder_lr", "0"))
+        if (trained_lr > 0) != ("text_encoder" in fingerprints):
+            raise LeanLoRAError(
+                f"cannot resume from {path.name}: " + (
+                    f"it trained the text encoder too (text_encoder_lr {trained_lr:g}), and LoRA Config's "
+                    "text_encoder_lr is 0: set it above 0 to resume it" if trained_lr > 0 else
+                    "it trained the diffusion model alone (text_encoder_lr 0), and LoRA Config's text_encoder_lr is "
+                    "set: set it to 0 to resume it (or resume 'off' to start a new LoRA)"))
     for key in checks:
         if state.fingerprints.get(key) != fingerprints.get(key):
             why = what[key]

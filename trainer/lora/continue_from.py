@@ -25,6 +25,7 @@ from ..errors import LeanLoRAError
 from ..model import FamilyIdentity
 from ..settings import LoraSettings, LoraTargets
 from . import ADAPTER_TYPES, adapter_type
+from .dropout import ADAPTER
 from .file import UNET_PREFIX
 
 # One LoRA tensor per key: `<module><part>`. The module part is matched against the model's spellings below.
@@ -62,11 +63,17 @@ class ContinuedLora:
     alpha: float
     steps: int | None  # the file's ss_steps, when it records them
     text_encoder_keys_skipped: int
+    text_encoder_modules: int | None = None  # with text_encoder_lr on: its modules loaded from the file
 
     def describe(self) -> str:
         steps = f"{self.steps} steps recorded" if self.steps is not None else "no step count recorded"
-        skipped = (f"; {self.text_encoder_keys_skipped} text-encoder keys skipped (LeanLoRA trains the diffusion "
-                   "model only, so those stay as they were in that file)" if self.text_encoder_keys_skipped else "")
+        skipped = (f"; {self.text_encoder_keys_skipped} text-encoder keys skipped (text_encoder_lr is 0: this run "
+                   "trains the diffusion model only and its file holds no text-encoder LoRA; set text_encoder_lr "
+                   "above 0 to train them on)" if self.text_encoder_keys_skipped else "")
+        if self.text_encoder_modules == 0:
+            skipped += "; the file has no text-encoder LoRA: the text encoder's starts fresh"
+        elif self.text_encoder_modules:
+            skipped += f"; {self.text_encoder_modules} text-encoder modules loaded"
         return (f"continued from {self.file.name} ({self.format}): {self.modules} modules loaded, rank {self.rank}, "
                 f"alpha {self.alpha:g}, {steps}{skipped}; the optimizer starts fresh")
 
@@ -77,12 +84,14 @@ class ContinuedLora:
 
 def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_names: Mapping[str, str] | None,
                        family: FamilyIdentity,
-                       presets: Mapping[LoraTargets, tuple[str, ...]] | None = None) -> ContinuedLora:
+                       presets: Mapping[LoraTargets, tuple[str, ...]] | None = None,
+                       text_encoder=None) -> ContinuedLora:
     """Loads `settings.continue_from` into the LoRA layers `inject_lora` put into `unet` (fp32 master weights).
     `diffusers_names` is the adapter's diffusers_module_names() (training-copy path -> diffusers path of each
     weight module: kohya's SD1.x names and diffusers/peft files use them); None reads ComfyUI-named files only.
     `presets`: the modules each target preset trains in this model (ModelAdapter.lora_targets), to name the
-    preset a file was trained with."""
+    preset a file was trained with. `text_encoder` (text_encoder_lr on; trainer/text_encoder.py): the file's kohya
+    text-encoder modules (lora_te_, lora_te1_, lora_te2_) are loaded into its LoRA layers too."""
     path = Path(settings.continue_from)
     name = f"continue_from {path.name!r}"
     keys, metadata = _read_keys(path, name)
@@ -157,9 +166,47 @@ def continue_from_file(unet: torch.nn.Module, settings: LoraSettings, diffusers_
     if metadata.get("leanlora_version"):
         style = f"LeanLoRA {metadata['leanlora_version']}, {style}"
     steps = metadata.get("ss_steps", "")
+    loaded = None
+    if text_encoder is not None:
+        loaded = _load_text_encoder(name, path, keys, settings, text_encoder)
+        text_encoder_keys = 0
     return ContinuedLora(path, f"{kind.label}, {style}" if kind is not ADAPTER_TYPES[-1] else style, len(weights),
                          settings.rank if rank is None else rank, settings.alpha if alpha is None else alpha,
-                         int(steps) if steps.isdigit() else None, text_encoder_keys)
+                         int(steps) if steps.isdigit() else None, text_encoder_keys, loaded)
+
+
+def _load_text_encoder(name: str, path: Path, keys: list[str], settings: LoraSettings, text_encoder) -> int:
+    """The file's text-encoder LoRA modules into the trained encoder's layers (kohya names, plain LoRA); returns
+    how many. A module it has no layer for, or of another rank, is an error naming the key."""
+    layers = text_encoder.layers()  # kohya module name -> peft LoRA layer
+    modules: dict[str, dict[str, str]] = {}
+    for key in keys:
+        match = _LORA_KEY.match(key)
+        if match is None or not match["module"].startswith(_TEXT_ENCODER_PREFIXES):
+            continue
+        part = "alpha" if match["alpha"] else match["kohya"]
+        if part is None or match["module"] not in layers:
+            raise LeanLoRAError(
+                f"{name}: its text-encoder key {key!r} matches no layer LeanLoRA trains in this text encoder (it "
+                "reads kohya's lora_te_ / lora_te1_ / lora_te2_ LoRAs on the CLIP layers' attention and MLP); set "
+                "text_encoder_lr to 0 to continue its diffusion-model part only")
+        modules.setdefault(match["module"], {})[part] = key
+    tensors = _read_tensors(path, {key for parts in modules.values() for key in parts.values()})
+    _check_finite(name, tensors)
+    with torch.no_grad():
+        for module, parts in modules.items():
+            if "down" not in parts or "up" not in parts:
+                raise LeanLoRAError(f"{name} is incomplete: {next(iter(parts.values()))!r} has no matching "
+                                    "lora_down/lora_up weight. Pick a complete LoRA file")
+            layer, down, up = layers[module], tensors[parts["down"]], tensors[parts["up"]]
+            wanted = (tuple(layer.lora_A[ADAPTER].weight.shape), tuple(layer.lora_B[ADAPTER].weight.shape))
+            if (tuple(down.shape), tuple(up.shape)) != wanted:
+                raise LeanLoRAError(
+                    f"{name} does not fit this text encoder: {parts['down']!r} has shape {tuple(down.shape)} (lora_up "
+                    f"{tuple(up.shape)}), and LoRA Config's rank {settings.rank} makes {wanted[0]} ({wanted[1]}): set "
+                    "rank as the file was trained, or text_encoder_lr to 0 to continue its diffusion-model part only")
+            adapter_type(settings).load(layer, {"down": down, "up": up}, f"{name} ({parts['down']!r})")
+    return len(modules)
 
 
 def check_file(settings: LoraSettings) -> None:

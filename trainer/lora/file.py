@@ -17,8 +17,8 @@ from ..model import FamilyIdentity
 from ..settings import LoraSettings
 from . import adapter_type
 
-UNET_PREFIX = "lora_unet_"  # kohya's prefix; its text encoder ones (lora_te_, lora_te1_/lora_te2_) stay unused:
-#                             LeanLoRA trains the diffusion model only
+UNET_PREFIX = "lora_unet_"  # kohya's prefix; its text encoder ones (lora_te_, lora_te1_/lora_te2_): see
+#                             text_encoder_state_dict
 
 
 def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings, module_names: Mapping[str, str] | None = None,
@@ -39,11 +39,32 @@ def kohya_state_dict(module: torch.nn.Module, settings: LoraSettings, module_nam
                 raise LeanLoRAError(f"cannot export the LoRA on {path!r}: kohya's naming for this model has no "
                                     "name for that module; pick the attention targets")
             path = module_names[path]
-        name = UNET_PREFIX + path.replace(".", "_")
-        for part, value in kind.export(layer, settings).items():
-            value = value.detach().to("cpu", torch.float32 if part == "alpha" else dtype)
-            out[f"{name}.{part}"] = value.contiguous()
+        _export_layer(out, UNET_PREFIX + path.replace(".", "_"), kind, layer, settings, dtype)
     return out
+
+
+def text_encoder_state_dict(module: torch.nn.Module, settings: LoraSettings, prefixes: Mapping[str, str],
+                            dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """kohya's keys for the LoRA layers of a text-encoder copy: `prefixes` maps each encoder's path prefix in
+    `module` (`clip_l.transformer.`) to kohya's (`lora_te_`, SDXL's `lora_te1_` / `lora_te2_`), followed by the
+    layer's path from there, underscored (`text_model_encoder_layers_0_self_attn_q_proj`)."""
+    kind = adapter_type(settings)
+    out: dict[str, torch.Tensor] = {}
+    for path, layer in kind.layers(module).items():
+        start = next((p for p in prefixes if path.startswith(p)), None)
+        if start is None:
+            raise LeanLoRAError(f"cannot export the text-encoder LoRA on {path!r}: kohya names no such encoder")
+        _export_layer(out, prefixes[start] + path[len(start):].replace(".", "_"), kind, layer, settings, dtype)
+    if not out:
+        raise LeanLoRAError("the text encoder holds no LoRA weights to export")
+    return out
+
+
+def _export_layer(out: dict[str, torch.Tensor], name: str, kind, layer, settings: LoraSettings,
+                  dtype: torch.dtype) -> None:
+    for part, value in kind.export(layer, settings).items():
+        value = value.detach().to("cpu", torch.float32 if part == "alpha" else dtype)
+        out[f"{name}.{part}"] = value.contiguous()
 
 
 # --- what the file says about itself: kohya's `ss_*` keys and the SAI model spec (kohya's library/sai_model_spec) ---

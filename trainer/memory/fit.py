@@ -158,8 +158,9 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     4. where full checkpointing does not fit either, the ladder goes on (offload, streaming)."""
     device, params = session.adapter.device, session.params
     memory, lines = relaxed(memory)
+    encoder = session.text_encoder.resident_bytes() if session.text_encoder is not None else 0  # text_encoder_lr
     weight_bytes = lambda dtype, base, share: session.adapter.projected_weight_bytes(  # noqa: E731
-        session.unet, dtype, base, share)
+        session.unet, dtype, base, share) + encoder
     memory, static_lines = plan_static(memory, weight_bytes, params, card.usable(), device, card.card,
                                        ema=bool(session.train.ema_decay))
     lines += static_lines

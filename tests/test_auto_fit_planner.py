@@ -44,6 +44,7 @@ class SimulatedSession:
         self.memory, self.configured, self.cap = None, [], None
         self.free_failed_step = lambda error: None
         self.train, self.ema = TrainSettings(), None  # no EMA of the LoRA weights (fit counts it when on)
+        self.text_encoder = None  # text_encoder_lr off (fit counts the trained encoder's weights when on)
 
     def _weight_bytes(self, unet, dtype, base_weights, share):
         return int(self.weights / 2) if base_weights.fp8 else int(self.weights)

@@ -285,6 +285,25 @@ def test_validation_and_caption_options_run_through_the_trained_encoder(sdxl_obj
     assert varied.losses != plain.losses
 
 
+def test_weighted_captions_train_through_the_encoders_own_weighting(sdxl_objects, tmp_path):
+    """A caption with ComfyUI's weight syntax, `(red:1.4)`, is encoded as CLIPTextEncode encodes it (each weighted
+    token pushed away from the empty prompt's), with gradients: the run trains, and the weight changes the run."""
+    import tiny_assets
+    from trainer.dataset import scan_folder
+
+    def dataset(name: str, caption: str):
+        folder = tiny_assets.build_tiny_dataset(tmp_path / name, n=2)
+        for text in folder.glob("*.txt"):
+            text.write_text(caption)
+        return scan_folder(folder, 64)
+
+    weighted = _run(sdxl_objects, dataset("weighted", "(a red circle:1.4), on a blue background"), tmp_path / "w",
+                    "weighted", TE)
+    plain = _run(sdxl_objects, dataset("plain", "a red circle, on a blue background"), tmp_path / "p", "plain", TE)
+    assert all(np.isfinite(weighted.losses)) and weighted.losses != plain.losses
+    assert any(key.startswith("lora_te2_") for key in load_file(str(weighted.lora_path)))
+
+
 # --- refusals, before any work ----------------------------------------------------------------------------------
 
 def test_a_family_without_a_trainable_text_encoder_refuses_naming_the_field(family_objects, two_images, tmp_path,

@@ -518,6 +518,38 @@ def test_z_image_loras_load_in_diffusers_with_each_fused_projection_split_exactl
         torch.testing.assert_close(parts, delta, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def test_wan_loras_load_in_diffusers_onto_every_module_with_the_same_differences(family_objects, two_images,
+                                                                                 tmp_path):
+    """diffusers' WanPipeline reads our Wan file (musubi-tuner's `lora_unet_blocks_N_self_attn_q` names) onto its
+    WanTransformer3DModel: every module gets a LoRA whose weight difference equals ours (attention q/k/v/o become
+    to_q/to_k/to_v/to_out.0 of attn1 / attn2, the feed-forward ffn.0 / ffn.2 its net.0.proj / net.2)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+    trained = _train(family_objects["wan"], two_images, tmp_path, 2, "wan_for_diffusers")
+    saved = load_file(str(trained.lora_path))
+    config = tiny_dit_assets.WAN21_T2V
+    transformer = WanTransformer3DModel(
+        patch_size=config["patch_size"], num_attention_heads=config["num_heads"],
+        attention_head_dim=config["dim"] // config["num_heads"], in_channels=config["in_dim"],
+        out_channels=config["out_dim"], text_dim=config["text_dim"], freq_dim=config["freq_dim"],
+        ffn_dim=config["ffn_dim"], num_layers=config["num_layers"], cross_attn_norm=config["cross_attn_norm"],
+        eps=config["eps"])
+    converted = WanPipeline.lora_state_dict(saved)
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    transformer.load_lora_adapter(converted, prefix="transformer", adapter_name="leanlora")
+    theirs, ours = _peft_deltas(transformer, "leanlora"), _file_deltas(saved)
+    assert len(theirs) == len(ours)  # every module, none split
+    attention = {"self_attn": "attn1", "cross_attn": "attn2"}
+    projection = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0"}
+    for name, delta in ours.items():
+        block, rest = re.fullmatch(r"blocks_(\d+)_(.+)", name).groups()
+        if rest.startswith("ffn_"):
+            path = f"blocks.{block}.ffn." + {"0": "net.0.proj", "2": "net.2"}[rest[len("ffn_"):]]
+        else:
+            kind, part = rest.rsplit("_", 1)
+            path = f"blocks.{block}.{attention[kind]}.{projection[part]}"
+        torch.testing.assert_close(theirs[path], delta, rtol=1e-3, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("family", ["flux_dev", "chroma"])
 def test_flux_lora_names_are_the_kohya_names_diffusers_converts_for_flux_transformer(family_objects, two_images,
                                                                                     tmp_path, family):

@@ -19,6 +19,7 @@ import comfy.sd
 
 from . import cast_weights
 from .families import family_for
+from .families.common import empty_latent
 from .text_encoder import ComfyTextEncoderLora, caption_tokens, text_encoder_support
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
@@ -140,9 +141,7 @@ class ComfyAdapter:
             cond = encoded.pop("cond")
             # a latent of the model's own format (extra_conds reads its shape: Wan builds image channels for any
             # channels the model takes beyond it), with a time axis of one frame where the latents are video
-            latent_format = self.base.latent_format
-            noise = torch.zeros(1, latent_format.latent_channels, *(1,) * (latent_format.latent_dimensions - 2),
-                                max(1, height // 8), max(1, width // 8))
+            noise = empty_latent(self.base.latent_format, max(1, height // 8), max(1, width // 8))
             conds = self.base.extra_conds(cross_attn=cond, **{**encoded, **self.family.text_conditioning},
                                           width=width, height=height, noise=noise, device=torch.device("cpu"))
         out = {}

@@ -43,7 +43,6 @@ class SampleDefaults:
     """How ComfyUI's own templates sample the family: what in-training samples use (bridge/samples.py)."""
     sampler: str = "euler"
     scheduler: str = "normal"
-    latent_channels: int = 4
     size_multiple: int = 8   # pixels per latent position the image size must be a multiple of (patch x VAE)
 
 

@@ -57,6 +57,12 @@ def linear_cost(unit: torch.nn.Module, tokens: int) -> tuple[int, int]:
     return tokens * sum(m.out_features for m in linears), tokens * sum(m.weight.numel() for m in linears)
 
 
+def empty_latent(latent_format, height: int, width: int) -> torch.Tensor:
+    """A zero latent of a model's own format (ComfyUI's latent_format): its channels, and a time axis of one frame
+    where its latents are video (Wan, Qwen-Image)."""
+    return torch.zeros(1, latent_format.latent_channels, *(1,) * (latent_format.latent_dimensions - 2), height, width)
+
+
 def call_diffusion_model(unet: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor,
                          cond: dict[str, torch.Tensor], transformer_options: dict) -> torch.Tensor:
     """ComfyUI's BaseModel._apply_model after its input scaling: the cross-attention conditioning as `context`,
@@ -78,7 +84,7 @@ class TransformerFamily:
     text_tokens = 0  # text tokens each block attends over beside the image's (the checkpointing cost model)
     timestep_sampling = TimestepSampling.LOGIT_NORMAL  # kohya's and ai-toolkit's flow-model default
     sequence_conditioning = ()  # captions of other lengths never share a batch (cache.stack_shape)
-    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=16, size_multiple=16)
+    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", size_multiple=16)
     graph_blocker = None
     text_conditioning: dict = {}
 

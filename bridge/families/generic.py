@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from .common import call_diffusion_model, linear_cost, linear_paths, prediction_of, repeated_blocks
+from .common import call_diffusion_model, empty_latent, linear_cost, linear_paths, prediction_of, repeated_blocks
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
     from ...trainer.step.checkpointing import most_memory_per_flop_first
@@ -32,9 +32,8 @@ def _builds_concat_channels(base) -> bool:
     latent_format = getattr(base, "latent_format", None)
     if latent_format is None or not hasattr(base, "concat_cond"):
         return False
-    noise = torch.zeros(1, latent_format.latent_channels, *(1,) * (latent_format.latent_dimensions - 2), 8, 8)
     try:
-        return base.concat_cond(noise=noise, device=torch.device("cpu")) is not None
+        return base.concat_cond(noise=empty_latent(latent_format, 8, 8), device=torch.device("cpu")) is not None
     except (KeyError, TypeError, AttributeError):  # a concat_cond that needs inputs only a sampler has
         return False
 
@@ -43,7 +42,7 @@ class Generic:
     name = "generic (any ComfyUI diffusion model of comfy.ops Linear layers)"
     timestep_sampling = TimestepSampling.UNIFORM
     sequence_conditioning = ()
-    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", latent_channels=4, size_multiple=16)
+    sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", size_multiple=16)
     sample_limits = SampleLimits("this model's", 2048, 150, "twice a 1024 training size")  # checked before training
     # Its forward is unknown code: it may read a tensor's value on the host (a token count, a mask's sum), which
     # a CUDA graph cannot hold, and a failed capture costs a step. The DiT families that are known say None.

@@ -37,7 +37,7 @@ class SdUnet:
     name = "SD1.x/SD2.x/SDXL UNet"
     timestep_sampling = TimestepSampling.UNIFORM
     sequence_conditioning = ("c_crossattn",)  # captions over 75 tokens encode to longer ones (CONDCrossAttn)
-    sample_defaults = SampleDefaults(sampler="euler", scheduler="normal", latent_channels=4, size_multiple=8)
+    sample_defaults = SampleDefaults(sampler="euler", scheduler="normal", size_multiple=8)
     sample_limits = SD_SAMPLE_LIMITS  # checked before training
     graph_blocker = None
     text_conditioning: dict = {}

@@ -36,7 +36,7 @@ class Wan(TransformerFamily):
     }
     text_tokens = 512  # umt5-xxl's padded prompt, attended by every block's cross-attention
     # ComfyUI's Wan 2.1 text-to-video template: KSampler uni_pc / simple after ModelSamplingSD3 (shift 8); one frame
-    sample_defaults = SampleDefaults(sampler="uni_pc", scheduler="simple", latent_channels=16, size_multiple=16)
+    sample_defaults = SampleDefaults(sampler="uni_pc", scheduler="simple", size_multiple=16)
     sample_limits = SampleLimits("Wan", 2048, 150, "its native size is 1280x720, 832x480 at 1.3B")
     # Not measured on a GPU yet: whether Wan's forward (RoPE over the latent grid) captures into a CUDA graph
     graph_blocker = "CUDA graphs are not verified on Wan yet"

@@ -176,67 +176,44 @@ def _write(path: Path, tag: str, make_sd) -> Path:
 
 # --- single files ----------------------------------------------------------------------------------------------
 
+def _diffusion_model(path: str | Path, seed: int, tag: str, config: dict, class_path: str, **extra) -> Path:
+    """A diffusion model file: ComfyUI's class at `class_path` built on the meta device from `config` (less its
+    `image_model`, which only some classes take, as `extra`), seeded random values, bf16."""
+    def make():
+        module, _, name = class_path.rpartition(".")
+        cfg = {k: v for k, v in config.items() if k != "image_model"}
+
+        def build(comfy, ops):
+            return getattr(importlib.import_module(module), name)(dtype=torch.float32, device="meta",
+                                                                  operations=ops, **extra, **cfg)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"{tag}-seed{seed}", make)
+
+
 def build_flux_dev_model(path: str | Path, seed: int = 0) -> Path:
     """FLUX.1-dev diffusion model (comfy.ldm.flux.model.Flux, guidance_embed): 2 double + 2 single blocks, bf16."""
-    def make():
-        cfg = {k: v for k, v in FLUX_DEV.items() if k != "image_model"}
-        def build(comfy, ops):
-            import comfy.ldm.flux.model
-            return comfy.ldm.flux.model.Flux(image_model="flux", dtype=torch.float32, device="meta",
-                                             operations=ops, **cfg)
-        net = _on_meta(build)
-        return _state_dict(net, seed, torch.bfloat16)
-    return _write(path, f"flux_dev-seed{seed}", make)
+    return _diffusion_model(path, seed, "flux_dev", FLUX_DEV, "comfy.ldm.flux.model.Flux", image_model="flux")
 
 
 def build_chroma_model(path: str | Path, seed: int = 0) -> Path:
     """Chroma diffusion model (comfy.ldm.chroma.model.Chroma): 2 double + 2 single blocks, a 2-layer approximator."""
-    def make():
-        cfg = {k: v for k, v in CHROMA.items() if k != "image_model"}
-        def build(comfy, ops):
-            import comfy.ldm.chroma.model
-            return comfy.ldm.chroma.model.Chroma(image_model="chroma", dtype=torch.float32, device="meta",
-                                                 operations=ops, **cfg)
-        net = _on_meta(build)
-        return _state_dict(net, seed, torch.bfloat16)
-    return _write(path, f"chroma-seed{seed}", make)
+    return _diffusion_model(path, seed, "chroma", CHROMA, "comfy.ldm.chroma.model.Chroma", image_model="chroma")
 
 
 def build_z_image_model(path: str | Path, seed: int = 0) -> Path:
     """Z-Image diffusion model (Lumina 2 NextDiT with z_image_modulation): 2 layers + 2 noise/context refiners."""
-    def make():
-        cfg = {k: v for k, v in Z_IMAGE.items() if k != "image_model"}
-        def build(comfy, ops):
-            import comfy.ldm.lumina.model
-            return comfy.ldm.lumina.model.NextDiT(dtype=torch.float32, device="meta", operations=ops, **cfg)
-        net = _on_meta(build)
-        return _state_dict(net, seed, torch.bfloat16)
-    return _write(path, f"z_image-seed{seed}", make)
+    return _diffusion_model(path, seed, "z_image", Z_IMAGE, "comfy.ldm.lumina.model.NextDiT")
 
 
 def build_qwen_image_model(path: str | Path, seed: int = 0) -> Path:
     """Qwen-Image diffusion model (QwenImageTransformer2DModel): 2 transformer blocks, 256 wide, bf16."""
-    def make():
-        cfg = {k: v for k, v in QWEN_IMAGE.items() if k != "image_model"}
-        def build(comfy, ops):
-            import comfy.ldm.qwen_image.model
-            return comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(dtype=torch.float32, device="meta",
-                                                                          operations=ops, **cfg)
-        net = _on_meta(build)
-        return _state_dict(net, seed, torch.bfloat16)
-    return _write(path, f"qwen_image-seed{seed}", make)
+    return _diffusion_model(path, seed, "qwen_image", QWEN_IMAGE,
+                            "comfy.ldm.qwen_image.model.QwenImageTransformer2DModel")
 
 
 def build_wan21_t2v_model(path: str | Path, seed: int = 0) -> Path:
     """Wan 2.1 text-to-video diffusion model (comfy.ldm.wan.model.WanModel, t2v): 2 blocks, 256 wide, bf16."""
-    def make():
-        cfg = {k: v for k, v in WAN21_T2V.items() if k != "image_model"}
-        def build(comfy, ops):
-            import comfy.ldm.wan.model
-            return comfy.ldm.wan.model.WanModel(image_model="wan2.1", dtype=torch.float32, device="meta",
-                                                operations=ops, **cfg)
-        return _state_dict(_on_meta(build), seed, torch.bfloat16)
-    return _write(path, f"wan21_t2v-seed{seed}", make)
+    return _diffusion_model(path, seed, "wan21_t2v", WAN21_T2V, "comfy.ldm.wan.model.WanModel", image_model="wan2.1")
 
 
 def build_umt5_xxl(path: str | Path, seed: int = 0) -> Path:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .memory.allocator import backend as allocator_backend
 from .memory.estimate import MemoryEstimate
 from .settings import MemorySettings
+from .step.frozen_weights import fused_upcast_failure
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,27 @@ class RunReport:
     diverged_at: int | None = None
     seconds: float = 0.0  # the training steps' wall time (the estimate's probes excluded)
     validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), resumed ones too
+
+
+def run_notes(session) -> list[str]:
+    """The session's notes with what the step machinery adds at the end: the fast path's and compile's own notes,
+    the fp8 upcast's fallback, and why compiled code ran uncompiled inside CUDA graphs."""
+    micro_step, compiled = session.micro_step, session.compiled
+    extra = (micro_step.notes if micro_step is not None else []) + (compiled.report() if compiled is not None else [])
+    upcast_failure = fused_upcast_failure()
+    if upcast_failure and session.memory.base_weights.fp8:
+        extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
+                     f"({upcast_failure}); upcasts run as two eager kernels (slower)")
+    graphs = len(getattr(micro_step, "graphs", {}))
+    if graphs:
+        extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
+                     "(one per batch shape)")
+        compiled_parts = [what for what, used in (
+            ("the compiled blocks", session.is_compiled),
+            # (those of ResBlocks and transformer layers are multi-tensor kernels, the same either way)
+            ("the fp8 upcasts outside ResBlocks and transformer layers", session.memory.base_weights.fp8)) if used]
+        if compiled_parts and allocator_backend() == "cudaMallocAsync":
+            extra.append(f"fast path: inside the CUDA graphs {' and '.join(compiled_parts)} run uncompiled: under "
+                         "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "
+                         "ComfyUI with --disable-cuda-malloc to capture them compiled (faster)")
+    return session.notes + [n for n in extra if n not in session.notes]

@@ -13,28 +13,26 @@ import torch
 
 from .cache import MASK_KEY, CachedSample, batches, collate
 from .ema import LoraEMA
-from .errors import LeanLoRAError, is_out_of_memory, one_line
-from .files import sanitize_name
+from .errors import is_out_of_memory
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
-from .memory.allocator import (apply_allocator_settings, backend as allocator_backend, trim_graph_memory,
-                               trim_host_memory)
+from .memory.allocator import apply_allocator_settings, trim_graph_memory, trim_host_memory
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
 from .model import ModelAdapter
 from .objective import PLAIN_MSE, LossFunction, denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, evaluation_weights
-from .report import Recovery
+from .report import Recovery, run_notes
 from .settings import CheckpointDepth, LoraWeights, MemorySettings, TrainSettings
 from .step.activation_offload import ActivationOffload
 from .step.checkpointing import (RankedUnits, checkpoint_blocks, uncheckpoint_blocks, units_for_share,
                                  uses_randomness)
 from .step.compiled_blocks import compile_before_first_step, compile_blocks
-from .step.frozen_weights import fused_upcast_failure, park_frozen_on_cpu, place_on_device
+from .step.frozen_weights import park_frozen_on_cpu, place_on_device
 from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step, graphs_incompatible
 from .step.precision import Precision, norms_in_compute_dtype
 from .text_encoder import TrainedTextEncoder, is_token_entry
-from .training_state import TrainingState, restore_rng_states, rng_states
+from .training_state import rng_states
 
 
 class TrainingSession:
@@ -69,7 +67,8 @@ class TrainingSession:
         self._checkpoint_units: tuple[CheckpointDepth, RankedUnits] | None = None
         self.steps_done = 0  # optimizer steps applied (run() keeps it); a rebuilt LR schedule resumes from here
         self.recoveries: list[Recovery] = []
-        self._step_start: tuple[int, dict, dict] | None = None  # (steps done, RNG states, batch order) then
+        # (steps done, RNG states, batch order) when the latest step began: training_state.capture_state reads it
+        self.step_start: tuple[int, dict, dict] | None = None
         self.restore_allocator = lambda: None
         self.micro_step = self.step = None
         self.compiled = None  # the CompiledBlocks, once compile is asked for
@@ -401,7 +400,7 @@ class TrainingSession:
     def _mark_step_start(self, done: int) -> None:
         # A step stopped part-way (Cancel, out of memory) has drawn batches and noise already: a state written
         # after it takes the RNG and batch order from before that step, so a resume draws what it would have.
-        self._step_start = (done, rng_states(self.generator), self.data.state_dict())
+        self.step_start = (done, rng_states(self.generator), self.data.state_dict())
 
     @contextlib.contextmanager
     def evaluation_weights(self):
@@ -411,59 +410,10 @@ class TrainingSession:
                 (self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()):
             yield
 
-    def training_state(self, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str],
-                       validation_losses: list[tuple[int, float]] = ()) -> TrainingState:
-        """What resume_from needs to go on exactly from steps_done (between steps, or after the run stopped)."""
-        scaler = self.precision.scaler
-        rng, data = rng_states(self.generator), self.data.state_dict()
-        if self._step_start is not None and self._step_start[0] == self.steps_done:
-            _, rng, data = self._step_start
-        return TrainingState(
-            step=self.steps_done, lora=[p.detach().clone() for p in self.params],
-            optimizer_name=type(self.optimizer).__name__, optimizer=self.optimizer.state_dict(),
-            scaler=scaler.state_dict() if scaler is not None else None, rng=rng, data=data,
-            losses=list(losses[:self.steps_done]), fingerprints=fingerprints, settings=settings,
-            output_name=sanitize_name(self.train.output_name),
-            validation_losses=[(step, value) for step, value in validation_losses if step <= self.steps_done],
-            ema=self.ema.state_dict() if self.ema is not None else None)  # updated only by complete steps
-
-    def resume_from(self, state: TrainingState) -> list[str]:
-        """Puts the run where `state` stopped (after start(): the memory settings may differ from the state's).
-        Returns notes for the report where something could not carry over."""
-        notes = []
-        if [tuple(p.shape) for p in self.params] != [tuple(t.shape) for t in state.lora]:
-            raise LeanLoRAError("the training state's LoRA tensors do not match this LoRA's shapes")
-        with torch.no_grad():
-            for param, saved in zip(self.params, state.lora):
-                param.copy_(saved.to(param.device, param.dtype))
-        if state.optimizer is not None and state.optimizer_name == type(self.optimizer).__name__:
-            try:
-                self.optimizer.load_state_dict(state.optimizer)
-            except (ValueError, KeyError, RuntimeError) as error:
-                notes.append(f"resume: the optimizer state could not be loaded ({one_line(error)}); its moments "
-                             "restart (the LoRA weights are kept)")
-        else:
-            notes.append(f"resume: the state was trained with {state.optimizer_name}, this run uses "
-                         f"{type(self.optimizer).__name__}: the optimizer moments restart (the LoRA weights are kept)")
-        if self.precision.scaler is not None and state.scaler:
-            self.precision.scaler.load_state_dict(state.scaler)
-        self.steps_done = state.step
-        self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
-                                             self.train.steps, self.steps_done)
-        restore_rng_states(state.rng, self.generator)
-        self.data.load_state_dict(state.data)
-        if self.ema is not None and state.ema:
-            self.ema.load_state_dict(state.ema)
-        elif self.ema is not None:
-            self.ema.updates = state.step  # its warm-up as if it had run: the average starts at the resumed weights
-            notes.append("resume: the state holds no EMA of the LoRA weights (ema_decay was off): the average starts "
-                         "from the resumed weights")
-        return notes
-
     def close(self) -> None:
         """Ends the run: releases captured graphs (and their memory pool) and puts the allocator setting back.
         The training copy stays the caller's (its LoRA is still to be saved)."""
-        self.notes = self.report_notes()
+        self.notes = run_notes(self)
         self.micro_step = self.step = None
         self.restore_allocator()
         self.restore_allocator = lambda: None
@@ -477,7 +427,7 @@ class TrainingSession:
         for param in self.params:
             param.grad = None
         self.optimizer = self.lr_schedule = self.data = self.micro_step = self.step = self.compiled = None
-        self.unet = self.params = self.cache = self._checkpoint_units = self._step_start = None
+        self.unet = self.params = self.cache = self._checkpoint_units = self.step_start = None
         self.text_encoder = None
         gc.collect()
         if self.adapter.device.type == "cuda":
@@ -485,24 +435,3 @@ class TrainingSession:
             torch.cuda.empty_cache()  # the native allocator's cache; under cudaMallocAsync the pool is trimmed
             trim_graph_memory(self.adapter.device)  # and the driver's graph pool (uncounted by PyTorch)
         trim_host_memory()
-
-    def report_notes(self) -> list[str]:
-        extra = (self.micro_step.notes if self.micro_step is not None else []) + \
-            (self.compiled.report() if self.compiled is not None else [])
-        upcast_failure = fused_upcast_failure()
-        if upcast_failure and self.memory.base_weights.fp8:
-            extra.append("fp8 weights: the fused upcast kernel could not be compiled here "
-                         f"({upcast_failure}); upcasts run as two eager kernels (slower)")
-        graphs = len(getattr(self.micro_step, "graphs", {}))
-        if graphs:
-            extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
-                         "(one per batch shape)")
-            compiled = [what for what, used in (
-                ("the compiled blocks", self.is_compiled),
-                # (those of ResBlocks and transformer layers are multi-tensor kernels, the same either way)
-                ("the fp8 upcasts outside ResBlocks and transformer layers", self.memory.base_weights.fp8)) if used]
-            if compiled and allocator_backend() == "cudaMallocAsync":
-                extra.append(f"fast path: inside the CUDA graphs {' and '.join(compiled)} run uncompiled: under "
-                             "ComfyUI's default cudaMallocAsync allocator Triton kernels cannot be captured; start "
-                             "ComfyUI with --disable-cuda-malloc to capture them compiled (faster)")
-        return self.notes + [n for n in extra if n not in self.notes]

@@ -29,13 +29,13 @@ from .optimizers import OPTIONAL, adapted_step, check_learning_rate, optional_cl
 from .memory.fit import room_for_sampling
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
-from .report import RunReport
+from .report import RunReport, run_notes
 from .session import TrainingSession
 from .settings import (OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, LoraWeights,
                        MemorySettings, TrainSettings)
-from .training_state import (TrainingState, check_base_weights, check_resumable, check_state_values,
+from .training_state import (TrainingState, capture_state, check_base_weights, check_resumable, check_state_values,
                              dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
-                             save_training_state, state_path)
+                             restore_state, save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
 from .memory.vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
 
@@ -239,8 +239,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     def write_state(lora_path: Path) -> None:
         """The training state beside `lora_path`: what a resume goes on from (training_state.py)."""
         state_settings["memory"] = session.memory.describe()
-        save_training_state(state_path(lora_path), session.training_state(losses, fingerprints, state_settings,
-                                                                          run.validation_losses))
+        save_training_state(state_path(lora_path), capture_state(session, losses, fingerprints, state_settings,
+                                                                     run.validation_losses))
 
     def on_save(step: int) -> None:
         """A complete LoRA file and its training state at this step; a file that cannot be written is said and
@@ -337,7 +337,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         # dropout draws from the run's own generator (lora.StepSeededDropout)
         torch.manual_seed(train.seed)
         if resumed is not None:
-            notes = session.resume_from(resumed)
+            notes = restore_state(session, resumed)
             line = (f"resumed from {Path(train.resume_from).name}: step {resumed.step} of {train.steps}, trained "
                     f"with {resumed.settings.get('memory') or 'the same settings'}")
             # a state from before the timestep and loss knobs (and the other options) trained with their defaults
@@ -371,7 +371,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     device_peak.__exit__(None, None, None)
     session.close()
     steps_done = session.steps_done  # after a divergence: the last step checked finite (later losses were reported)
-    run.notes, run.used = session.report_notes(), session.memory
+    run.notes, run.used = run_notes(session), session.memory
     run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
     report += run.notes
 

@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from .dataset import MASK_SUFFIX
 from .errors import LeanLoRAError, one_line
-from .files import save_safetensors_atomic
+from .files import sanitize_name, save_safetensors_atomic
+from .optimizers import build_lr_schedule
 
 STATE_SUFFIX = ".leanlora-state"
 FORMAT = "leanlora-training-state/1"
@@ -356,3 +357,58 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
     if state.step >= total_steps:
         raise LeanLoRAError(f"cannot resume from {path.name}: it has trained {state.step} steps already, and Train "
                             f"asks for {total_steps}: raise steps above {state.step} to train further")
+
+
+def capture_state(session, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str],
+                  validation_losses: list[tuple[int, float]] = ()) -> TrainingState:
+    """What restore_state needs to go on exactly from the session's steps_done (between steps, or after the run
+    stopped). A step stopped part-way (Cancel, out of memory) had drawn its batches and noise already: the RNG and
+    batch order are those from before it (session.step_start), so a resume draws what it would have."""
+    scaler = session.precision.scaler
+    rng, data = rng_states(session.generator), session.data.state_dict()
+    if session.step_start is not None and session.step_start[0] == session.steps_done:
+        _, rng, data = session.step_start
+    return TrainingState(
+        step=session.steps_done, lora=[p.detach().clone() for p in session.params],
+        optimizer_name=type(session.optimizer).__name__, optimizer=session.optimizer.state_dict(),
+        scaler=scaler.state_dict() if scaler is not None else None, rng=rng, data=data,
+        losses=list(losses[:session.steps_done]), fingerprints=fingerprints, settings=settings,
+        output_name=sanitize_name(session.train.output_name),
+        validation_losses=[(step, value) for step, value in validation_losses if step <= session.steps_done],
+        ema=session.ema.state_dict() if session.ema is not None else None)  # updated only by complete steps
+
+
+def restore_state(session, state: TrainingState) -> list[str]:
+    """Puts the session where `state` stopped (after session.start(): the memory settings may differ from the
+    state's). Returns notes for the report where something could not carry over."""
+    notes = []
+    if [tuple(p.shape) for p in session.params] != [tuple(t.shape) for t in state.lora]:
+        raise LeanLoRAError("the training state's LoRA tensors do not match this LoRA's shapes")
+    with torch.no_grad():
+        for param, saved in zip(session.params, state.lora):
+            param.copy_(saved.to(param.device, param.dtype))
+    optimizer = session.optimizer
+    if state.optimizer is not None and state.optimizer_name == type(optimizer).__name__:
+        try:
+            optimizer.load_state_dict(state.optimizer)
+        except (ValueError, KeyError, RuntimeError) as error:
+            notes.append(f"resume: the optimizer state could not be loaded ({one_line(error)}); its moments "
+                         "restart (the LoRA weights are kept)")
+    else:
+        notes.append(f"resume: the state was trained with {state.optimizer_name}, this run uses "
+                     f"{type(optimizer).__name__}: the optimizer moments restart (the LoRA weights are kept)")
+    if session.precision.scaler is not None and state.scaler:
+        session.precision.scaler.load_state_dict(state.scaler)
+    session.steps_done = state.step
+    train = session.train
+    session.lr_schedule = build_lr_schedule(optimizer, train.lr_schedule, train.warmup_steps, train.steps,
+                                            session.steps_done)
+    restore_rng_states(state.rng, session.generator)
+    session.data.load_state_dict(state.data)
+    if session.ema is not None and state.ema:
+        session.ema.load_state_dict(state.ema)
+    elif session.ema is not None:
+        session.ema.updates = state.step  # its warm-up as if it had run: the average starts at the resumed weights
+        notes.append("resume: the state holds no EMA of the LoRA weights (ema_decay was off): the average starts "
+                     "from the resumed weights")
+    return notes

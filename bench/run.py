@@ -141,6 +141,11 @@ def presets() -> dict:
              # selective checkpointing (issue 32's lever): matmul/conv/attention outputs kept, the rest recomputed
              "balanced+sac": replace(base["balanced"], selective_recompute=True),
              "gc+fp8+8bit+sac": M("bf16", True, 1, 1, "AdamW8bit", "fp8", selective_recompute=True),
+             # streamed weights copied a layer ahead on a copy stream (issue 32's lever): leanest with and without
+             "leanest+prefetch": replace(base["leanest"], prefetch_streamed=True),
+             "stream20": M("bf16", True, 1, 1, "AdamW8bit", "fp8_streamed", activation_offload=True, stream_share=0.2),
+             "stream20+prefetch": M("bf16", True, 1, 1, "AdamW8bit", "fp8_streamed", activation_offload=True,
+                                    stream_share=0.2, prefetch_streamed=True),
              # lean's parts compiled: what each costs at equal (compiled) settings
              "gc+fp8+compile": M("bf16", True, 1, 1, "AdamW", "fp8", compile=True),
              "gc+fp8+8bit+compile": M("bf16", True, 1, 1, "AdamW8bit", "fp8", compile=True),

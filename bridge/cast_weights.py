@@ -15,10 +15,12 @@ import torch
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
+    from ..trainer.step.weight_prefetch import fetch_streamed
     from ..trainer.layer_patch import mix_into
     from ..trainer.settings import BaseWeights
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
+    from trainer.step.weight_prefetch import fetch_streamed
     from trainer.layer_patch import mix_into
     from trainer.settings import BaseWeights
 
@@ -175,7 +177,9 @@ class _Fp8Compute:
 
     def forward_comfy_cast_weights(self, input: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(input)
-        bias = self.bias
+        streamed = getattr(self, "leanlora_streamed", False)
+        # a streamed layer's weight and bias come over from CPU RAM, fetched ahead while a step prefetches
+        stored, bias = fetch_streamed(self, input.device) if streamed else (self.weight, self.bias)
         if bias is not None:
             bias = bias.to(input.device, dtype, non_blocking=True)
         # Compiled code never touches the Python-float scale, not even hasattr: dynamo (torch 2.11) guards the
@@ -183,10 +187,10 @@ class _Fp8Compute:
         # compiling after 230 s). It reads the scale from the layer's buffer instead.
         compiling = torch.compiler.is_compiling()
         scale_in_gemm = not compiling and _scale_in_gemm(self)
-        weight = _grouped_weight(self, input, dtype)  # the group follows the same rule (never while compiling)
-        stored = self.weight
+        # the group follows the same rule (never while compiling); it upcasts weights on the device only
+        weight = None if streamed else _grouped_weight(self, input, dtype)
         if weight is None:
-            stored = self.weight.to(input.device, non_blocking=True)
+            stored = stored.to(input.device, non_blocking=True)
             weight = stored.to(dtype) if scale_in_gemm else dequantize(
                 stored, getattr(self, FP8_SCALE), dtype, None if compiling else getattr(self, FP8_SCALE_VALUE, None))
         if isinstance(self, torch.nn.Conv2d):

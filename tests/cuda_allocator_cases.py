@@ -24,6 +24,7 @@ from trainer.lora import inject_lora, seed_lora_dropout  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
 from trainer.step.precision import Precision  # noqa: E402
 from trainer.step.micro_steps import graphs_incompatible  # noqa: E402
+from trainer.step.weight_prefetch import WeightPrefetch  # noqa: E402
 from trainer.settings import FastPath, LoraSettings  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -112,7 +113,8 @@ def _batches(shapes, count, seed=1, dropout_seeds=False):
 
 
 def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None, precision_mode="bf16",
-           optimizer_name="AdamW", fail_capture=False, build=None, graph_kept_alive=False, budget=None):
+           optimizer_name="AdamW", fail_capture=False, build=None, graph_kept_alive=False, budget=None,
+           prefetch=False):
     net, params = build() if build else _net(compiled_part)
     dropout_seed = seed_lora_dropout(net)
     precision = Precision(precision_mode, DEVICE)
@@ -132,12 +134,13 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
         return torch.nn.functional.mse_loss(out.float(), inputs["y"])
 
     saver = ActivationOffload(min_bytes=0) if offload else None
+    fetcher = WeightPrefetch() if prefetch else None
     if graphed:  # as the trainer decides it (session.graphs_incompatible)
         micro, _ = build_micro_step(FastPath.CUDA_GRAPHS, loss_of, precision, params, DEVICE, offload=saver,
-                                    incompatible=graphs_incompatible(False))
+                                    incompatible=graphs_incompatible(False), prefetch=fetcher)
         micro.budget = budget  # auto-fit's (TrainingSession.configure sets it)
     else:
-        micro = EagerMicroStep(loss_of, precision, saver)
+        micro = EagerMicroStep(loss_of, precision, saver, fetcher)
     if graph_kept_alive:  # an eager step on the default stream (as a probe ran), its graph held past its backward
         micro.forward_backward(next(_batches(shapes, 1, seed=7)), 1)
         for p in params:
@@ -299,6 +302,20 @@ def streamed_fp8_weights():
     assert micro.graphs, micro.notes
 
 
+def prefetched_streamed_fp8_weights():
+    """Streamed fp8 weights fetched a layer ahead on a copy stream (trainer/step/weight_prefetch.py): graphed
+    under both allocators with the eager steps' training; eager steps with and without the prefetch train bit for
+    bit alike, and after the first pass every streamed weight but the pass's first comes ahead."""
+    kwargs = dict(shapes=((2, 8), (1, 12)), steps=6, offload=True, build=_comfy_ops_net)
+    micro = _same_as_eager(prefetch=True, **kwargs)
+    assert micro.graphs and micro.prefetch.order, micro.notes
+    plain_losses, plain_weights, _ = _train(False, **kwargs)
+    losses, weights, eager = _train(False, prefetch=True, **kwargs)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    calls = len(eager.prefetch.order)  # 3 blocks x 2 streamed layers, forward and recompute
+    assert calls == 12 and (eager.prefetch.fetched_ahead, eager.prefetch.fetched_on_demand) == (calls - 1, 1)
+
+
 PROBES = {  # bench/streamed_capture_probe.py: which ingredient of a streamed step breaks capture, per allocator
     "streamed": dict(offload=True),
     "streamed_no_offload": dict(offload=False),
@@ -359,7 +376,8 @@ SCENARIOS = {f.__name__: f for f in (raw_free_before_launch, shape_captured_last
                                      with_offload, with_compiled_code, with_raw_compiled_code, with_8bit_optimizer,
                                      fp16_loss_scaling, failed_capture, capture_broken_by_cuda_gives_its_pool_back,
                                      earlier_graph_kept_alive, fp8_weights, partly_streamed_fp8_weights,
-                                     streamed_fp8_weights, lora_dropout, graph_over_budget_raises_before_capture)}
+                                     streamed_fp8_weights, prefetched_streamed_fp8_weights, lora_dropout,
+                                     graph_over_budget_raises_before_capture)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "probe":

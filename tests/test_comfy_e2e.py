@@ -203,8 +203,9 @@ def test_memory_settings_inputs_are_exactly_the_settings_fields(comfy_server):
     spec = comfy_server.object_info()["LeanLoRAMemorySettings"]["input"]
     names = {*spec["required"], *spec.get("optional", {})}
     # card is the node's own (it decides auto_fit: nodes/labels.memory_values); the rest are the fields, but for
-    # selective_recompute: a bench row until the GPU measures it (issue 32), then auto-fit's choice, not a widget
-    bench_only = {"selective_recompute"}
+    # selective_recompute, prefetch_streamed: bench rows until the GPU measures them (issue 32), then auto-fit's
+    # choices, not widgets
+    bench_only = {"selective_recompute", "prefetch_streamed"}
     assert names == {field.name for field in dataclasses.fields(MemorySettings)} - bench_only | {"card"}
     for name, (_, options) in spec.get("optional", {}).items():  # optional ones default like the dataclass
         if name in ("card", "gradient_checkpointing"):

@@ -14,7 +14,7 @@ ALLOCATORS = {"native": "backend:native", "cudaMallocAsync": "backend:cudaMalloc
 SCENARIOS = ["shape_captured_last_never_replayed", "rebuilt_mid_run", "with_offload", "with_compiled_code",
              "with_raw_compiled_code", "with_8bit_optimizer", "fp16_loss_scaling", "failed_capture",
              "capture_broken_by_cuda_gives_its_pool_back", "earlier_graph_kept_alive", "fp8_weights",
-             "partly_streamed_fp8_weights", "streamed_fp8_weights", "lora_dropout",
+             "partly_streamed_fp8_weights", "streamed_fp8_weights", "prefetched_streamed_fp8_weights", "lora_dropout",
              "graph_over_budget_raises_before_capture"]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU")

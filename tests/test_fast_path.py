@@ -229,6 +229,68 @@ def test_offload_waits_for_each_copy_before_its_memory_is_reused_or_its_tensor_u
             assert ("compute waited", event) in log[:position], f"{what} before the compute stream waited"
 
 
+@pytest.fixture
+def prefetch_with_stand_in_streams(stand_in_streams, monkeypatch):
+    """A WeightPrefetch that takes the CUDA path (copy stream, events, waits) on CPU tensors, and three layers
+    called as a checkpointed step calls its streamed layers: forward, then the recompute in backward."""
+    from trainer.step.weight_prefetch import WeightPrefetch
+    monkeypatch.setattr(WeightPrefetch, "_uses_streams", staticmethod(lambda device: True))
+    log = stand_in_streams
+    compute = torch.cuda.current_stream()
+    monkeypatch.setattr(compute, "wait_stream", lambda other: log.append(("compute joined", id(other))))
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Linear(8, 8) for _ in range(3))
+    return WeightPrefetch(), log, (a, b, c)
+
+
+def _pass(prefetch, log, layers, fail_after=None):
+    """One pass through fetch_streamed: each layer gets its own weight and bias, and a weight copied ahead only
+    after the compute stream waited for its copy."""
+    from trainer.step.weight_prefetch import fetch_streamed
+    with prefetch.active():
+        for count, layer in enumerate(layers):
+            ahead, waits = prefetch.fetched_ahead, len(log)
+            weight, bias = fetch_streamed(layer, torch.device("cpu"))
+            assert torch.equal(weight, layer.weight) and torch.equal(bias, layer.bias)
+            if prefetch.fetched_ahead > ahead:
+                assert log[waits:] and log[-1][0] == "compute waited", "a copy handed out before it was waited for"
+            if count == fail_after:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def test_streamed_weights_come_ahead_in_the_order_the_previous_pass_used_them(prefetch_with_stand_in_streams):
+    prefetch, log, (a, b, c) = prefetch_with_stand_in_streams
+    step = [a, b, c, c, b, a]  # forward, then backward recomputes the blocks in reverse
+    _pass(prefetch, log, step)
+    assert (prefetch.fetched_ahead, prefetch.fetched_on_demand) == (0, 6)  # the first pass copies on demand
+    assert prefetch.order == step
+    for _ in range(2):
+        _pass(prefetch, log, step)
+        assert (prefetch.fetched_ahead, prefetch.fetched_on_demand) == (5, 1)  # all but the pass's first
+    assert log[-1][0] == "compute joined"  # the pass ends with the copy stream joined (capture needs it)
+
+
+def test_a_pass_out_of_the_learned_order_still_hands_each_layer_its_own_weight(prefetch_with_stand_in_streams):
+    prefetch, log, (a, b, c) = prefetch_with_stand_in_streams
+    _pass(prefetch, log, [a, b, c, c, b, a])
+    _pass(prefetch, log, [a, c, b, b, c, a])  # another order: what was fetched for b is dropped, never handed out
+    assert prefetch.fetched_on_demand >= 2 and prefetch.order == [a, c, b, b, c, a]
+    _pass(prefetch, log, [a, c, b, b, c, a])  # learned again
+    assert (prefetch.fetched_ahead, prefetch.fetched_on_demand) == (5, 1)
+
+
+def test_a_pass_that_fails_joins_the_copy_stream_and_keeps_the_order_it_had(prefetch_with_stand_in_streams):
+    from trainer.step import weight_prefetch
+    prefetch, log, (a, b, c) = prefetch_with_stand_in_streams
+    step = [a, b, c, c, b, a]
+    _pass(prefetch, log, step)
+    joined = len([entry for entry in log if entry[0] == "compute joined"])
+    with pytest.raises(torch.OutOfMemoryError):
+        _pass(prefetch, log, step, fail_after=2)
+    assert len([entry for entry in log if entry[0] == "compute joined"]) == joined + 1
+    assert prefetch.order == step and not prefetch._fetched and not weight_prefetch._ACTIVE
+
+
 class _FailsInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -266,6 +266,34 @@ def test_a_rung_that_streams_more_adds_the_next_largest_layers_and_keeps_the_res
     assert len(streamed()) < len(fp8_layers)  # the rest stays resident
 
 
+def test_prefetched_streamed_weights_give_the_same_gradients_and_come_ahead_after_the_first_pass(adapter,
+                                                                                                   two_level_unet):
+    """prefetch_streamed (issue 32's lever, trainer/step/weight_prefetch.py) through ComfyUI's own UNet layers:
+    every streamed layer takes its weight from the prefetcher, in the forward and in backward's recompute; from the
+    second pass on all but the pass's first come ahead, and the gradients are bit for bit those without it. Off the
+    GPU the copies are synchronous: that they overlap compute is the CUDA test's and the GPU bench's."""
+    streamed = _memory(1.0, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.5)
+    gradients = []
+    for prefetch in (False, True):
+        session = _session(adapter, two_level_unet)
+        session.configure(replace(streamed, prefetch_streamed=prefetch))
+        inputs = session.inputs(session.largest_batch())
+        for _ in range(2):
+            session.optimizer.zero_grad(set_to_none=True)
+            session.micro_step(inputs, 1)
+        gradients.append([p.grad.clone() for p in session.params])
+    fetcher = session.micro_step.prefetch
+    layers = [m for m in session.unet.modules() if getattr(m, "leanlora_streamed", False)]
+    assert layers and {id(m) for m in fetcher.order} == {id(m) for m in layers}
+    assert len(fetcher.order) > len(layers)  # the recompute fetches again
+    assert (fetcher.fetched_ahead, fetcher.fetched_on_demand) == (len(fetcher.order) - 1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(*gradients))
+    assert "fetched a layer ahead" in session.memory.describe()
+    from trainer.report import run_notes
+    assert f"streamed weights: {len(fetcher.order) - 1} of {len(fetcher.order)} copies of the latest step fetched " \
+           "a layer ahead on a copy stream" in run_notes(session)
+
+
 @pytest.mark.parametrize("share", [0, -0.5, 1.5, math.nan, "half", True, None])
 def test_settings_reject_bad_stream_shares_with_a_clear_message(share):
     with pytest.raises(LeanLoRAError, match=r"stream_share: got .*; use a fraction above 0 up to 1"):

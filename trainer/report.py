@@ -41,6 +41,10 @@ def run_notes(session) -> list[str]:
     the fp8 upcast's fallback, and why compiled code ran uncompiled inside CUDA graphs."""
     micro_step, compiled = session.micro_step, session.compiled
     extra = (micro_step.notes if micro_step is not None else []) + (compiled.report() if compiled is not None else [])
+    prefetch = getattr(micro_step, "prefetch", None)
+    if prefetch is not None and prefetch.order:
+        extra.append(f"streamed weights: {prefetch.fetched_ahead} of {len(prefetch.order)} copies of the latest "
+                     "step fetched a layer ahead on a copy stream")
     upcast_failure = fused_upcast_failure()
     if upcast_failure and session.memory.base_weights.fp8:
         extra.append("fp8 weights: the fused upcast kernel could not be compiled here "

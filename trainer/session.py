@@ -31,6 +31,7 @@ from .step.compiled_blocks import compile_before_first_step, compile_blocks
 from .step.frozen_weights import park_frozen_on_cpu, place_on_device
 from .step.micro_steps import BatchStep, GraphDoesNotFit, build_micro_step, graphs_incompatible
 from .step.precision import Precision, norms_in_compute_dtype
+from .step.weight_prefetch import WeightPrefetch
 from .text_encoder import TrainedTextEncoder, is_token_entry
 from .training_state import rng_states
 
@@ -172,7 +173,8 @@ class TrainingSession:
             incompatible=graphs_incompatible(random_forward) or self.adapter.graph_blocker or (
                 "the text encoder is trained (its captions' tokens are read on the host every step)"
                 if self.text_encoder is not None else None),
-            offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None)
+            offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None,
+            prefetch=WeightPrefetch() if streamed and memory.prefetch_streamed else None)
         if note and note not in self.notes:
             self.notes.append(note)
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())

@@ -159,6 +159,8 @@ class MemorySettings:
     # with checkpointing: keep matmul, convolution and attention outputs, recompute only the cheap ops between them
     selective_recompute: bool = False
     stream_share: float = 1.0  # with fp8 streamed: the fraction of the fp8 weights kept in CPU RAM, largest first
+    # with fp8 streamed: each streamed weight copied a layer ahead on a copy stream (step/weight_prefetch.py)
+    prefetch_streamed: bool = False
 
     def __post_init__(self):
         _require_choice(self, "mixed_precision", MIXED_PRECISION)
@@ -207,6 +209,7 @@ class MemorySettings:
                 + _BASE_WEIGHTS_TEXT[self.base_weights]
                 + (f" ({self.stream_share:.0%} of them)"
                    if self.base_weights.streamed and self.stream_share < 1 else "")
+                + (", fetched a layer ahead" if self.base_weights.streamed and self.prefetch_streamed else "")
                 + (", activations offloaded to CPU RAM" if self.activation_offload else "")
                 + f", {_ATTENTION_TEXT[self.attention]}, {_FAST_PATH_TEXT[self.fast_path]}"
                 + (", torch.compile" if self.compile else "")

@@ -34,6 +34,7 @@ from ..memory.allocator import backend as allocator_backend, memory_fraction, tr
 from ..errors import is_out_of_memory, one_line
 from .frozen_weights import host_launched_upcasts
 from .precision import Precision
+from .weight_prefetch import WeightPrefetch
 from ..settings import FastPath
 from ..memory.vram import device_memory_bytes
 
@@ -185,20 +186,24 @@ class EagerMicroStep:
     graphed = False
     budget: int | None = None  # bytes the run may hold (auto-fit); only a graphed step needs it
 
-    def __init__(self, compute_loss: ComputeLoss, precision: Precision, offload: ActivationOffload | None = None):
-        self.compute_loss, self.precision, self.offload = compute_loss, precision, offload
+    def __init__(self, compute_loss: ComputeLoss, precision: Precision, offload: ActivationOffload | None = None,
+                 prefetch: WeightPrefetch | None = None):
+        self.compute_loss, self.precision, self.offload, self.prefetch = compute_loss, precision, offload, prefetch
         self.notes: list[str] = []
 
     def forward_backward(self, inputs: dict[str, torch.Tensor], accumulation: int, record: bool = False) -> torch.Tensor:
         saving = self.offload.saving(record) if self.offload else contextlib.nullcontext()
-        # Autocast's weight-cast cache must be off under capture: its cached copies would outlive the graph.
-        with self.precision.autocast(cache_enabled=not self.graphed), saving:
-            loss = self.compute_loss(inputs) / accumulation
-        try:
-            self.precision.backward(loss)
-        finally:  # also when backward fails: capture needs the copy stream joined, recovery the fetched memory
-            if self.offload:
-                self.offload.finish()
+        # around backward too: checkpointing's recompute streams the weights again
+        prefetching = self.prefetch.active() if self.prefetch else contextlib.nullcontext()
+        with prefetching:
+            # Autocast's weight-cast cache must be off under capture: its cached copies would outlive the graph.
+            with self.precision.autocast(cache_enabled=not self.graphed), saving:
+                loss = self.compute_loss(inputs) / accumulation
+            try:
+                self.precision.backward(loss)
+            finally:  # also when backward fails: capture needs the copy stream joined, recovery the fetched memory
+                if self.offload:
+                    self.offload.finish()
         return loss.detach()
 
     def __call__(self, inputs: dict[str, torch.Tensor], accumulation: int) -> torch.Tensor:
@@ -240,8 +245,9 @@ class GraphedMicroStep(EagerMicroStep):
     graphed = True
 
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
-                 passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None):
-        super().__init__(compute_loss, precision, offload)
+                 passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None,
+                 prefetch: WeightPrefetch | None = None):
+        super().__init__(compute_loss, precision, offload, prefetch)
         side = _side_stream(torch.cuda.current_stream().device)  # its cuBLAS workspace exists before the estimate
         self.params = params
         self.accumulators = _pin_gradient_accumulators(params, side)
@@ -454,16 +460,18 @@ def build_micro_step(fast_path: FastPath, compute_loss: ComputeLoss, precision: 
                      params: list[torch.nn.Parameter], device: torch.device,
                      passthrough_errors: tuple[type[BaseException], ...] = (),
                      incompatible: str | None = None,
-                     offload: ActivationOffload | None = None) -> tuple[EagerMicroStep, str | None]:
+                     offload: ActivationOffload | None = None,
+                     prefetch: WeightPrefetch | None = None) -> tuple[EagerMicroStep, str | None]:
     """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
     if fast_path is FastPath.OFF:
-        return EagerMicroStep(compute_loss, precision, offload), None
+        return EagerMicroStep(compute_loss, precision, offload, prefetch), None
     if device.type != "cuda":
-        return EagerMicroStep(compute_loss, precision, offload), \
+        return EagerMicroStep(compute_loss, precision, offload, prefetch), \
             f"fast path: CUDA graphs need an NVIDIA GPU; steps run normally on {device.type}"
     if incompatible:
-        return EagerMicroStep(compute_loss, precision, offload), f"fast path: CUDA graphs off because {incompatible}"
-    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload), None
+        return EagerMicroStep(compute_loss, precision, offload, prefetch), \
+            f"fast path: CUDA graphs off because {incompatible}"
+    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload, prefetch), None
 
 
 def graphs_incompatible(random_forward: bool) -> str | None:

@@ -6,8 +6,8 @@ waits for the GPU, twice per step with checkpointing (the forward and backward's
 streams 8.9 GiB of fp8 weights, ~18 GB over PCIe per step, all of it in the step's critical path.
 
 Which layer runs next is the order of the previous pass (the forward, then backward's recomputes, block by block
-in reverse; the same every step). The first pass, and a layer out of that order, copies on demand as before; the
-order is learned again from every pass that completes. A copy's device memory is allocated in the compute stream's
+in reverse; the same every step); a pass starts by fetching its first layers. The first pass, and a layer out of
+that order, copies on demand as before; the order is learned again from every pass that completes. A copy's device memory is allocated in the compute stream's
 order before the copy stream waits for it, and the compute stream waits for the copy's event before the layer
 reads it, as activation offload's copies do (activation_offload.py). The copies read the same bytes either way:
 the numbers are unchanged.
@@ -52,6 +52,7 @@ class WeightPrefetch:
         self._fetched: dict[int, tuple[torch.cuda.Event | None, torch.Tensor, torch.Tensor | None]] = {}
         self._compute_streams: list = []  # the streams that took copies this pass (joined at its end)
         self._copy_stream: torch.cuda.Stream | None = None
+        self._device: torch.device | None = None  # where the layers asked for their weights last
         self.fetched_ahead = self.fetched_on_demand = 0  # of the latest pass: the report's and the tests' measure
 
     @contextlib.contextmanager
@@ -59,6 +60,10 @@ class WeightPrefetch:
         """One pass (forward + backward): the streamed layers inside take their weights from here."""
         self._calls, self._next, self._fetched, self._compute_streams = [], 0, {}, []
         self.fetched_ahead = self.fetched_on_demand = 0
+        if self.order and self._device is not None:  # the pass's first layers come over while it starts
+            compute = self._compute_stream(self._device)
+            for index in range(min(self.ahead, len(self.order))):
+                self._fetch(index, self._device, compute)
         _ACTIVE.append(self)
         completed = False
         try:
@@ -72,10 +77,16 @@ class WeightPrefetch:
     def _uses_streams(device: torch.device) -> bool:
         return device.type == "cuda"
 
-    def take(self, layer: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _compute_stream(self, device: torch.device):
+        """The stream the layers compute on now (None off the GPU), joined again when the pass ends."""
         compute = torch.cuda.current_stream(device) if self._uses_streams(device) else None
         if compute is not None and all(compute != s for s in self._compute_streams):
             self._compute_streams.append(compute)
+        return compute
+
+    def take(self, layer: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        compute = self._compute_stream(device)
+        self._device = device
         self._calls.append(layer)
         index = self._locate(layer)
         fetched = self._fetched.pop(index, None) if index is not None else None

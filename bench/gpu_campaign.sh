@@ -8,6 +8,7 @@
 #   bash bench/gpu_campaign.sh OUT verify  # CUDA tests, rows changed since the last run, forced OOM (eager)
 #   bash bench/gpu_campaign.sh OUT issue4  # issue 4's "Done when" rows in one bench run: both models, both peers, bs8, compile
 #   bash bench/gpu_campaign.sh OUT compile # compile warm-up cold and again with inductor's on-disk caches
+#   bash bench/gpu_campaign.sh OUT levers  # issue 32's levers on and off (selective checkpointing, the prefetch ring) + CUDA tests
 #   bash bench/gpu_campaign.sh OUT kernels # GEGLU backward and fp8 upcast kernels alone, with alternatives (bench/kernels.py)
 #   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
@@ -62,6 +63,12 @@ case "$PART" in
       LIMIT=75 run "${row/:/_}" --models "${row%%:*}" --configs "${row#*:}" --steps "$STEPS" --warmup 3
     done
     timeout 120 python3 -m bench.product_path --out "$OUT/product" --steps 16 --only forced 2>&1 | grep -v "^{" | tail -3 ;;
+  levers)  # issue 32's levers, each beside its row without it; their CUDA tests first (both allocators, each type in graphs)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_allocators.py tests/test_fast_path.py tests/test_training_options.py \
+      -k "allocators or prefetch or each_type_trains_in_cuda_graphs or graphed_steps_with_each_optimizer" 2>&1 | tail -3
+    LIMIT=${LIMIT:-400} run levers --models sdxl --steps 110 --warmup 8 --budget-s "${BUDGET:-380}" --configs \
+      "${CONFIGS:-fast,balanced,balanced+sac,gc+fp8+8bit,gc+fp8+8bit+sac,stream20,stream20+prefetch,leanest,leanest+prefetch}"
+    cat "$OUT/levers/table.txt" 2>/dev/null | tail -12 ;;
   kernels)  # GEGLU backward and the fp8 upcast against their memory-traffic floors and an alternative each
     timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" | tee "$OUT/kernels.txt" ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink

@@ -73,9 +73,20 @@ class UpcastGroup:
         torch._foreach_copy_(upcast, [m.weight for m in members])
         scaled = [(w, getattr(m, FP8_SCALE_VALUE)) for m, w in zip(members, upcast) if not _scale_in_gemm(m)]
         if scaled:
-            torch._foreach_mul_([w for w, _ in scaled], [scale for _, scale in scaled])
+            _scale_copies([w for w, _ in scaled], [scale for _, scale in scaled])
         self.ready = {id(m): w for m, w in zip(members, upcast) if m is not layer}
         return next(w for m, w in zip(members, upcast) if m is layer)
+
+
+def _scale_copies(weights: list[torch.Tensor], scales: list[float]) -> None:
+    """Multiplies each upcast copy by its Python-float scale in fp32, then rounds once (the per-layer upcast's
+    numbers). On CUDA one multi-tensor kernel; the CPU's `_foreach_mul_` rounds each scale to the weights' dtype
+    first (bf16: up to 2^-9 off), which a plain `mul_` does not."""
+    if weights[0].is_cuda:
+        torch._foreach_mul_(weights, scales)
+        return
+    for weight, scale in zip(weights, scales):
+        weight.mul_(scale)
 
 
 def _scale_in_gemm(layer: torch.nn.Module) -> bool:
@@ -187,8 +198,7 @@ class _Fp8Compute:
         # compiling after 230 s). It reads the scale from the layer's buffer instead.
         compiling = torch.compiler.is_compiling()
         scale_in_gemm = not compiling and _scale_in_gemm(self)
-        # the group follows the same rule (never while compiling); it upcasts weights on the device only
-        weight = None if streamed else _grouped_weight(self, input, dtype)
+        weight = _grouped_weight(self, input, dtype)  # the group follows the same rule (never while compiling)
         if weight is None:
             stored = stored.to(input.device, non_blocking=True)
             weight = stored.to(dtype) if scale_in_gemm else dequantize(

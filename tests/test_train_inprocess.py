@@ -196,8 +196,13 @@ def test_streamed_weights_stay_in_cpu_memory_and_compute_the_same(adapter, monke
     assert sum(t.numel() * t.element_size() for t in frozen_bound if t.dim()) == streamed_projection
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in_forward_and_recompute(adapter,
-                                                                                                       monkeypatch):
+                                                                                                       monkeypatch,
+                                                                                                       autocast):
+    """Bit for bit, fp32 and under bf16 autocast (where the CPU's _foreach_mul_ would have rounded each conv's scale
+    to bf16 first)."""
+    import contextlib
     import copy
     import bridge.cast_weights as cast_weights
     from trainer.step.checkpointing import checkpoint_blocks
@@ -215,11 +220,11 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     cond = {"c_crossattn": torch.randn(1, 77, 768, generator=torch.Generator().manual_seed(1))}
     grouped_calls, scaled_shapes, per_layer_calls = [], [], []
-    real_foreach_copy, real_foreach_mul, real_dequantize = torch._foreach_copy_, torch._foreach_mul_, \
+    real_foreach_copy, real_scale_copies, real_dequantize = torch._foreach_copy_, cast_weights._scale_copies, \
         cast_weights.dequantize
     monkeypatch.setattr(torch, "_foreach_copy_", lambda out, src: grouped_calls.append(len(out)) or real_foreach_copy(out, src))
-    monkeypatch.setattr(torch, "_foreach_mul_", lambda out, scales: scaled_shapes.extend(w.dim() for w in out)
-                        or real_foreach_mul(out, scales))
+    monkeypatch.setattr(cast_weights, "_scale_copies", lambda out, scales: scaled_shapes.extend(w.dim() for w in out)
+                        or real_scale_copies(out, scales))
     monkeypatch.setattr(cast_weights, "dequantize", lambda *a: per_layer_calls.append(1) or real_dequantize(*a))
     real_scale_in_gemm = cast_weights._scale_in_gemm
 
@@ -231,8 +236,9 @@ def test_fp8_upcasts_grouped_per_block_compute_what_per_layer_upcasts_compute_in
 
     def run(model):
         grouped_calls.clear(), scaled_shapes.clear(), per_layer_calls.clear()
-        out = adapter.predict(model, x, torch.tensor([500.0]), cond)
-        out.square().mean().backward()
+        with torch.autocast("cpu", autocast) if autocast else contextlib.nullcontext():
+            out = adapter.predict(model, x, torch.tensor([500.0]), cond)
+        out.float().square().mean().backward()
         grads = [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
         return out.detach(), grads, list(grouped_calls), len(per_layer_calls)
 

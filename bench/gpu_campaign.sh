@@ -9,6 +9,7 @@
 #   bash bench/gpu_campaign.sh OUT issue4  # issue 4's "Done when" rows in one bench run: both models, both peers, bs8, compile
 #   bash bench/gpu_campaign.sh OUT compile # compile warm-up cold and again with inductor's on-disk caches
 #   bash bench/gpu_campaign.sh OUT levers  # issue 32's levers on and off (selective checkpointing, the prefetch ring) + CUDA tests
+#   bash bench/gpu_campaign.sh OUT agreement # every plan's LoRA after 50 steps against the fast plan's (LoRA Δ fast %)
 #   bash bench/gpu_campaign.sh OUT kernels # GEGLU backward and fp8 upcast kernels alone, with alternatives (bench/kernels.py)
 #   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
@@ -67,8 +68,12 @@ case "$PART" in
     timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_allocators.py tests/test_fast_path.py tests/test_training_options.py \
       -k "allocators or prefetch or each_type_trains_in_cuda_graphs or graphed_steps_with_each_optimizer" 2>&1 | tail -3
     LIMIT=${LIMIT:-400} run levers --models sdxl --steps 110 --warmup 8 --budget-s "${BUDGET:-380}" --configs \
-      "${CONFIGS:-fast,balanced,balanced+sac,gc+fp8+8bit,gc+fp8+8bit+sac,stream20,stream20+prefetch,leanest,leanest+prefetch}"
-    cat "$OUT/levers/table.txt" 2>/dev/null | tail -12 ;;
+      "${CONFIGS:-fast,fast,balanced,balanced+sac,gc+fp8+8bit,gc+fp8+8bit+sac,stream20,stream20+prefetch,leanest,leanest+prefetch}"
+    cat "$OUT/levers/table.txt" 2>/dev/null | tail -14 ;;
+  agreement)  # the same seeded 50 steps per plan; a second fast row is the yardstick (README, "Memory and speed")
+    LIMIT=${LIMIT:-560} run agreement --models "${MODELS:-sdxl}" --steps 50 --warmup 0 --budget-s "${BUDGET:-540}" --configs \
+      "${CONFIGS:-fast,fast,balanced,balanced+sac,gc+8bit,gc+fp8,lean,leanest,leanest+prefetch,lean+bf16w,autofit@12,autofit@8,autofit@6,autofit@4,autofit@3}"
+    cat "$OUT/agreement/table.txt" 2>/dev/null | tail -28 ;;
   kernels)  # GEGLU backward and the fp8 upcast against their memory-traffic floors and an alternative each
     timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" | tee "$OUT/kernels.txt" ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink

@@ -256,6 +256,7 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
         offload_settings=OFFLOAD_VARIANTS.get(preset.removesuffix("-eager")))
     params = session.params
     notes = [*fit_lines, *session.notes, estimate.format()]
+    initial = _flat_lora(params)
 
     clock = StepClock(device)
     work.reset_peak()
@@ -268,8 +269,11 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
         notes.append(f"allocator: {retries} allocations retried after freeing cached memory during the timed steps")
     if session.is_compiled:
         notes.append(_compile_note())
+    final = _flat_lora(params)
     out = {"intervals": clock.intervals(), "losses": result.losses, "peak": read_peak(device), "start_s": start_s,
-           "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe()}
+           "estimate_gib": estimate.total / GIB if estimate.total else None, "settings": session.memory.describe(),
+           "lora_final": final, "lora_moved": float((final - initial).norm()),
+           "changes_numbers": changes_numbers(session.memory)}
     if count_flops:  # one extra, untimed step after the peak was read
         # eager: dynamo would give up on compiled blocks under the counter's dispatch mode, for the whole process
         with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
@@ -286,6 +290,18 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     session.close()
     out["notes"] = notes + [n for n in session.notes if n not in notes]
     return out
+
+
+def changes_numbers(memory) -> bool:
+    """Whether a plan computes with other numbers than the fast plan (fp8 base weights, 8-bit optimizer states,
+    bf16 LoRA weights) rather than only keeping or moving memory elsewhere."""
+    from trainer.settings import LoraWeights
+    return memory.base_weights.fp8 or "8bit" in memory.optimizer or memory.lora_weights is not LoraWeights.FP32
+
+
+def _flat_lora(params) -> torch.Tensor:
+    """The LoRA's weights as one fp32 vector on the host (what the LoRA comparison between rows reads)."""
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in params])
 
 
 _compiled_with: dict | None = None  # the inductor options of this process's compiled graphs
@@ -491,6 +507,9 @@ def run_row(spec: ModelSpec, config: RowConfig, args, device: torch.device, coun
     free_device_memory(device)  # after the except block, so a traceback no longer pins the row's tensors
     if result is not None:
         row.update(_measurements(result, args.warmup, config.batch))
+        if "lora_final" in result:  # kept out of the JSON (tens of MB): _run moves it to its own table
+            row["_lora"], row["lora_moved"] = result["lora_final"], result["lora_moved"]
+            row["changes_numbers"] = result["changes_numbers"]
         peak = result.get("peak") or peak
     if peak:
         row["peak_alloc_gib"], row["peak_reserved_gib"] = peak["alloc"], peak["reserved"]
@@ -535,6 +554,32 @@ def _measurements(result: dict, warmup: int, batch: int) -> dict:
         if key in result:
             out[key] = result[key]
     return out
+
+
+# A plan that only keeps or moves memory elsewhere trains the fast plan's LoRA up to nondeterminism: within this
+# many times what a second run of the fast plan differs, and at least LORA_FLOOR (README, "Memory and speed").
+LORA_YARDSTICKS, LORA_FLOOR = 2.0, 0.005
+
+
+def lora_agreement(rows: list[dict], finals: dict[int, torch.Tensor]) -> None:
+    """Each of our rows' LoRA after its steps against the fast preset's row of the same model and batch: the
+    distance between the two, relative to how far the fast row's LoRA moved from its start (the same seeded start
+    in every row). What a memory plan changes in what is learned; a second `fast` row is the yardstick (run-to-run
+    nondeterminism of the same plan). Plans that only move memory get `lora_within` (the stated tolerance); plans
+    that change the numbers (changes_numbers) are reported only."""
+    for row in rows:
+        final = finals.get(id(row))
+        reference = next((r for r in rows if r["config"] == "fast" and r is not row and id(r) in finals
+                          and r["model"] == row["model"] and r["batch"] == row["batch"]), None)
+        if final is not None and reference is not None and reference.get("lora_moved"):
+            row["lora_vs_fast"] = float((final - finals[id(reference)]).norm()) / reference["lora_moved"]
+    for row in rows:
+        if "lora_vs_fast" not in row or row.get("changes_numbers"):
+            continue
+        yardstick = max((r["lora_vs_fast"] for r in rows if r["config"] == "fast" and "lora_vs_fast" in r
+                         and r["model"] == row["model"] and r["batch"] == row["batch"]), default=0.0)
+        row["lora_tolerance"] = max(LORA_YARDSTICKS * yardstick, LORA_FLOOR)
+        row["lora_within"] = row["lora_vs_fast"] <= row["lora_tolerance"]
 
 
 def derive(rows: list[dict], flops: dict, peak_tflops: float) -> None:
@@ -594,7 +639,7 @@ def _fmt(value, spec=".2f", missing="-"):
 # (the first step of a shape runs eagerly, then its CUDA graph is captured)
 TABLE_COLUMNS = ("model", "config", "status", "peak alloc GiB", "peak resv GiB", "est GiB", "est err %", "s/step",
                  "start s", "warm-up s", "img/s",
-                 "MFU %", "loss Δ eager %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
+                 "MFU %", "loss Δ eager %", "LoRA Δ fast %", "t/diffusers", "mem/diffusers", "t/comfyui", "mem/comfyui")
 
 
 def _estimate_error(row: dict) -> float | None:
@@ -617,6 +662,7 @@ def format_table(rows: list[dict], cuda: bool) -> str:
             _fmt(r.get("images_per_s"), ".2f"),
             _fmt(r["mfu"] * 100 if r.get("mfu") else None, ".2f"),
             _fmt(r["loss_vs_eager_max_rel"] * 100 if "loss_vs_eager_max_rel" in r else None, ".2f"),
+            _fmt(r["lora_vs_fast"] * 100 if "lora_vs_fast" in r else None, ".2f"),
             *(_fmt(ratio.get(p, {}).get(k), ".2f") for p in PEERS for k in ("s_per_step", "peak_alloc"))))
     widths = [max(len(str(x)) for x in col) for col in zip(TABLE_COLUMNS, *lines)]
     render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
@@ -624,7 +670,11 @@ def format_table(rows: list[dict], cuda: bool) -> str:
     reasons = [f"  {r['model']} {r['config']}: {r['status']}: {r['reason']}" + (f" [at {r['where']}]" if r.get("where") else "")
                for r in rows if r.get("reason")]
     chosen = [f"  {r['model']} {r['config']}: {r['settings']}" for r in rows if r.get("settings") and r["cap_gib"]]
-    return "\n".join(out + (["reasons:"] + reasons if reasons else []) + (["auto-fit chose:"] + chosen if chosen else []))
+    outside = [f"  {r['model']} {r['config']}: {100 * r['lora_vs_fast']:.2f}% > {100 * r['lora_tolerance']:.2f}%"
+               for r in rows if r.get("lora_within") is False]
+    return "\n".join(out + (["reasons:"] + reasons if reasons else []) + (["auto-fit chose:"] + chosen if chosen else [])
+                     + (["LoRA beyond the fast plan's tolerance (a plan that only moves memory):"] + outside
+                        if outside else []))
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -726,6 +776,7 @@ def _run(args, argv: list[str], device: torch.device, started: float) -> dict:
                             "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "to_q,to_k,to_v,to_out.0"}},
                "flops": {}, "rows": [], "complete": False}
     rows, flops = payload["rows"], payload["flops"]
+    finals: dict[int, torch.Tensor] = {}  # id(row) -> its LoRA after the run (lora_agreement)
     row_seconds: dict[str, float] = {}  # slowest finished row per model: the estimate for the next one
     for spec, config in ((s, c) for s in specs for c in configs if c.applies_to(s)):
         elapsed = time.perf_counter() - started
@@ -739,6 +790,8 @@ def _run(args, argv: list[str], device: torch.device, started: float) -> dict:
         else:
             count = config.kind == "ours" and config.cap_gib is None and spec.name not in flops
             row = run_row(spec, config, args, device, count)
+            if "_lora" in row:
+                finals[id(row)] = row.pop("_lora")
             if row.get("flops"):
                 flops[spec.name] = {"per_image": row["flops"] / config.batch, "counted_on": config.name,
                                     "includes_recompute": row.get("flops_include_recompute", False)}
@@ -748,6 +801,7 @@ def _run(args, argv: list[str], device: torch.device, started: float) -> dict:
             print(f"[bench] {spec.name} {config.name}: {row['status']}{speed} "
                   f"({time.perf_counter() - started:.0f} s elapsed)", flush=True)
         derive(rows, flops, args.peak_tflops)
+        lora_agreement(rows, finals)
         write_json(out_dir / "results.json", payload)
     payload["complete"] = True
     payload["total_s"] = time.perf_counter() - started

@@ -12,7 +12,7 @@ def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
 
     out = tmp_path / "bench"
     main(["--tiny", "--steps", "2", "--warmup", "1", "--out", str(out),
-          "--configs", "fast,balanced,lean,diffusers,comfyui,autofit@3,fast:bs2:autotune"])
+          "--configs", "fast,balanced,balanced+sac,lean,diffusers,comfyui,autofit@3,fast:bs2:autotune"])
 
     results = json.loads((out / "results.json").read_text())
     assert results["complete"]
@@ -32,6 +32,14 @@ def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
     assert rows["fast"]["ratio"]["diffusers"]["s_per_step"] > 0  # ratios to the peer are filled in
     assert results["flops"]["sd15-tiny"]["per_image"] > 0 and rows["fast"]["mfu"] > 0
     assert (out / "bench.png").stat().st_size > 0
+    # each row's LoRA after the run against the fast preset's (the same seeded start): checkpointing, full or
+    # selective, recomputes the same numbers; fp8 weights and 8-bit optimizer states change them; peers and other
+    # batch sizes have no reference
+    assert rows["balanced"]["lora_vs_fast"] == rows["balanced+sac"]["lora_vs_fast"] == 0.0
+    assert rows["lean"]["lora_vs_fast"] > 1e-4
+    assert rows["balanced"]["lora_within"] and "lora_within" not in rows["lean"]  # lean's is reported, not bounded
+    assert all("lora_vs_fast" not in rows[name] for name in ("fast", "diffusers", "fast:bs2:autotune"))
+    assert rows["fast"]["lora_moved"] > 0 and all("_lora" not in row for row in results["rows"])
 
     printed = capsys.readouterr().out
     table = results["table"]
@@ -39,6 +47,30 @@ def test_bench_tiny_runs_our_presets_and_peers(tmp_path, capsys):
     assert table.splitlines()[0].split()[:2] == list(TABLE_COLUMNS[:2]) and "n/a (cpu)" in table
     for name in EXPECTED:
         assert f" {name} " in table
+    assert "LoRA Δ fast %" in table
+
+
+def test_plans_that_only_move_memory_are_held_to_the_fast_plans_own_spread():
+    """A second fast row is the yardstick: a memory-only plan may differ twice as much (at least 0.5%); one beyond
+    is listed under the table. A plan that changes the numbers (fp8 weights here) is reported, not bounded."""
+    import pytest
+    import torch
+    from bench.run import format_table, lora_agreement
+    base = dict(model="sd15", resolution=512, batch=1, status="ok", cap_gib=None, notes=[])
+    fast, again, offload, fp8 = ({**base, "config": name} for name in ("fast", "fast", "gc+offload", "gc+fp8"))
+    fast["lora_moved"] = again["lora_moved"] = 2.0
+    fp8["changes_numbers"] = True
+    start = torch.zeros(4)
+    finals = {id(fast): start, id(again): start + torch.tensor([0.02, 0, 0, 0]),
+              id(offload): start + torch.tensor([0, 0.1, 0, 0]), id(fp8): start + torch.tensor([0, 0, 0.5, 0])}
+    rows = [fast, again, offload, fp8]
+    lora_agreement(rows, finals)
+    assert fast["lora_vs_fast"] == pytest.approx(0.01) == again["lora_vs_fast"]  # the yardstick: 1%
+    assert offload["lora_vs_fast"] == pytest.approx(0.05) and offload["lora_tolerance"] == pytest.approx(0.02)
+    assert offload["lora_within"] is False and fast["lora_within"] and again["lora_within"]
+    assert fp8["lora_vs_fast"] == pytest.approx(0.25) and "lora_within" not in fp8
+    beyond = format_table(rows, cuda=False).split("LoRA beyond the fast plan's tolerance")[1]
+    assert "sd15 gc+offload: 5.00% > 2.00%" in beyond and "gc+fp8" not in beyond
 
 
 def test_profile_step_groups_step_time_by_kernel_family(capsys):

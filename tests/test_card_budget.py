@@ -214,3 +214,35 @@ def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_ru
     assert alive_at_next_probe == [False], "the failed probe's tensors were still alive when the next rung probed"
     assert any("the probe ran out of memory" in line for line in lines), lines
     assert estimate.frozen_weights == GIB // 2
+
+
+class _GraphedStandIn:
+    """What keep_graphs_within_limit reads of a graphed micro-step (a real one needs CUDA streams)."""
+    graphed, disabled = True, None
+
+    def __init__(self, budget, extra):
+        self.budget, self.extra, self.notes = budget, extra, []
+
+    def extra_memory(self, estimate):
+        return self.extra
+
+    def run_eagerly(self, note):
+        self.disabled = "memory limit"
+        self.notes.append(note)
+
+
+@pytest.mark.parametrize("extra_gib, graphed", [(0.2, True), (0.9, False)])
+def test_graphs_are_turned_off_before_step_one_only_where_their_extra_memory_would_not_fit(extra_gib, graphed):
+    """The decision is the planner's (memory/fit.py), not the step executor's: an estimate of 3.5 GiB under a
+    4 GiB budget leaves room for 0.2 GiB of graph memory (3.7 GiB, within 95% of the limit), not for 0.9."""
+    from types import SimpleNamespace
+    from trainer.memory.estimate import MemoryEstimate
+    micro_step = _GraphedStandIn(budget=4 * GIB, extra=int(extra_gib * GIB))
+    session = SimpleNamespace(micro_step=micro_step, adapter=SimpleNamespace(device=torch.device("cpu")))
+    estimate = MemoryEstimate(frozen_weights=int(3.5 * GIB), lora_parameters=0, gradients=0, optimizer_state=0,
+                              activations=0, workspace=0)
+    fit.keep_graphs_within_limit(session, estimate)
+    assert (micro_step.disabled is None) == graphed
+    if not graphed:
+        assert micro_step.notes == ["fast path: CUDA graphs off: with their extra memory (~4.40 GiB expected) the "
+                                    "run would not fit the 4.00 GiB limit; steps run eagerly"]

@@ -18,7 +18,7 @@ from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
 from .memory.allocator import apply_allocator_settings, trim_graph_memory, trim_host_memory
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
-from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, recover
+from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, keep_graphs_within_limit, recover
 from .model import ModelAdapter
 from .objective import PLAIN_MSE, LossFunction, denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, evaluation_weights
@@ -220,7 +220,7 @@ class TrainingSession:
             lines += compile_before_first_step(self)
             if self.compiled_batch:
                 estimate = self.estimate()  # the compiled run's own, for the report
-        self.micro_step.check_headroom(estimate)
+        keep_graphs_within_limit(self, estimate)
         if self.is_compiled:
             self.compiled.training_starts()
         self.estimated_peak = estimate.total

@@ -45,6 +45,15 @@ def memory_fraction(device: torch.device) -> float | None:
     return fraction if 0.0 < fraction <= 1.0 else None
 
 
+def memory_limit(device: torch.device, budget: int | None) -> int | None:
+    """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
+    limits = [budget] if budget else []
+    fraction = memory_fraction(device) if device.type == "cuda" else None
+    if fraction is not None and fraction < 1.0:
+        limits.append(int(fraction * torch.cuda.get_device_properties(device).total_memory))
+    return min(limits) if limits else None
+
+
 def compiled_kernels_blocked() -> bool:
     """Whether torch.compile's Triton kernels must not run here: inside a CUDA-graph capture under cudaMallocAsync.
     There memory allocated during the capture has no mapping until the graph is launched, and Triton's launcher

@@ -15,7 +15,7 @@ from ..settings import AutoFit, BaseWeights, MemorySettings
 from ..step.frozen_weights import park_frozen_on_cpu, place_on_device
 from ..step.micro_steps import GraphDoesNotFit
 from ..step.precision import DTYPES
-from .allocator import memory_fraction, trim_graph_memory
+from .allocator import memory_fraction, memory_limit, trim_graph_memory
 from .estimate import GIB, PROBE_SIDES, MemoryEstimate
 from .ladder import next_rung
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
@@ -373,3 +373,16 @@ def room_for_sampling(session: TrainingSession):
         yield True
     finally:
         place_on_device(session.unet, device)
+
+
+def keep_graphs_within_limit(session: TrainingSession, estimate: MemoryEstimate) -> None:
+    """Before step 1: where the budget or the process's cap leaves no room for the CUDA graphs' extra memory, steps
+    run eagerly from the start (a failed capture under a cap can leave memory behind)."""
+    micro_step = session.micro_step
+    if not micro_step.graphed or micro_step.disabled or estimate.total is None:
+        return
+    limit = memory_limit(session.adapter.device, micro_step.budget)
+    need = estimate.total + micro_step.extra_memory(estimate)
+    if limit is not None and need > limit * 0.95:
+        micro_step.run_eagerly(f"fast path: CUDA graphs off: with their extra memory (~{need / GIB:.2f} GiB "
+                               f"expected) the run would not fit the {limit / GIB:.2f} GiB limit; steps run eagerly")

@@ -30,7 +30,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from .activation_offload import ActivationOffload
-from ..memory.allocator import backend as allocator_backend, memory_fraction, trim_graph_memory
+from ..memory.allocator import backend as allocator_backend, memory_limit, trim_graph_memory
 from ..errors import is_out_of_memory, one_line
 from .frozen_weights import host_launched_upcasts
 from .precision import Precision
@@ -162,15 +162,6 @@ def _pin_gradient_accumulators(params: list[torch.nn.Parameter], stream: torch.c
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
 
 
-def _memory_limit(device: torch.device, budget: int | None) -> int | None:
-    """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
-    limits = [budget] if budget else []
-    fraction = memory_fraction(device)
-    if fraction is not None and fraction < 1.0:
-        limits.append(int(fraction * torch.cuda.get_device_properties(device).total_memory))
-    return min(limits) if limits else None
-
-
 def graph_pool_fits(held: int, transient: int, limit: int | None) -> bool:
     """Whether a graph's private memory pool, which holds the step's transient memory (the peak seen above what
     was held), fits under the limit next to `held`: what stays reserved once the eager warm-up's cached blocks
@@ -225,9 +216,6 @@ class EagerMicroStep:
     def extra_memory(self, estimate) -> int:
         """Bytes this way of stepping needs beyond the (eagerly probed) memory estimate."""
         return 0
-
-    def check_headroom(self, estimate) -> None:
-        pass  # eager steps need nothing beyond the estimate
 
     def run_eagerly(self, note: str) -> None:
         """From now on every step is eager (here they are already); the note goes into the report."""
@@ -294,18 +282,6 @@ class GraphedMicroStep(EagerMicroStep):
             return 0
         return GRAPH_OVERHEAD + int(GRAPH_ACTIVATION_SHARE * ((estimate.activations or 0) + (estimate.workspace or 0)))
 
-    def check_headroom(self, estimate) -> None:
-        """Before step 1: where the budget or process cap leaves no room for the graph's extra memory, steps
-        run eagerly from the start (a failed capture under a cap can leave memory behind)."""
-        limit = _memory_limit(torch.device("cuda", torch.cuda.current_device()), self.budget)
-        if limit is None or estimate.total is None:
-            return
-        need = estimate.total + self.extra_memory(estimate)
-        if need > limit * 0.95:
-            self.disabled = "memory limit"
-            self.notes.append(f"fast path: CUDA graphs off: with their extra memory (~{need / 2 ** 30:.2f} GiB "
-                              f"expected) the run would not fit the {limit / 2 ** 30:.2f} GiB limit; steps run eagerly")
-
     def run_eagerly(self, note: str) -> None:
         self.disabled = "memory limit"
         super().run_eagerly(note)
@@ -368,7 +344,7 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
-        limit, now = _memory_limit(device, self.budget), device_memory_bytes(device)
+        limit, now = memory_limit(device, self.budget), device_memory_bytes(device)
         if now and not graph_pool_fits(now["reserved"], transient, limit):
             why = (f"the graph's own memory pool (~{transient / 2 ** 30:.2f} GiB) does not fit the "
                    f"{limit / 2 ** 30:.2f} GiB limit")

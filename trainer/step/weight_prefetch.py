@@ -60,13 +60,13 @@ class WeightPrefetch:
         """One pass (forward + backward): the streamed layers inside take their weights from here."""
         self._calls, self._next, self._fetched, self._compute_streams = [], 0, {}, []
         self.fetched_ahead = self.fetched_on_demand = 0
-        if self.order and self._device is not None:  # the pass's first layers come over while it starts
-            compute = self._compute_stream(self._device)
-            for index in range(min(self.ahead, len(self.order))):
-                self._fetch(index, self._device, compute)
         _ACTIVE.append(self)
         completed = False
-        try:
+        try:  # (an out-of-memory error in the first fetches still ends the pass: the copy stream is joined)
+            if self.order and self._device is not None:  # the pass's first layers come over while it starts
+                compute = self._compute_stream(self._device)
+                for index in range(min(self.ahead, len(self.order))):
+                    self._fetch(index, self._device, compute)
             yield
             completed = True
         finally:

@@ -1,7 +1,8 @@
 """Auto-fit picks the fastest plan that fits (trainer/memory/planner.py, fit.py), on a simulated card: the session
 below measures memory as the real probes do (two probe steps, a quarter of the area and the full size, an
 out-of-memory error past the card), from a model with exact static terms and activations that fall linearly with
-the units recomputed. What is asserted is the plan chosen and what the report says, not the model."""
+the units recomputed, per image (the probes step one image, as the real ones do). What is asserted is the plan chosen and what the report says, not
+the model."""
 from dataclasses import replace
 
 import pytest
@@ -31,9 +32,11 @@ class SimulatedSession:
     one, `workspace_gib` per step. `actual_extra_gib`: what the real step needs beyond that model at partial shares
     (the planner's prediction is then low and the probe must catch it)."""
 
-    def __init__(self, weights_gib=6.0, none_gib=10.0, full_gib=1.0, workspace_gib=0.25, actual_extra_gib=0.0):
+    def __init__(self, weights_gib=6.0, none_gib=10.0, full_gib=1.0, workspace_gib=0.25, actual_extra_gib=0.0,
+                 images=64):
         self.weights, self.none, self.full = weights_gib * GIB, none_gib * GIB, full_gib * GIB
         self.workspace, self.actual_extra = int(workspace_gib * GIB), actual_extra_gib * GIB
+        self.images = images  # in the largest bucket: a batch holds at most this many
         self.adapter = type("Adapter", (), {"device": torch.device("cpu"),
                                             "projected_weight_bytes": self._weight_bytes})()
         self.unet = None
@@ -59,8 +62,8 @@ class SimulatedSession:
     def largest_batch(self, batch_size=1):
         return torch.zeros(batch_size, 4, 64, 64), {}
 
-    def run_batch_size(self):
-        return 1
+    def run_batch_size(self, batch_size=None):
+        return min(batch_size or self.memory.batch_size, self.images)
 
     def static(self) -> int:
         lora = sum(p.numel() * 4 for p in self.params)
@@ -90,7 +93,7 @@ class SimulatedSession:
                                                                                         self.params),
                               lora_parameters=lora, gradients=lora,
                               optimizer_state=optimizer_state_bytes(self.memory.optimizer, self.params),
-                              activations=int(self.activations()), workspace=self.workspace)
+                              activations=int(self.activations() * self.run_batch_size()), workspace=self.workspace)
 
 
 def _fit(session, card_gib, memory=None):
@@ -116,7 +119,7 @@ def test_auto_fit_takes_off_the_users_savers_and_a_large_card_gets_the_fastest_p
     assert lines[0].startswith("auto-fit: started from the fastest settings (gradient checkpointing, "
                                "AdamW8bit -> AdamW, fp8/streamed base weights, activation offload taken off")
     assert "with no recompute" in lines[-1]
-    assert estimate.total == session.static() + session.none + session.workspace
+    assert estimate.total == session.static() + 2 * session.none + session.workspace  # activations per image
 
 
 def test_the_users_optimizer_family_stays():
@@ -195,3 +198,49 @@ def test_choose_reports_nothing_when_no_plan_fits():
     best, _ = planner.choose(MemorySettings(gradient_checkpointing=False), lambda plan: 0, model, units, 1000, 0,
                              lambda transient: 0, 10 ** 7, 0.35)
     assert best.memory == replace(MemorySettings(gradient_checkpointing=False)) and best.time == 1.0
+
+
+def _batch_of_four(card_gib):
+    """Weights 2 GiB, activations per image 4 GiB with no unit recomputed and 1 GiB with every one; batch 4."""
+    session = SimulatedSession(weights_gib=2.0, none_gib=4.0, full_gib=1.0, workspace_gib=0.25)
+    memory = MemorySettings(auto_fit=AutoFit(card_gib=card_gib), gradient_checkpointing=False, batch_size=4)
+    return _fit(session, card_gib, memory)
+
+
+def test_a_batch_that_no_storage_saver_fits_is_split_only_as_far_as_the_card_needs():
+    """Batch 4 does not fit a 5 GiB card even with every unit recomputed, fp8 weights and the 8-bit optimizer. The
+    ladder's split goes to batch 1 x 4; the planner weighs the splits and takes batch 2 x 2 with full recompute
+    (~1.65x: two images per step run more efficiently than one) over batch 1 with 60% (~1.81x). The effective
+    batch, the user's result, stays 4."""
+    memory, estimate, lines = _batch_of_four(5.0)
+    assert (memory.batch_size, memory.gradient_accumulation, memory.effective_batch) == (2, 2, 4)
+    assert memory.gradient_checkpointing and memory.checkpoint_share == 1
+    assert estimate.total <= 5.0 * GIB * fit.FIT_HEADROOM
+    chose = next(line for line in lines if "the planner chose" in line)
+    assert "batch 2 x accumulation 2 = effective batch 4" in chose.split("runner-up")[0]
+
+
+def test_a_split_is_taken_where_it_costs_less_than_the_recompute_the_whole_batch_needs():
+    """On 12 GiB batch 4 needs 70% of the units recomputed (~1.25x); batch 2 x 2 fits with none (2^0.29 = ~1.22x):
+    the split wins, and the runner-up is the whole batch with its share. On 16 GiB batch 4 needs only 30% (~1.1x)
+    and stays whole."""
+    memory, _, lines = _batch_of_four(12.0)
+    assert (memory.batch_size, memory.gradient_accumulation, memory.gradient_checkpointing) == (2, 2, False)
+    runner_up = next(line for line in lines if "the planner chose" in line).split("runner-up")[1]
+    assert "batch 4 x accumulation 1" in runner_up and "70% of the blocks" in runner_up
+    memory, _, _ = _batch_of_four(16.0)
+    assert (memory.batch_size, memory.gradient_accumulation) == (4, 1)
+    assert memory.gradient_checkpointing and memory.checkpoint_share == pytest.approx(0.3)
+
+
+def test_splits_keep_the_effective_batch_and_a_bucket_smaller_than_the_batch_costs_no_split():
+    start = MemorySettings(batch_size=4, gradient_accumulation=3)
+    assert [(m.batch_size, m.gradient_accumulation) for m in planner.splits(start)] == [(4, 3), (2, 6), (1, 12)]
+    units = RankedUnits([torch.nn.Identity()] * 4, [(1, 1)] * 4)
+    model = planner.ActivationModel(none=1000.0, full=100.0, workspace=0)
+    # the largest bucket holds 2 images: batch 4's batches hold 2, like batch 2's, so both cost the same and the
+    # user's batch (the first) is kept; batch 1 would cost 2^0.29 more
+    best, runner_up = planner.choose(MemorySettings(batch_size=4, gradient_checkpointing=False), lambda plan: 0,
+                                     model, units, 2 * 1000, 0, lambda transient: 0, 10 ** 7, 0.35,
+                                     images=lambda batch: min(batch, 2))
+    assert best.memory.batch_size == 4 and best.time == 1.0 and runner_up.time == 1.0

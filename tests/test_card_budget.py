@@ -102,22 +102,24 @@ def test_a_model_that_fits_is_planned_without_an_error(card):
     assert planned == memory and lines == []
 
 
-def test_static_planning_leaves_checkpointing_to_the_probes(card):
-    """A card that needs smaller weights gets them without checkpointing every block on the way: the probes then
-    add only as much checkpointing as the activations need."""
+def test_static_planning_leaves_checkpointing_and_batch_splits_to_the_probes(card):
+    """A card that needs smaller weights gets them without checkpointing every block or splitting the batch on the
+    way (neither shrinks weights): the probes and the planner then add only as much of either as the activations
+    need."""
     torch.manual_seed(0)
     unet = TinyNet(dim=512, depth=4)
     for layer in unet.modules():
         if isinstance(layer, torch.nn.Linear):
             layer.comfy_cast_weights = False  # as ComfyUI's ops have it: such layers can hold fp8 weights
     params = inject_lora(unet, LoraSettings(rank=4, alpha=4), seed=0, target_modules=sd_targets(LoraSettings(rank=4, alpha=4)))
-    memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2))
+    memory = MemorySettings(mixed_precision="bf16", gradient_checkpointing=False, auto_fit=AutoFit(card_gib=2),
+                            batch_size=4)
     # bf16 weights 8 MiB + LoRA, gradients, AdamW 1 MiB > 75% of 10 MiB; fp8 weights (4 MiB) fit
     budget = 10 * 2 ** 20
     planned, lines = fit.plan_static(memory, _weight_bytes(unet), params, budget, CUDA)
     assert planned.base_weights is BaseWeights.FP8, lines
-    assert not planned.gradient_checkpointing, lines
-    assert not any("checkpointing" in line for line in lines), lines
+    assert not planned.gradient_checkpointing and planned.batch_size == 4, lines
+    assert not any("checkpointing" in line or "batch" in line for line in lines), lines
 
 
 def test_static_planning_streams_only_the_share_of_the_weights_the_card_needs(card):

@@ -278,12 +278,12 @@ class TrainingSession:
         """The largest sample, `batch_size` times: the biggest bucket sets the peak."""
         return collate([self._largest_sample()] * batch_size, self.adapter.sequence_conditioning)
 
-    def run_batch_size(self) -> int:
-        """How many images the largest bucket's batches hold: the batch size, or the whole bucket (with its
-        repeats) where that is smaller."""
+    def run_batch_size(self, batch_size: int | None = None) -> int:
+        """How many images the largest bucket's batches hold: the batch size (the run's, or `batch_size`), or the
+        whole bucket (with its repeats) where that is smaller."""
         shape = self._largest_sample().latent.shape
         in_bucket = sum(sample.latent.shape == shape for sample in self.cache) * self.repeats
-        return min(self.memory.batch_size, in_bucket)
+        return min(batch_size or self.memory.batch_size, in_bucket)
 
     def _largest_sample(self) -> CachedSample:
         return max(self.cache, key=lambda sample: sample.latent.numel())

@@ -44,9 +44,10 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
 
 
 def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySettings, str] | None:
-    """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing rungs trade activations only:
-    skipped here, they stay for the probes (fit_to_card), so a card that needs fp8 weights gets fp8 with as little
-    checkpointing as its activations need, not fp8 with every block recomputed."""
+    """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing and batch-split rungs trade
+    activations only: skipped here, they stay for the probes and the planner (fit_to_card), so a card that needs fp8
+    weights gets fp8 with as little checkpointing and as large a batch as its activations allow, not fp8 with every
+    block recomputed at batch 1."""
     walked = memory
     while True:
         rung = next_rung(walked, device)
@@ -54,7 +55,8 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
             return None
         walked, description = rung
         kept = replace(walked, gradient_checkpointing=memory.gradient_checkpointing,
-                       checkpoint_share=memory.checkpoint_share)
+                       checkpoint_share=memory.checkpoint_share, batch_size=memory.batch_size,
+                       gradient_accumulation=memory.gradient_accumulation)
         if kept != memory:
             return kept, description
 
@@ -217,7 +219,7 @@ def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe,
                   lambda plan: static_bytes(plan, weight_bytes, params, session.ema is not None), model, units,
                   batch_area, other,
                   graph_extra, full.budget * FIT_HEADROOM, RECOMPUTE_COST,
-                  held_upcasts=lambda count: sum(conv_bytes[count:]))
+                  held_upcasts=lambda count: sum(conv_bytes[count:]), images=session.run_batch_size)
 
 
 def verify(session: TrainingSession, memory: MemorySettings,

@@ -7,7 +7,9 @@ memory probes:
   fall from "no block recomputed" to "every block recomputed" as the family's cost model says each unit frees
   them (trainer/step/checkpointing.RankedUnits);
 - time, relative to a step with no saver: recompute costs its share of the forward multiply-adds times what full
-  checkpointing costs (RECOMPUTE_COST, measured), fp8 storage and an 8-bit optimizer a fixed share each.
+  checkpointing costs (RECOMPUTE_COST, measured), fp8 storage and an 8-bit optimizer a fixed share each, and a
+  batch split into smaller batches with gradient accumulation (the same effective batch) what smaller batches lose
+  in efficiency (BATCH_EFFICIENCY, measured).
 The chosen plan is then probed for real (trainer/memory/fit.py): the models only pick, the probe decides."""
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ EIGHT_BIT_COST = 0.02
 # shapes and settings (first-use kernel selection), and SDXL's timed +5% against the measured +35%.
 RECOMPUTE_COST = 0.35
 FULL_PRECISION = {eight: full for full, eight in EIGHT_BIT.items()} | {"PagedAdamW8bit": "AdamW"}
+# Time per image falls with the batch as batch^-BATCH_EFFICIENCY (H200, SDXL 1024², fast: 0.0848 s/step at batch 1,
+# 0.3725 at batch 8, i.e. 0.0466 per image = 8^-0.29 of batch 1's): a split to half the batch costs 2^0.29 = 1.22x
+# per optimizer step, less than full checkpointing.
+BATCH_EFFICIENCY = 0.29
 
 
 def relaxed(memory: MemorySettings) -> tuple[MemorySettings, list[str]]:
@@ -80,6 +86,13 @@ def time_of(memory: MemorySettings, units: RankedUnits, recompute_cost: float, f
     return time
 
 
+def splits(start: MemorySettings) -> list[MemorySettings]:
+    """The user's batch and each smaller batch that divides it, with the accumulation that keeps the effective
+    batch (the user's results): 4 x 1 -> 4 x 1, 2 x 2, 1 x 4."""
+    return [replace(start, batch_size=batch, gradient_accumulation=start.effective_batch // batch)
+            for batch in range(start.batch_size, 0, -1) if start.batch_size % batch == 0]
+
+
 def shares(units: RankedUnits) -> list[float]:
     """Every distinct checkpoint share down to a single unit: 0 (off), 1/n, 2/n ... 1."""
     return [0.0] + [count / len(units) for count in range(1, len(units) + 1)]
@@ -99,26 +112,32 @@ def candidates(start: MemorySettings) -> list[MemorySettings]:
 
 def choose(start: MemorySettings, static_bytes: Callable[[MemorySettings], int], model: ActivationModel,
            units: RankedUnits, batch_area: int, other: int, graph_extra: Callable[[int], int], budget: float,
-           recompute_cost: float, held_upcasts: Callable[[int], int] = lambda count: 0
-           ) -> tuple[Plan | None, Plan | None]:
-    """The fastest plan whose estimate fits `budget`, and the runner-up (the fastest with other storage, or the
-    next share); (None, None) when none fits. static_bytes(plan): weights, LoRA, gradients and optimizer state;
-    graph_extra(transient bytes): the CUDA graph's memory beyond the eager estimate; other: what the process holds
-    beyond every term (measured); held_upcasts(count): bytes of upcast copies fp8 layers keep for backward when
-    the first `count` units are recomputed (convs keep theirs; bridge/cast_weights.py), where the probes ran
-    without fp8."""
+           recompute_cost: float, held_upcasts: Callable[[int], int] = lambda count: 0,
+           images: Callable[[int], int] = lambda batch: batch) -> tuple[Plan | None, Plan | None]:
+    """The fastest plan whose estimate fits `budget`, and the runner-up (the fastest with other storage or batch,
+    or the next share); (None, None) when none fits. batch_area: latent elements of the start's largest batch;
+    images(batch size): how many images such a batch holds (fewer where the largest bucket is smaller).
+    static_bytes(plan): weights, LoRA, gradients and optimizer state; graph_extra(transient bytes): the CUDA
+    graph's memory beyond the eager estimate; other: what the process holds beyond every term (measured);
+    held_upcasts(count): bytes of upcast copies fp8 layers keep for backward when the first `count` units are
+    recomputed (convs keep theirs; bridge/cast_weights.py), where the probes ran without fp8."""
     plans = []
-    for storage in candidates(start):
-        static = static_bytes(storage)
-        upcasts_unseen = storage.base_weights.fp8 and not start.base_weights.fp8
-        for share in shares(units):
-            memory = replace(storage, gradient_checkpointing=share > 0, checkpoint_share=share or 1.0)
-            count = units_for_share(len(units), share) if share else 0
-            transient = model.bytes(units.freed_share(count), batch_area) + model.workspace \
-                + (held_upcasts(count) if upcasts_unseen else 0)
-            peak = static + transient + other + graph_extra(transient)
-            if peak <= budget:
-                plans.append(Plan(memory, peak, time_of(memory, units, recompute_cost, start)))
-                break  # larger shares of this storage only cost more time
+    per_image = batch_area / images(start.batch_size)
+    for split in splits(start):
+        split_area = int(per_image * images(split.batch_size))
+        split_cost = (images(start.batch_size) / images(split.batch_size)) ** BATCH_EFFICIENCY
+        for storage in candidates(split):
+            static = static_bytes(storage)
+            upcasts_unseen = storage.base_weights.fp8 and not start.base_weights.fp8
+            for share in shares(units):
+                memory = replace(storage, gradient_checkpointing=share > 0, checkpoint_share=share or 1.0)
+                count = units_for_share(len(units), share) if share else 0
+                transient = model.bytes(units.freed_share(count), split_area) + model.workspace \
+                    + (held_upcasts(count) if upcasts_unseen else 0)
+                peak = static + transient + other + graph_extra(transient)
+                if peak <= budget:
+                    time = time_of(memory, units, recompute_cost, start) * split_cost
+                    plans.append(Plan(memory, peak, time))
+                    break  # larger shares of this storage only cost more time
     plans.sort(key=lambda plan: plan.time)
     return (plans[0] if plans else None), (plans[1] if len(plans) > 1 else None)

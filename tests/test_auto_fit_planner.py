@@ -45,6 +45,7 @@ class SimulatedSession:
         self.micro_step = type("Step", (), {"budget": None, "extra_memory": staticmethod(lambda estimate: 0)})()
         self.units = RankedUnits([torch.nn.Identity() for _ in range(UNITS)], [(1, 1)] * UNITS)
         self.memory, self.configured, self.cap = None, [], None
+        self.unplaced = None  # the frozen weights are placed (TrainingSession.configure)
         self.free_failed_step = lambda error: None
         self.train, self.ema = TrainSettings(), None  # no EMA of the LoRA weights (fit counts it when on)
         self.text_encoder = None  # text_encoder_lr off (fit counts the trained encoder's weights when on)

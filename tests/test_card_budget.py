@@ -186,6 +186,7 @@ def test_a_probe_that_ran_out_of_memory_gives_its_memory_back_before_the_next_ru
     alive_at_next_probe: list[bool] = []
 
     class Session:
+        unplaced = None  # the frozen weights are placed (TrainingSession.configure)
         adapter = type("Adapter", (), {"device": torch.device("cpu")})()
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         micro_step = type("Step", (), {"budget": None, "extra_memory": staticmethod(lambda estimate: 0)})()

@@ -17,6 +17,7 @@ from .errors import is_out_of_memory
 from .loop import LoopResult, StepInfo, train_loop
 from .lora import seed_lora_dropout
 from .memory.allocator import apply_allocator_settings, trim_graph_memory, trim_host_memory
+from .memory.card import device_memory, is_gpu
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, keep_graphs_within_limit, recover
 from .model import ModelAdapter
@@ -74,6 +75,7 @@ class TrainingSession:
         self.micro_step = self.step = None
         self.compiled = None  # the CompiledBlocks, once compile is asked for
         self.compiled_batch: int | None = None  # the batch size the compile step compiled
+        self.unplaced: BaseException | None = None  # the out-of-memory error that kept the weights off the device
         self.estimated_peak: int | None = None  # the estimate's total before step 1 (None: not measured)
         self.ema: LoraEMA | None = None  # with train.ema_decay: made once the LoRA is on its device (configure)
 
@@ -124,7 +126,7 @@ class TrainingSession:
         to_fp8 = memory.base_weights.fp8 and (old is None or not old.base_weights.fp8)
         to_stream = streamed and (old is None or not old.base_weights.streamed
                                   or old.stream_share < memory.stream_share)  # a rung that streams more
-        if (to_fp8 or to_stream) and device.type == "cuda":
+        if (to_fp8 or to_stream) and is_gpu(device):
             park_frozen_on_cpu(self.unet)
         if to_fp8:
             saved = self.adapter.store_weights_fp8(self.unet)
@@ -135,7 +137,17 @@ class TrainingSession:
                            f"{moved / 2 ** 30:.2f} GiB stay off the GPU"
                            + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays on the "
                               "GPU)" if memory.stream_share < 1 else ""))
-        place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
+        try:
+            place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
+            self.unplaced = None
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            # Not an error yet: the frozen weights wait in CPU RAM, the settings are complete, and auto-fit takes
+            # the next rung that stores less (memory/fit.configure_placed); without auto-fit start() raises it.
+            self.unplaced = error
+            error.__traceback__ = None
+            park_frozen_on_cpu(self.unet)
         if old is None and self.text_encoder is not None:
             self.text_encoder.to(device)  # as loaded (no fp8, no streaming): the ladder works on the UNet
         if self.train.ema_decay and self.ema is None:
@@ -207,10 +219,12 @@ class TrainingSession:
         if card is not None:
             self.notes.append(f"auto-fit: {memory.auto_fit.describe()} = a {card.card / GIB:.2f} GiB card; "
                               f"{CardBudget.outside_torch(self.adapter.device) / GIB:.2f} GiB of it is held outside "
-                              f"PyTorch (CUDA context, libraries), {card.MARGIN / GIB:.2f} GiB kept free for "
+                              f"PyTorch (CUDA context, libraries), {card.margin / GIB:.2f} GiB kept free for "
                               f"allocator rounding; {budget / GIB:.2f} GiB left for training")
         if budget is None:
             self.configure(memory)
+            if self.unplaced is not None:
+                raise self.unplaced
             lines = compile_before_first_step(self)
             estimate = self.estimate()
         else:
@@ -378,15 +392,17 @@ class TrainingSession:
                 self.ema.update()
             after_step()
 
+        memory = device_memory(self.adapter.device)
         while True:
             try:
-                result = train_loop(self.params, self.step, self.data, self.optimizer, self.precision,
-                                    until or self.train.steps,
-                                    self.memory.gradient_accumulation, should_stop, counted,
-                                    first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
-                                    lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
-                                    on_step_start=self._mark_step_start, after_step=stepped,
-                                    evaluate_every=evaluate_every, on_evaluate=on_evaluate)
+                with memory.computing() if memory is not None else contextlib.nullcontext():
+                    result = train_loop(self.params, self.step, self.data, self.optimizer, self.precision,
+                                        until or self.train.steps,
+                                        self.memory.gradient_accumulation, should_stop, counted,
+                                        first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
+                                        lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
+                                        on_step_start=self._mark_step_start, after_step=stepped,
+                                        evaluate_every=evaluate_every, on_evaluate=on_evaluate)
                 if result.diverged_at is not None:  # the weights went back to the last step checked finite
                     self.steps_done = result.steps_done
                 return result

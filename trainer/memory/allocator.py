@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..settings import Allocator
+from .card import device_memory
 
 
 def _env_setting(name: str) -> str | None:
@@ -35,22 +36,18 @@ def backend() -> str:
 
 
 def memory_fraction(device: torch.device) -> float | None:
-    """This process's cap (set_per_process_memory_fraction) on `device`, None where PyTorch cannot tell: under
-    ComfyUI 0.33 (comfy-aimdo hooks the driver's memory queries) the getter read 122888273.8 on an H200, whatever
-    cap was set, and setting that value back raised."""
-    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if get is None:
-        return None
-    fraction = get(device)
-    return fraction if 0.0 < fraction <= 1.0 else None
+    """This process's cap (set_per_process_memory_fraction) on `device`, None where there is none to tell (the CPU)
+    or PyTorch cannot tell it (ComfyUI 0.33: memory/card.CudaMemory.fraction)."""
+    memory = device_memory(device)
+    return None if memory is None else memory.fraction()
 
 
 def memory_limit(device: torch.device, budget: int | None) -> int | None:
     """The tighter of the auto-fit budget and this process's cap (set_per_process_memory_fraction), if any."""
     limits = [budget] if budget else []
-    fraction = memory_fraction(device) if device.type == "cuda" else None
+    fraction = memory_fraction(device)
     if fraction is not None and fraction < 1.0:
-        limits.append(int(fraction * torch.cuda.get_device_properties(device).total_memory))
+        limits.append(int(fraction * device_memory(device).total()))
     return min(limits) if limits else None
 
 

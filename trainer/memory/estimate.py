@@ -6,7 +6,8 @@ batch 1) run with the real settings; the peak grows linearly in batch x latent a
 tokens), so the line through them gives the real batch. (Probing at 1/16 and 1/4 and extrapolating came out
 10-25% low: workspaces of the full-size kernels do not scale down.) A compiled model is probed once, at the run's
 own batch shape: compiled graphs are specialized to shapes, and another probe shape would cost a full compile.
-On CPU there is no VRAM to plan, and no probe runs."""
+On CPU there is no VRAM to plan, and no probe runs (a CPU test's simulated card
+(memory/card.py) runs them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from ..step.frozen_weights import frozen_weight_bytes
 from ..optimizers import optimizer_state_bytes
-from .vram import reset_peak
+from .card import device_memory
 
 GIB = 2 ** 30
 
@@ -85,6 +86,15 @@ def _probe_sizes(height: int, width: int, sides: tuple[float, ...] = PROBE_SIDES
     return [(at(fraction, height), at(fraction, width)) for fraction in sides]
 
 
+def resize_latent(latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The latent at another height and width, whatever its rank: images (batch, channels, h, w) and the video
+    latents of Qwen-Image and Wan (batch, channels, frames, h, w) alike. Only the last two sides change."""
+    if latent.shape[-2:] == (height, width):
+        return latent
+    flat = latent.reshape(-1, 1, *latent.shape[-2:])
+    return F.interpolate(flat, size=(height, width), mode="nearest").reshape(*latent.shape[:-2], height, width)
+
+
 def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Tensor], sample: tuple,
                       batch_size: int, device: torch.device, gradients_kept: int = 0,
                       state_held: int = 0, at_run_shape: bool = False,
@@ -98,24 +108,26 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
     workspace together. `measured` gets each probe's (latent area, transient bytes) as it ends: what
     the auto-fit planner models from, also when a later probe runs out of memory. `sides`: the probes' sizes as
     fractions of the latent's sides; a single one only fills `measured` (a line needs two points)."""
-    if not reset_peak(device):  # CPU, or an allocator without peak statistics: nothing to measure with
+    memory = device_memory(device)
+    if memory is None or not memory.reset_peak():  # CPU, or an allocator without peak statistics
         return estimate
     latent, cond = sample
     height, width = latent.shape[-2:]
     points = []
     for h, w in [(height, width)] if at_run_shape else _probe_sizes(height, width, sides):
-        small = F.interpolate(latent, size=(h, w), mode="nearest")
-        torch.cuda.synchronize(device)
-        baseline = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step((small, cond))
-        torch.cuda.synchronize(device)
+        small = resize_latent(latent, h, w)
+        memory.synchronize()
+        baseline = memory.allocated()
+        memory.reset_peak()
+        with memory.computing():
+            step((small, cond))
+        memory.synchronize()
         # What stayed allocated after the step (a library's first workspace) is not the step's transient memory.
-        stayed = max(0, torch.cuda.memory_allocated(device) - baseline)
-        points.append((h * w, torch.cuda.max_memory_allocated(device) - baseline - stayed))
+        stayed = max(0, memory.allocated() - baseline)
+        points.append((h * w, memory.peak_allocated() - baseline - stayed))
         if measured is not None:
             measured.append(points[-1])
-    torch.cuda.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
+    memory.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
     if len(points) < 2 and not at_run_shape:
         return estimate
     # The probe's delta holds the LoRA gradients (when backward allocates them), activations and workspace.
@@ -128,7 +140,7 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         estimate.activations = max(0, int(slope * height * width * batch_size))
         estimate.workspace = max(0, int(intercept) - new_gradients)
     resident = estimate.frozen_weights + estimate.lora_parameters + gradients_kept + state_held
-    estimate.other = max(0, torch.cuda.memory_allocated(device) - resident)
+    estimate.other = max(0, memory.allocated() - resident)
     return estimate
 
 

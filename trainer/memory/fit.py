@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..errors import LeanLoRAError, is_out_of_memory
+from ..errors import LeanLoRAError, is_out_of_memory, one_line
 from ..optimizers import optimizer_state_bytes
 from ..settings import AutoFit, BaseWeights, MemorySettings
 from ..step.frozen_weights import park_frozen_on_cpu, place_on_device
 from ..step.micro_steps import GraphDoesNotFit
 from ..step.precision import DTYPES
-from .allocator import memory_fraction, memory_limit, trim_graph_memory
+from .allocator import memory_limit, trim_graph_memory
+from .card import device_memory
 from .estimate import GIB, PROBE_SIDES, MemoryEstimate
 from .ladder import next_rung
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
@@ -39,8 +40,25 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
             return "steps run eagerly (nothing left on the memory ladder to make room for the CUDA graph)"
         raise error
     memory, description = rung
+    lines = configure_placed(session, memory)
+    return "; ".join([description, *lines])
+
+
+def configure_placed(session: TrainingSession, memory: MemorySettings) -> list[str]:
+    """Configures `memory`; where placing the frozen weights on the device runs out of memory, takes the next rung
+    that stores less (fp8, streaming more) until they are placed. Out of memory while placing is a rung, not an
+    error: on a real card the driver, not the plan, has the last word (fragmentation, other programs). Raises the
+    last out-of-memory error where no rung is left."""
+    lines = []
     session.configure(memory)
-    return description
+    while session.unplaced is not None:
+        rung = next_static_rung(session.memory, session.adapter.device)
+        if rung is None:
+            raise session.unplaced
+        lines.append(f"auto-fit: placing the frozen weights ran out of memory ({one_line(session.unplaced)}) -> "
+                     f"{rung[1]}")
+        session.configure(rung[0])
+    return lines
 
 
 def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySettings, str] | None:
@@ -166,7 +184,7 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     memory, static_lines = plan_static(memory, weight_bytes, params, card.usable(), device, card.card,
                                        ema=bool(session.train.ema_decay))
     lines += static_lines
-    session.configure(memory)
+    lines += configure_placed(session, memory)
     fastest = Probe(session, card)
     if fastest.fits():
         how = "as planned" if session.memory.gradient_checkpointing else "with no recompute"
@@ -179,7 +197,7 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     if not fastest.measured and not session.memory.gradient_checkpointing:
         # Even the quarter-size step ran out of memory: a sixteenth of the area still gives the slope
         fastest.measured = Probe(session, card, sides=(0.25,)).measured
-    session.configure(replace(session.memory, gradient_checkpointing=True, checkpoint_share=1.0))
+    lines += configure_placed(session, replace(session.memory, gradient_checkpointing=True, checkpoint_share=1.0))
     full = Probe(session, card)
     model = activation_model(fastest, full)
     if model is not None:
@@ -228,7 +246,8 @@ def verify(session: TrainingSession, memory: MemorySettings,
     up to every unit. None (settings left at full recompute) where even that does not fit."""
     lines = []
     while True:
-        session.configure(memory)
+        lines += configure_placed(session, memory)
+        memory = session.memory  # a rung further where placing ran out of memory
         probe = Probe(session, card)
         if probe.fits():
             lines.append(f"auto-fit: probed {probe.peak / GIB:.2f} GiB"
@@ -280,8 +299,8 @@ def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[Memor
             return estimate or session.estimate(), lines
         why = (f"estimated {total / GIB:.2f} GiB" + (f" + {extra / GIB:.2f} GiB for the CUDA graph" if extra else "")
                if total is not None else "the probe ran out of memory")
-        session.configure(rung[0])
         lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
+        lines += configure_placed(session, rung[0])
 
 
 @contextlib.contextmanager
@@ -289,18 +308,18 @@ def probes_capped_at(budget: int, device: torch.device):
     """PyTorch's allocator may hand out at most `budget` bytes meanwhile: a probe of settings that do not fit runs
     out of memory at the budget, as it would on the card, instead of taking whatever the GPU has (an 8 GiB card
     emulated on an H200 peaked at 9.4 GiB device-level in a probe that failed only at the process's own cap)."""
-    if device.type != "cuda" or not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+    memory = device_memory(device)
+    if memory is None or (not memory.simulated and not hasattr(torch.cuda, "get_per_process_memory_fraction")):
         yield
         return
     # Where PyTorch cannot tell the cap (ComfyUI 0.33), none is assumed: the probes are capped all the same and
     # the process is left uncapped after them, as an unemulated card is.
-    before = memory_fraction(device) or 1.0
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(before, max(budget, 1) / total), device)
+    before = memory.fraction() or 1.0
+    memory.set_fraction(min(before, max(budget, 1) / memory.total()))
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(before, device)
+        memory.set_fraction(before)
 
 
 class CardBudget:
@@ -321,25 +340,32 @@ class CardBudget:
     @staticmethod
     def outside_torch(device: torch.device) -> int:
         """Device memory in use that PyTorch's allocator does not hold: context, modules, other processes."""
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, total - free - torch.cuda.memory_reserved(device))
+        memory = device_memory(device)
+        free, total = memory.free_and_total()
+        return max(0, total - free - memory.reserved())
+
+    @property
+    def margin(self) -> int:
+        """MARGIN on a real card; a CPU test's simulated card has no allocator rounding to keep room for."""
+        return device_memory(self.device).rounding_margin if device_memory(self.device).simulated else self.MARGIN
 
     def usable(self) -> int:
         """Bytes training's own allocations (the estimate's total) may take now."""
-        return max(0, self.card - self.outside_torch(self.device) - self.MARGIN)
+        return max(0, self.card - self.outside_torch(self.device) - self.margin)
 
 
 def card_budget(auto_fit: AutoFit, device: torch.device, comfy_reserve: int = 0) -> CardBudget | None:
     """The budget an auto_fit setting names (a card size or the free VRAM), None when off or not on CUDA.
     comfy_reserve: the VRAM ComfyUI keeps free for itself (--reserve-vram)."""
-    if not auto_fit.on or device.type != "cuda":
+    memory = device_memory(device)
+    if not auto_fit.on or memory is None:
         return None
     # What only waits to be reused counts as free: a re-queue plans the card the first job planned (the graph
     # pool a finished run left behind measured as "outside PyTorch" otherwise).
-    torch.cuda.empty_cache()
+    memory.empty_cache()
     trim_graph_memory(device)
     if auto_fit.free_vram:
-        _, total = torch.cuda.mem_get_info(device)
+        _, total = memory.free_and_total()
         return CardBudget(total - comfy_reserve, device)
     return CardBudget(int(auto_fit.card_gib * GIB), device)
 
@@ -361,7 +387,7 @@ def room_for_sampling(session: TrainingSession):
     meanwhile and the CUDA graphs are captured again afterwards (they replay fixed addresses): a second or
     two per sampling, instead of a sampler that overflows the card. Yields whether it made room."""
     device, budget = session.adapter.device, getattr(session.micro_step, "budget", None)
-    if device.type != "cuda" or budget is None or session.estimated_peak is None:
+    if device_memory(device) is None or budget is None or session.estimated_peak is None:
         yield False
         return
     dtype = session.precision.compute_dtype

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from ..settings import BaseWeights, LoraWeights, MemorySettings
+from .card import is_gpu
 
 EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
 # Gradient checkpointing in steps of a fifth of the units, those that free the most memory per recomputed FLOP
@@ -73,15 +74,15 @@ def next_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySetti
                 f"optimizer {memory.optimizer} -> {target} (optimizer moments restart; LoRA weights are kept)")
     if memory.base_weights is BaseWeights.AS_LOADED:
         return replace(memory, base_weights=BaseWeights.FP8), "frozen base weights stored as fp8"
-    if not memory.activation_offload and device.type == "cuda":
+    if not memory.activation_offload and is_gpu(device):
         return (replace(memory, activation_offload=True),
                 "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)")
-    if memory.base_weights is BaseWeights.FP8 and device.type == "cuda":
+    if memory.base_weights is BaseWeights.FP8 and is_gpu(device):
         share = STREAM_SHARES[0]
         return (replace(memory, base_weights=BaseWeights.FP8_STREAMED, stream_share=share),
                 f"frozen base weights streamed from CPU memory, layer by layer: the largest layers, {share:.0%} of "
                 "the weights")
-    if memory.base_weights.streamed and memory.stream_share < 1 and device.type == "cuda":
+    if memory.base_weights.streamed and memory.stream_share < 1 and is_gpu(device):
         share = next(s for s in STREAM_SHARES if s > memory.stream_share)
         return (replace(memory, stream_share=share),
                 f"frozen weights streamed from CPU memory {memory.stream_share:.0%} -> {share:.0%}"

@@ -7,35 +7,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .card import device_memory
+
 GIB = 2 ** 30
 
 
 def reset_peak(device: torch.device) -> bool:
-    """Starts a new peak measurement; False where the allocator keeps no peak statistics. ComfyUI switches
-    PyTorch to the cudaMallocAsync backend by default, and not every torch build tracks peaks for it: what
+    """Starts a new peak measurement; False off a GPU or where the allocator keeps no peak statistics. ComfyUI
+    switches PyTorch to the cudaMallocAsync backend by default, and not every torch build tracks peaks for it: what
     needs them (estimate probes, peak reports) is skipped rather than failing the run."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.max_memory_allocated(device)
-        return True
-    except RuntimeError:
-        return False
+    memory = device_memory(device)
+    return memory is not None and memory.reset_peak()
 
 
 def device_memory_bytes(device: torch.device) -> dict[str, int] | None:
-    """This process's allocated / reserved bytes and their peaks; None off CUDA or where the allocator backend
+    """This process's allocated / reserved bytes and their peaks; None off a GPU or where the allocator backend
     keeps no such statistics."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    memory = device_memory(device)
+    if memory is None or (not memory.simulated and not torch.cuda.is_available()):
         return None
     try:
-        return {"allocated": torch.cuda.memory_allocated(device),
-                "reserved": torch.cuda.memory_reserved(device),
-                "peak_allocated": torch.cuda.max_memory_allocated(device),
-                "peak_reserved": torch.cuda.max_memory_reserved(device)}
+        return {"allocated": memory.allocated(), "reserved": memory.reserved(),
+                "peak_allocated": memory.peak_allocated(), "peak_reserved": memory.peak_reserved()}
     except RuntimeError:  # an allocator backend without these statistics
         return None
 

@@ -12,6 +12,7 @@ import gc
 import torch
 
 from ..memory.allocator import compiled_kernels_blocked
+from ..memory.card import device_memory
 from ..errors import is_compile_error, is_out_of_memory, one_line
 from ..layout import is_channels_last
 
@@ -152,13 +153,16 @@ def park_frozen_on_cpu(module: torch.nn.Module) -> None:
     streams them; place_on_device then puts what stays back side by side. Converted in place on the GPU, each fp8
     copy landed between the freed fp16 blocks: under cudaMallocAsync ~0.6 GiB of the pool stayed reserved around
     SD1.5's scattered fp8 weights, too much for a CUDA graph's pool on a 3 GiB card (steps ran eagerly, 22x)."""
-    frozen = [t for t in device_bound(module) if not t.requires_grad and t.device.type == "cuda"]
+    memory = device_memory(next((t.device for t in device_bound(module)), None))
+    if memory is None:
+        return
+    frozen = [t for t in device_bound(module) if not t.requires_grad and t.device == memory.device]
     if not frozen:
         return
     for tensor in frozen:
-        tensor.data = tensor.data.to("cpu")
+        tensor.data = memory.to_host(tensor.data)
     gc.collect()
-    torch.cuda.empty_cache()
+    memory.empty_cache()
 
 
 def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
@@ -167,6 +171,9 @@ def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
     at once, and whole allocator segments are given back instead of holes between frozen biases (on SDXL those
     holes kept ~0.1 GiB reserved, enough to break a 3 GiB cap)."""
     tensors = sorted(device_bound(module), key=lambda t: not t.requires_grad)  # stable: module order otherwise
+    memory = device_memory(device)
     for tensor in tensors:
-        if tensor.device != torch.device(device):
+        if memory is not None and tensor.device == memory.device:
+            tensor.data = memory.place(tensor.data)  # a copy where the card's memory lies elsewhere; else itself
+        elif tensor.device != torch.device(device):
             tensor.data = tensor.data.to(device)

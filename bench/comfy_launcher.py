@@ -10,6 +10,14 @@ before ComfyUI's code runs anything on the GPU. The allocator stays the one Comf
 waits for cuda_malloc, then for torch (CUDA, and with it the allocator, is initialised only by the cap call).
 ComfyUI's own planning is told the same card with `--reserve-vram <total - N>` (the caller passes it: 0.33 reads
 it before torch is imported).
+
+    cd <ComfyUI> && python <repo>/bench/comfy_launcher.py --card-gib N --emulation holder  <ComfyUI's arguments ...>
+
+With a holder (bench/card_holder.py: another process holds the rest of the device, so cudaMemGetInfo's free is
+already the card's) the cap stays as a second check (it never binds first: the context is outside it), no
+--reserve-vram is wanted, and torch.cuda.mem_get_info reports the card's total (N GiB) beside the real free
+memory: the one thing a holder cannot change, and what ComfyUI's total_vram and LeanLoRA's "auto (this GPU)" / card
+budget read (total - free: what the process and others hold on the card).
 """
 from __future__ import annotations
 
@@ -58,27 +66,55 @@ def _cap(torch, card_gib: float) -> None:
           f"PYTORCH_CUDA_ALLOC_CONF={allocator!r}", file=sys.stderr, flush=True)
 
 
-def _after_cuda_malloc(card_gib: float):
+def _card_total(torch, card_gib: float) -> None:
+    """torch.cuda.mem_get_info's total as the card's (N GiB); its free as the device reports it (a holder keeps the
+    rest of the device), never above that total."""
+    memory = torch.cuda.memory
+    real = memory.mem_get_info
+    card = int(card_gib * GIB)
+
+    def mem_get_info(device=None):
+        free, _total = real(device)
+        return min(free, card), card
+    memory.mem_get_info = torch.cuda.mem_get_info = mem_get_info
+    print(f"[launcher] card emulation: a holder process keeps the rest of the device; mem_get_info's total "
+          f"reported as {card_gib:g} GiB, its free as measured", file=sys.stderr, flush=True)
+
+
+def _after_cuda_malloc(card_gib: float, holder: bool = False):
+    def apply(torch):
+        _cap(torch, card_gib)
+        if holder and torch.cuda.is_available():
+            _card_total(torch, card_gib)
+
     def then(_module):
         if "torch" in sys.modules:  # imported before cuda_malloc (ComfyUI warns about that itself): cap now
-            _cap(sys.modules["torch"], card_gib)
+            apply(sys.modules["torch"])
         else:
-            sys.meta_path.insert(0, _AfterImport("torch", lambda torch: _cap(torch, card_gib)))
+            sys.meta_path.insert(0, _AfterImport("torch", apply))
     return then
 
 
+def launcher_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """This launcher's leading options (--card-gib N, --emulation holder|fraction, and any --name value pair a
+    wrapping launcher reads) and ComfyUI's arguments after them."""
+    options = {}
+    while argv[:1] and argv[0] in ("--card-gib", "--emulation", "--families"):
+        options[argv[0][2:].replace("-", "_")], argv = argv[1], argv[2:]
+    return options, argv
+
+
 def main() -> None:
-    argv = sys.argv[1:]
-    card_gib = None
-    if argv[:1] == ["--card-gib"]:
-        card_gib, argv = float(argv[1]), argv[2:]
+    options, argv = launcher_options(sys.argv[1:])
+    card_gib = float(options["card_gib"]) if "card_gib" in options else None
+    holder = options.get("emulation", "fraction") == "holder"
     comfy_dir = os.getcwd()
     if not os.path.isfile(os.path.join(comfy_dir, "main.py")):
         raise SystemExit(f"launcher: run it from a ComfyUI folder (no main.py in {comfy_dir})")
     sys.argv = [os.path.join(comfy_dir, "main.py"), *argv]
     sys.path[0] = comfy_dir  # as `python main.py` has it; this file's folder (bench/) must not shadow anything
     if card_gib is not None:
-        sys.meta_path.insert(0, _AfterImport("cuda_malloc", _after_cuda_malloc(card_gib)))
+        sys.meta_path.insert(0, _AfterImport("cuda_malloc", _after_cuda_malloc(card_gib, holder)))
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 

@@ -13,6 +13,13 @@ GPU's free memory is what the card would have: N GiB less what this process hold
 (total - cudaMemGetInfo's free, i.e. its CUDA context and allocations). Every other use of get_free_memory
 (ComfyUI's loading of models for encoding and sampling, LeanLoRA's own planning) is untouched. Without --card-gib
 this is comfy_launcher.py exactly.
+
+With `--emulation holder` (bench/card_holder.py holds the rest of the device: the free memory ComfyUI reads is
+already the card's) there is no placement patch: the placement is ComfyUI's own, as on that card. The patch is
+the fallback of `--emulation fraction` (the default) only.
+
+`--families generic` (the bench's "generic" rows): the pack's family list is the generic path alone, so a model
+that a family of its own would take (Z-Image) trains as any other ComfyUI diffusion model would.
 """
 from __future__ import annotations
 
@@ -53,11 +60,38 @@ def _placement_as_card(card_gib: float):
     return then
 
 
+class _FamiliesOnly:
+    """After the pack's bridge/families/__init__.py runs (ComfyUI imports the pack under its folder path, so the
+    name ends in .bridge.families), its FAMILIES list becomes the named families alone."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.endswith(".bridge.families"):
+            return None
+        import importlib.machinery
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, names = spec.loader.exec_module, self.names
+
+        def exec_then(module):
+            exec_module(module)
+            module.FAMILIES[:] = [f for f in module.FAMILIES if type(f).__name__.lower() in names]
+            print(f"[launcher] LeanLoRA's families: {[type(f).__name__ for f in module.FAMILIES]}", file=sys.stderr,
+                  flush=True)
+        spec.loader.exec_module = exec_then
+        return spec
+
+
 def main() -> None:
-    argv = sys.argv[1:]
-    if argv[:1] == ["--card-gib"]:
+    options, _ = comfy_launcher.launcher_options(sys.argv[1:])
+    if "card_gib" in options and options.get("emulation", "fraction") != "holder":
         sys.meta_path.insert(0, comfy_launcher._AfterImport("comfy.model_management",
-                                                            _placement_as_card(float(argv[1]))))
+                                                            _placement_as_card(float(options["card_gib"]))))
+    if options.get("families"):
+        sys.meta_path.insert(0, _FamiliesOnly(options["families"].lower().split(",")))
     comfy_launcher.main()
 
 

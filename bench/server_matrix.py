@@ -5,9 +5,15 @@
     python -m bench.server_matrix --plan core --list                 # the plan, with time estimates
 
 Each server is a real ComfyUI (.cache/comfyui, or --comfyui PATH, e.g. 0.33) with only this pack, started through
-bench/comfy_launcher.py: the whole process capped to N GiB (set_per_process_memory_fraction before ComfyUI's main
-runs, keeping the allocator ComfyUI picks: cudaMallocAsync by default, PyTorch's native one with
---disable-cuda-malloc) and told the same with --reserve-vram <total - N>. Its jobs are API-format prompts queued
+bench/comfy_launcher.py. A card of N GiB (--emulation, default holder; env BENCH_CARD_EMULATION):
+- holder: before the server starts, bench/card_holder.py (a separate process, plain device allocations) takes
+  the rest of the device, so the server's free memory is the card's and running out of it is a real
+  out-of-memory error; the launcher reports the card's total (N GiB) from mem_get_info and keeps the fraction
+  cap below as a second check. The NVML baseline is taken with the holder up: peaks are used - holder - idle.
+- fraction: the whole process capped to N GiB (set_per_process_memory_fraction before ComfyUI's main runs,
+  keeping the allocator ComfyUI picks: cudaMallocAsync by default, PyTorch's native one with
+  --disable-cuda-malloc) and told the same with --reserve-vram <total - N> (what every row used until 6 Dec).
+Each row records which (card_emulation) and the holder's bytes. Its jobs are API-format prompts queued
 over HTTP in order (loaders -> LeanLoRA Dataset / Memory Settings / LoRA Config / Train -> KSampler -> images, and
 the Train report into PreviewAny); a re-queue is the next job in the same server, a cancel is POST /interrupt once
 the job has reported K steps.
@@ -46,7 +52,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+from bench.card_holder import CardHolder  # noqa: E402  (it also runs as a script of its own: the holder process)
+
 PACK_NAME = "LeanLoRA"
+EMULATIONS = ("holder", "fraction")
+DEFAULT_EMULATION = os.environ.get("BENCH_CARD_EMULATION", "holder")
 GIB = 2 ** 30
 ASSET_FOLDERS = ("checkpoints", "unet", "diffusion_models", "clip", "text_encoders", "vae")
 # What "the process aborted" looks like in a ComfyUI log (CUDA errors raise no Python exception there).
@@ -101,6 +111,10 @@ class Job:
     kill_after: int | None = None      # SIGKILL the ComfyUI process once this many steps were reported (a crash);
     #                                    the next job starts a server on the same folders (its states, its LoRAs)
     trace_every: int = 0               # every N steps: trainer clock, NVML used and the server's RSS (a soak)
+    lora_config: dict = field(default_factory=dict)  # more LeanLoRA LoRA Config inputs (type: loha, lokr, ...)
+    load_lora: str | None = None       # kind "lora_load": this LoRA (an output_name) through LoraLoaderModelOnly
+    check: str = "speed"               # "speed": >= 100 steps after the first burst; "fits": fewer, memory only;
+    #                                    "check": no training (base image, LoRA loading)
 
 
 @dataclass
@@ -121,6 +135,8 @@ class Server:
     # after every job, what the idle server holds (NVML over the baseline, its RSS), and after the last job the same
     # once ComfyUI's cached models were unloaded (POST /free): what a job leaves behind (issue 34)
     held_memory: bool = False
+    emulation: str | None = None        # "holder" / "fraction" for a card; None: the matrix's --emulation
+    families: str | None = None         # the launcher's --families (bench/dit_launcher.py), e.g. "generic"
 
 
 def _fit(card: float) -> str:
@@ -468,6 +484,12 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
 
     if job.kind == "sample" or job.sample_base:
         sample("base", model_link, clip_link, save=True)
+    if job.kind == "lora_load":  # the trained file as users load it; the base through the same loader at strength
+        # 0 (ComfyUI returns the MODEL untouched, and the new node keeps its cached base image from being reused)
+        for tag, strength in (("base", 0.0), ("lora", 1.0)):
+            prompt[f"load_{tag}"] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+                "model": model_link, "lora_name": f"{job.load_lora}.safetensors", "strength_model": strength}}
+            sample(tag, [f"load_{tag}", 0], clip_link, save=True)
     if job.kind == "peer":  # as ComfyUI's own training workflow: a folder of images -> VAEEncode (one LATENT per
         # image: 0.3.75's node fails on a single LATENT) -> TrainLoraNode (positive: CLIPTextEncode) -> SaveLoRA
         prompt["peer_image"] = {"class_type": "LoadImageDataSetFromFolder", "inputs": {"folder": PEER_FOLDER}}
@@ -484,7 +506,7 @@ def build_prompt(job: Job, model: str, form: str, assets: dict, memory_inputs: d
             "folder": files["dataset"], "resolution": side, "repeats": 1, "trigger_word": "", "framing": job.framing}}
         prompt["memory"] = {"class_type": "LeanLoRAMemorySettings", "inputs": memory_inputs}
         prompt["lora_config"] = {"class_type": "LeanLoRALoraConfig", "inputs": {
-            "rank": 16, "alpha": 16.0, "dropout": job.lora_dropout, "targets": "attention"}}
+            "rank": 16, "alpha": 16.0, "dropout": job.lora_dropout, "targets": "attention", **job.lora_config}}
         prompt["train"] = {"class_type": "LeanLoRATrain", "inputs": {
             "model": model_link, "clip": clip_link, "vae": vae_link, "dataset": ["dataset", 0],
             "memory": ["memory", 0], "lora_config": ["lora_config", 0], "steps": job.steps, "learning_rate": 1e-4,
@@ -753,6 +775,63 @@ class MatrixServer:
         self.nvml_baseline = 0  # device-level used memory before this server started
         self.object_info: dict = {}
         self.after_start: dict | None = None
+        # the card's emulation (prepare_card): "holder", "fraction", or None (uncapped, CPU)
+        self.emulation: str | None = None
+        self.holder: CardHolder | None = None
+        self.holder_info: dict | None = None
+        self.holder_error: str | None = None
+        self.nvml_idle: int | None = None          # NVML used before the holder started
+        self.holder_device_bytes: int | None = None  # NVML used with the holder up, less idle
+
+    def prepare_card(self, emulation: str = DEFAULT_EMULATION) -> None:
+        """Before the NVML baseline: the card's emulation, and with "holder" the holder process up and holding
+        (its bytes are then part of the baseline: peaks over it are used - holder - idle). A holder that cannot
+        start leaves the fraction cap alone, recorded (holder_error)."""
+        if self.cpu or self.spec.card_gib is None:
+            return
+        self.emulation = self.spec.emulation or emulation
+        if self.emulation not in EMULATIONS:
+            raise ValueError(f"card emulation {self.emulation!r}: one of {EMULATIONS}")
+        if self.emulation != "holder":
+            return
+        if not self.nvml.available:
+            self.emulation, self.holder_error = "fraction", "no NVML to measure the holder: " + self.nvml.reason
+            return
+        self.nvml_idle = self.nvml.used()
+        holder = CardHolder(self.spec.card_gib)
+        try:
+            self.holder_info = holder.start()
+        except Exception as error:  # noqa: BLE001 - recorded; the row still runs, capped the old way
+            self.emulation, self.holder_error = "fraction", f"{type(error).__name__}: {error}"
+            print(f"[matrix] {self.spec.name}: the card holder failed, fraction cap only: {self.holder_error}",
+                  flush=True)
+            return
+        self.holder = holder
+        time.sleep(0.5)  # NVML's used memory settles after the allocations
+        self.holder_device_bytes = self.nvml.used() - self.nvml_idle
+        info = self.holder_info.get("gib", {})
+        print(f"[matrix] {self.spec.name}: holder pid {self.holder_info.get('pid')} holds {info.get('held')} GiB "
+              f"({self.holder_device_bytes / GIB:.3f} GiB device-level with its context); device free "
+              f"{info.get('free_after')} GiB, a fresh process sees {info.get('fresh_process_free')} GiB free",
+              flush=True)
+
+    def card_record(self) -> dict:
+        """What each row records about its card's emulation."""
+        if self.emulation is None:
+            return {"card_emulation": None}
+        out = {"card_emulation": self.emulation}
+        if self.holder_error:
+            out["holder_error"] = self.holder_error
+        if self.holder_info:
+            keys = ("held", "free_before", "free_after", "fresh_process_free", "fresh_process_context", "total")
+            out["holder"] = {**{f"{k}_gib": self.holder_info.get("gib", {}).get(k) for k in keys},
+                             "held_bytes": self.holder_info.get("held"), "chunks": self.holder_info.get("chunks"),
+                             "api": self.holder_info.get("api"),
+                             "device_gib": round(self.holder_device_bytes / GIB, 3)
+                             if self.holder_device_bytes is not None else None,
+                             "alive": self.holder.alive() if self.holder else False}
+            out["nvml_idle_gib"] = round(self.nvml_idle / GIB, 3)
+        return out
 
     def start(self, timeout: float = 180) -> None:
         args = ["--listen", "127.0.0.1", "--port", str(self.port), "--base-directory", str(self.base),
@@ -766,9 +845,14 @@ class MatrixServer:
             if total_gib is None:
                 raise RuntimeError("a card size needs the device's total memory from NVML: " + self.nvml.reason)
             launcher += ["--card-gib", f"{self.spec.card_gib:g}"]
-            args += ["--reserve-vram", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
-            if self.spec.aimdo_headroom:
-                args += ["--vram-headroom", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
+            if self.emulation == "holder":  # the device's free memory is the card's: nothing to reserve
+                launcher += ["--emulation", "holder"]
+            else:
+                args += ["--reserve-vram", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
+                if self.spec.aimdo_headroom:
+                    args += ["--vram-headroom", f"{max(0.0, total_gib - self.spec.card_gib):.3f}"]
+        if self.spec.families:
+            launcher += ["--families", self.spec.families]
         if self.spec.native_allocator:
             args.append("--disable-cuda-malloc")
         self.command = launcher + args + list(self.spec.extra_args)
@@ -865,14 +949,16 @@ class MatrixServer:
         if self.events:
             self.events.close()
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.holder is not None:  # after the server: the card stays the card until the server is gone
+            self.holder.stop()
+            self.holder = None
 
 
 # --- running a job -------------------------------------------------------------------------------------------
@@ -920,6 +1006,7 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
                         else 0)  # 0.3.75's node puts its MODEL first, 0.33's its LoRA
     prompt = build_prompt(job, spec.model, form, assets, memory, run_tag, sampler_steps, cfg, peer_lora_output)
     server.events.drain()
+    log_offset = server.log_path.stat().st_size if server.log_path.exists() else 0
     server.nvml.start_window(server.proc.pid if server.proc else None)
     started = time.monotonic()
     try:
@@ -1033,6 +1120,17 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
             row["report"] = report[-6000:]
             row.update(parse_report(report))
         row["base_pixels"] = _image_pixels(server, outputs, "image_base")
+        if job.kind == "lora_load":  # ComfyUI's loader names every key of the file it could not place
+            with open(server.log_path, "rb") as log:
+                log.seek(log_offset)
+                text = log.read().decode(errors="replace")
+            missed = [line.split("lora key not loaded:", 1)[1].strip() for line in text.splitlines()
+                      if "lora key not loaded:" in line]
+            lora_pixels = _image_pixels(server, outputs, "image_lora")
+            row["lora_load"] = {"file": f"{job.load_lora}.safetensors", "keys_not_loaded": len(missed),
+                                "keys_not_loaded_first": missed[:5], "image": lora_pixels is not None,
+                                "image_differs_from_base": (None if lora_pixels is None or row["base_pixels"] is None
+                                                            else lora_pixels != row["base_pixels"])}
     peak, process_peak, samples = server.nvml.window() if server.nvml.available else (None, None, 0)
     if train_started is not None and train_peak is None:  # the Train node was the last to run (or died)
         train_peak = server.nvml.phase_peak()
@@ -1081,6 +1179,9 @@ def run_job(server: MatrixServer, job: Job, assets: dict, run_tag: str, timeout_
         row["passed"] = bool(status == "killed" and row.get("states_left"))
     else:
         expected_ok = (status == "cancelled" and row["cancel"]["partial_loras"]) if job.cancel_after else status == "ok"
+        if job.kind == "lora_load":
+            expected_ok = expected_ok and row.get("lora_load", {}).get("keys_not_loaded") == 0 \
+                and row["lora_load"]["image"]
         row["passed"] = bool(expected_ok and alive)
     if alive and server.spec.held_memory:
         row["held_after"] = server.held()
@@ -1145,7 +1246,9 @@ def markdown(result: dict) -> str:
         status = row["status"] + ("" if row.get("passed") else " ✗")
         if row.get("error") and not row.get("passed"):
             status += ": " + row["error"].replace("|", "/").replace("\n", " ")[:120]
-        lines.append(f"| {row['server']} | {row['job']} | {row['model']}/{row.get('form', '')} | {row.get('card_gib') or '-'} | "
+        card = f"{row['card_gib']:g}" + (f" ({row['card_emulation']})" if row.get("card_emulation") else "") \
+            if row.get("card_gib") else "-"
+        lines.append(f"| {row['server']} | {row['job']} | {row['model']}/{row.get('form', '')} | {card} | "
                      f"{row.get('allocator', '')} | {status} | {'yes' if row.get('server_alive_after') else 'NO'} | {nvml} | "
                      f"{torch_peak} | {per_step} | {ratio} | {row.get('wall_s', '')} |")
     summary = result["summary"]
@@ -1240,11 +1343,14 @@ def run_matrix(args) -> dict:
                     stage_peer_images(Path(assets[spec.model]["dataset"]), server.base / "input" / PEER_FOLDER)
                 if nvml.available:
                     time.sleep(0.5)  # a server stopped just before may still be handing its memory back
+                server.prepare_card(args.emulation)  # a holder is up before the baseline: part of it
+                if nvml.available:
                     server.nvml_baseline = nvml.used()
                 try:
                     server.start(timeout=min(180, max(30, left - 10)))
                 except Exception as error:
-                    result["rows"].append({**common, "job": job.name, "status": "server failed to start", "passed": False,
+                    result["rows"].append({**common, **server.card_record(), "job": job.name,
+                                           "status": "server failed to start", "passed": False,
                                            "error": f"{type(error).__name__}: {error}", "log_tail": server.log_tail(),
                                            "abort_lines": server.abort_lines(), "command": shlex.join(server.command)})
                     server.stop()
@@ -1257,8 +1363,13 @@ def run_matrix(args) -> dict:
             row = {**common, **run_job(server, job, assets, f"{spec.name}_{index}_{job.name}", timeout,
                                        args.sampler_steps, 1.0 if args.tiny else 5.0)}
             row.update(server_start_s=round(server.start_s, 1), server_command=shlex.join(server.command),
-                       device_line=server.device_line(),
-                       nvml_baseline_gib=round(server.nvml_baseline / GIB, 3) if nvml.available else None)
+                       device_line=server.device_line(), check=job.check,
+                       nvml_baseline_gib=round(server.nvml_baseline / GIB, 3) if nvml.available else None,
+                       **server.card_record())
+            if spec.card_gib and row.get("nvml_peak_over_baseline_gib") is not None:  # the job against its card
+                row["job_peak_within_card"] = row["nvml_peak_over_baseline_gib"] <= spec.card_gib
+                if row.get("nvml_train_peak_over_baseline_gib") is not None:
+                    row["train_peak_within_card"] = row["nvml_train_peak_over_baseline_gib"] <= spec.card_gib
             if server.events and server.events.error:
                 row["websocket"] = server.events.error
             pixels = row.pop("base_pixels", None)
@@ -1321,6 +1432,9 @@ def main(argv=None) -> None:
     parser.add_argument("--cards", default="", help="comma list of card sizes in GiB to keep (e.g. 2,3,4,6,8,12,24)")
     parser.add_argument("--sampler-steps", type=int, default=None, help="KSampler steps after each job (4; 1 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny SD1.5 assets, --cpu, no caps, no NVML")
+    parser.add_argument("--emulation", choices=EMULATIONS, default=DEFAULT_EMULATION,
+                        help="a card of N GiB: a holder process keeps the rest of the device (default; env "
+                             "BENCH_CARD_EMULATION), or the per-process fraction cap + --reserve-vram alone")
     parser.add_argument("--list", action="store_true", help="print the plan with time estimates and exit")
     args = parser.parse_args(argv)
     if args.sampler_steps is None:

@@ -11,8 +11,9 @@ memory (text-encoder placement, model loading). With the rest of the device held
 cudaMemGetInfo returns what the card would have free, and running out of it is a real out-of-memory error.
 
 Sizing: the holder creates its own context first (~0.3-0.5 GiB: it counts, like anything else on the device),
-then reads the device's free memory F and allocates F - N GiB (2 MiB steps, in up to MAX_ROUNDS chunks: the driver
-may take page tables for what it maps), so that the device has N GiB free before the server starts. A fresh
+then reads the device's free memory F and allocates F - N GiB (2 MiB steps: a first chunk that stops FIRST_MARGIN
+short, then what cudaMemGetInfo says is still over the card, in up to MAX_ROUNDS chunks: the driver may take page
+tables for what it maps), so that the device has N GiB free before the server starts. A fresh
 process then sees N GiB less its own context, as on a real card of N GiB with nothing else on it; the holder
 measures that with a child (--probe) and prints it. Peaks: NVML's device-level used memory less what was used
 before the server (idle + the holder: bench/server_matrix.py measures its baseline after the holder is up).
@@ -42,6 +43,7 @@ GIB = 2 ** 30
 MIB = 2 ** 20
 GRANULARITY = 2 * MIB  # the driver maps device memory in 2 MiB pages
 MAX_ROUNDS = 6
+FIRST_MARGIN = 256 * MIB  # the first chunk leaves this much over the card: the driver's own share shows first
 READY = "[holder] "  # the line the parent waits for: READY + JSON
 
 
@@ -53,18 +55,20 @@ def hold_plan(free: int, card: int, granularity: int = GRANULARITY) -> int:
     return (free - card) // granularity * granularity
 
 
-def plan_rounds(free_before: int, card: int, overhead: int = 0, granularity: int = GRANULARITY,
+def plan_rounds(free_before: int, card: int, overhead: float = 0.0, granularity: int = GRANULARITY,
                 rounds: int = MAX_ROUNDS) -> list[int]:
-    """The chunks the holder allocates on a device whose driver takes `overhead` bytes beside each chunk (page
-    tables): each round allocates hold_plan of what is free then. The pure arithmetic of `hold`, for the tests
-    and --dry-run (overhead 0 there: one chunk)."""
+    """The chunks `hold` allocates where the driver takes `overhead` (a fraction) of each chunk beside it (page
+    tables): the first chunk stops FIRST_MARGIN above the card, the next ones allocate what is then left over the
+    card, so the overhead of the big chunk is measured before the hold ends. The pure arithmetic of `hold`."""
     free, chunks = free_before, []
-    for _ in range(rounds):
-        size = hold_plan(free, card + overhead, granularity)
+    for round_ in range(rounds):
+        size = hold_plan(free, card + (FIRST_MARGIN if round_ == 0 else 0), granularity)
         if size < granularity:
+            if round_ == 0:
+                continue
             break
         chunks.append(size)
-        free -= size + overhead
+        free -= size + int(size * overhead)
     return chunks
 
 
@@ -131,9 +135,11 @@ def hold(api, card: int) -> dict:
     """Allocates until `card` bytes of the device are free (MAX_ROUNDS chunks at most); returns the record."""
     free_before, total = api.mem_info()
     chunks, free = [], free_before
-    for _ in range(MAX_ROUNDS):
-        size = hold_plan(free, card)
+    for round_ in range(MAX_ROUNDS):
+        size = hold_plan(free, card + (FIRST_MARGIN if round_ == 0 else 0))
         if size < GRANULARITY:
+            if round_ == 0:
+                continue
             break
         try:
             api.allocate(size)

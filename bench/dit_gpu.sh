@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The DiT server matrix (bench/dit_matrix.py) as one device command on the GPU machine (repo root, .gpu/ carried:
-# bash bench/prepare_gpu_carry.sh, then the tokenizers these families need, which that carry leaves out: Qwen2.5's
-# (Qwen-Image), T5's (FLUX.1-dev, Chroma) and T5 pile's (its SentencePiece model goes into the random umt5-xxl file
-# as `spiece_model`, which CLIPLoader type wan reads; Z-Image's Qwen3 reads qwen25_tokenizer too):
-#   (cd .cache/comfyui && tar czf ../../.gpu/dit_tokenizers.tgz comfy/text_encoders/qwen25_tokenizer comfy/text_encoders/t5_tokenizer comfy/text_encoders/t5_pile_tokenizer)
+# bash bench/prepare_gpu_carry.sh, which also builds .gpu/dit_tokenizers.tgz: Qwen2.5's tokenizer (Qwen-Image;
+# Z-Image's Qwen3 reads it too), T5's (FLUX.1-dev, Chroma) and T5 pile's (its SentencePiece model goes into the
+# random umt5-xxl file as `spiece_model`, which CLIPLoader type wan reads). The issue-41 matrix: bench/gpu_matrix.sh.
 #   LIMIT_S=560 bash bench/dit_gpu.sh PLAN OUT_DIR
 #   PLAN: z_image | flux_dev | flux_peer | flux_all | cards24 | qwen_image | chroma | wan
 # Installs the carried wheels into /tmp/site, unpacks ComfyUI 0.3.75 (+ tokenizers), writes the family's full-size

@@ -22,7 +22,10 @@ cd "$ROOT"
 SOURCE_033="${1:-}"
 bash scripts/setup_env.sh >/dev/null  # for .cache/comfyui
 EXCLUDE="$(git rev-parse --git-path info/exclude)"  # a worktree shares the main checkout's
-mkdir -p "$(dirname "$EXCLUDE")" && { grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"; }
+# what the device tool must not carry: the carry itself, and a second venv (scripts/setup_env.sh's .venv033, 0.9 GB)
+# that .gitignore's `.venv` does not cover; the tool carries every untracked file git does not ignore
+mkdir -p "$(dirname "$EXCLUDE")"
+for pattern in '/.gpu/' '/.venv033/'; do grep -qxF "$pattern" "$EXCLUDE" 2>/dev/null || echo "$pattern" >> "$EXCLUDE"; done
 rm -rf .gpu && mkdir -p .gpu/whl
 TMP="$(mktemp -d)"
 download() {  # wheels for the GPU machine's Python 3.12 on x86_64
@@ -41,6 +44,10 @@ mkdir "$TMP/bnb" && (cd "$TMP/bnb" && python3 -m zipfile -e "$TMP"/bitsandbytes-
 tar czf .gpu/comfyui.tgz -C .cache --exclude='comfyui/tests*' --exclude='comfyui/comfy_api_nodes' \
   --exclude='__pycache__' --exclude='comfyui/models' --exclude='comfyui/input' --exclude='comfyui/output' \
   --exclude='comfyui/comfy/text_encoders/*_tokenizer' comfyui
+# The DiT families' tokenizers (bench/dit_gpu.sh, bench/gpu_matrix.sh unpack it into ComfyUI): Qwen2.5's (Qwen-Image;
+# Z-Image's Qwen3 reads it too), T5's (FLUX.1-dev, Chroma) and T5 pile's (Wan's random umt5 file embeds its model).
+tar czf .gpu/dit_tokenizers.tgz -C .cache/comfyui comfy/text_encoders/qwen25_tokenizer comfy/text_encoders/t5_tokenizer \
+  comfy/text_encoders/t5_pile_tokenizer
 
 if [ -n "$SOURCE_033" ]; then
   # ComfyUI 0.33's own pins (its requirements.txt). comfy-kitchen's compiled CUDA/HIP backends are 48 MB
@@ -69,4 +76,4 @@ fi
 rm -rf "$TMP"
 ls -laR .gpu
 # The device tool carries at most 64 MiB: the tracked tree plus every carried path.
-echo "[carry] .gpu: $(du -sb .gpu | cut -f1) bytes; tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes; limit $((64 * 1024 * 1024))"
+echo "[carry] .gpu: $(du -sb .gpu | cut -f1) bytes; tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes; untracked, not ignored: $(git ls-files --others --exclude-standard -z | xargs -0 -r du -cb | tail -1 | cut -f1) bytes; limit $((64 * 1024 * 1024))"

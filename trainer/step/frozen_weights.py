@@ -153,10 +153,11 @@ def park_frozen_on_cpu(module: torch.nn.Module) -> None:
     streams them; place_on_device then puts what stays back side by side. Converted in place on the GPU, each fp8
     copy landed between the freed fp16 blocks: under cudaMallocAsync ~0.6 GiB of the pool stayed reserved around
     SD1.5's scattered fp8 weights, too much for a CUDA graph's pool on a 3 GiB card (steps ran eagerly, 22x)."""
-    memory = device_memory(next((t.device for t in device_bound(module)), None))
+    memory = device_memory(next((t.device for t in device_bound(module) if device_memory(t.device) is not None), None))
     if memory is None:
         return
-    frozen = [t for t in device_bound(module) if not t.requires_grad and t.device == memory.device]
+    frozen = [t for t in device_bound(module) if not t.requires_grad and t.device == memory.device
+              and (not memory.simulated or memory.holds(t))]
     if not frozen:
         return
     for tensor in frozen:

@@ -171,3 +171,26 @@ def test_each_family_trains_through_auto_fit_on_a_roomy_and_a_tight_simulated_ca
 def _fitted(report: str) -> str:
     """The auto-fit line that says which settings fit."""
     return next(line for line in report.split("\n") if line.startswith("auto-fit:") and " fits " in line)
+
+
+@pytest.mark.parametrize("card_setting, advice", [
+    (AutoFit(card_gib=0.004), "card is 0.004 GiB and even the leanest plan"),
+    (None, "card is manual, so nothing was traded for memory: set card to auto")],
+    ids=["a-card-too-small", "manual"])
+def test_out_of_memory_before_step_1_advises_on_the_card_setting_the_user_has(tiny_files, two_images, card_setting,
+                                                                            advice, tmp_path):
+    """A card too small for even the leanest plan, and manual settings on a card the model does not fit: the error
+    names the setting the user has and what to change (it once told a user who had picked a card to pick 'free
+    VRAM')."""
+    card = SimulatedCard(gib=4 * MIB / GIB, context_gib=MIB / GIB)
+    adapter = _load(tiny_files["qwen_image"], "qwen_image", fp8=True)
+    memory = MemorySettings("bf16", False, **({"auto_fit": card_setting} if card_setting else {}))
+    from trainer.errors import LeanLoRAError
+    with card.installed(), pytest.raises(LeanLoRAError, match="before step 1") as raised:
+        train_lora(adapter, two_images, memory, LORA, TrainSettings(2, 1e-3, 0, "too_small"), tmp_path,
+                   lambda **event: None, lambda: False)
+    assert advice in str(raised.value)
+    raised.value.__cause__ = raised.value.__context__ = raised.value.__traceback__ = None  # as ComfyUI drops it
+    del raised
+    gc.collect()
+    assert card.allocated() == 0  # nothing left behind by the failed run

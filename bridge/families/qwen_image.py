@@ -32,6 +32,20 @@ class QwenImage(TransformerFamily):
     def matches(self, base) -> bool:
         return type(base) is comfy.model_base.QwenImage
 
+    def unsupported(self, base) -> str | None:
+        """A file whose patch embedding takes more than the latent's channels (an inpainting, control or other
+        conditioned variant) would fail inside the first step: the latents LeanLoRA encodes have the VAE's channels
+        only, and nothing builds the rest."""
+        unet = base.diffusion_model
+        takes = unet.img_in.weight.shape[1] // unet.patch_size ** 2
+        latent = base.latent_format.latent_channels
+        if takes != latent:
+            return (f"this Qwen-Image model takes {takes} input channels and Qwen-Image's latents have {latent}: a "
+                    f"variant with extra input channels ({takes - latent}: inpainting, control or other image "
+                    "conditioning) is not supported; train on Qwen-Image (Load Diffusion Model with a qwen_image_* "
+                    "file)")
+        return None
+
     def identity(self, base, model_sampling) -> FamilyIdentity:
         return FamilyIdentity("Qwen-Image", "qwen_image", "qwen-image", "https://github.com/QwenLM/Qwen-Image",
                               prediction_of(model_sampling), recorded_as=("qwen_image", "qwen-image", "qwenimage"))

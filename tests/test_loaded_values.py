@@ -54,6 +54,19 @@ def _nan_moment():
     return state
 
 
+def _group(**values):
+    """A state whose optimizer's first param group holds `values` instead."""
+    state = _state()
+    state.optimizer["param_groups"][0].update(values)
+    return state
+
+
+def _negative_moment():
+    state = _state()
+    state.optimizer["state"][0]["exp_avg_sq"][0, 0] = -1.0
+    return state
+
+
 CASES = {  # a state edited or damaged -> what the error must say
     "nan_lora": (_nan_lora, r"NaN/inf values in its LoRA tensor 1 of 2 \(state.lora\[1\], shape \(16, 4\)\)"),
     "nan_optimizer": (_nan_moment, r"NaN/inf values in its optimizer state \(state.optimizer.state\[0\].exp_avg"),
@@ -71,6 +84,13 @@ CASES = {  # a state edited or damaged -> what the error must say
                         r"data batch size is 0"),
     "nan_lr": (lambda: _state(optimizer={**_state().optimizer, "param_groups": [
         {**_state().optimizer["param_groups"][0], "lr": math.nan}]}), r"optimizer's lr is nan"),
+    "rate_past_the_widget": (lambda: _group(initial_lr=1000.0), r"optimizer's initial_lr is 1000.0 \(param group 0\), "
+                             r"not a rate from 0 to 10"),
+    "betas_out_of_range": (lambda: _group(betas=(2, 5)), r"optimizer's betas is \(2, 5\) \(param group 0\), not "
+                           r"numbers in \[0, 1\)"),
+    "zero_eps": (lambda: _group(eps=0.0), r"optimizer's eps is 0.0 \(param group 0\), not a positive number"),
+    "negative_second_moment": (_negative_moment, r"second moment state.optimizer.state\[0\].exp_avg_sq holds "
+                               r"negative values"),
     "nan_loss_scale": (lambda: _state(scaler={"scale": math.nan}), r"fp16 loss scale is nan"),
     "truncated_generator": (lambda: _state(rng={**_state().rng, "sampler": torch.zeros(7, dtype=torch.uint8)}),
                             r"random generator state 'sampler' cannot be loaded"),

@@ -95,6 +95,31 @@ def test_resume_with_other_memory_settings_is_allowed_and_said(adapter, dataset,
     assert "the optimizer moments restart" in outcome.report and "trained with AdamW" in outcome.report
 
 
+def test_a_resume_trains_at_train_s_rates_not_those_stored_in_the_state(adapter, dataset, tmp_path):
+    """Issue 45: the optimizer's stored rates and settings give way to this run's (its moments are kept), and the
+    schedule is rebuilt from Train's values: the weights follow the learning rate Train says."""
+    _train(adapter, dataset, tmp_path / "first", steps=6, save_every_steps=3)
+    state = tmp_path / "first" / f"resume_me_step3{STATE_SUFFIX}"
+    edited = load_training_state(state)  # the same moments, stored as if trained at 0.1 with other betas
+    for group in edited.optimizer["param_groups"]:
+        group.update(lr=0.05, initial_lr=0.1, betas=(0.5, 0.6), weight_decay=0.3)
+    edited_state = save_training_state(tmp_path / f"edited{STATE_SUFFIX}", edited)
+
+    def resume(name: str, lr: float, path: Path):
+        settings = TrainSettings(6, lr, 0, "resume_me", "cosine", 2, resume_from=path)
+        return train_lora(adapter, dataset, FP32, LORA, settings, tmp_path / name, lambda **e: None, lambda: False)
+
+    fast, slow, fast_edited = resume("fast", 0.1, state), resume("slow", 1e-3, state), resume("e", 0.1, edited_state)
+    weights = lambda outcome: torch.cat([t.float().reshape(-1) for t in outcome.lora_state_dict.values()])  # noqa: E731
+    assert not torch.allclose(weights(fast), weights(slow))  # before the fix: bit for bit the same (1e-3)
+    assert torch.equal(weights(fast), weights(fast_edited))  # what a state stored at 0.1 trains: the same
+    assert "resume: changed since the state: learning_rate 0.001 -> 0.1" in fast.report
+    assert "resume: the optimizer steps with this run's settings, not those stored in the state: learning_rate " \
+           "0.001 -> 0.1" in fast.report
+    assert "betas (0.5, 0.6) -> (0.9, 0.999), weight_decay 0.3 -> 0.01" in fast_edited.report
+    assert "the optimizer steps with this run's settings" not in slow.report  # nothing replaced
+
+
 def test_resume_refuses_another_dataset_lora_shape_or_no_steps_left(adapter, dataset, tmp_path, tmp_path_factory):
     import tiny_assets as tiny_assets_lib
     from trainer.dataset import scan_folder

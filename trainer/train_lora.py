@@ -229,6 +229,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
                       "lora_type": lora.type.value,  # a resume refuses another type by name (check_resumable)
                       "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
+                      "warmup_steps": str(train.warmup_steps),
                       # a resume checks it is on or off as the state trained (check_resumable)
                       **({"text_encoder_lr": repr(lora.text_encoder_lr)} if lora.trains_text_encoder else {}),
                       **train.objective_values(), **train.option_values()}
@@ -343,7 +344,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             # a state from before the timestep and loss knobs (and the other options) trained with their defaults
             before = {**OBJECTIVE_DEFAULTS, **OPTION_DEFAULTS, **resumed.settings}
             changed = [f"{key} {before[key]} -> {value}" for key, value in state_settings.items()
-                       if key in ("seed", "learning_rate", "lr_schedule", *OBJECTIVE_DEFAULTS, *OPTION_DEFAULTS)
+                       if key in ("seed", "learning_rate", "lr_schedule", "warmup_steps", "text_encoder_lr",
+                                  *OBJECTIVE_DEFAULTS, *OPTION_DEFAULTS)
                        and before.get(key, value) != value]
             for text in [line, *(["resume: changed since the state: " + ", ".join(changed)] if changed else []),
                          *notes]:

@@ -26,6 +26,13 @@ from .optimizers import build_lr_schedule
 STATE_SUFFIX = ".leanlora-state"
 FORMAT = "leanlora-training-state/1"
 _TENSOR = "__tensor__"  # a JSON leaf that stands for a tensor of the file
+MAX_RATE = 10.0  # the learning_rate and text_encoder_lr widgets' maximum (settings.py holds Train's to it too)
+# Optimizer state names of running averages of squared gradients (torch, transformers' Adafactor, CAME,
+# bitsandbytes' 32-bit path): never negative
+SECOND_MOMENTS = ("exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col", "state2")
+# Param group values that are an optimizer's running state, not its settings (Prodigy's step-size estimate,
+# schedule-free's averaging weights): a resume carries these over; every other group value is this run's own
+RUNNING_GROUP_VALUES = ("d", "d_max", "d_numerator", "k", "weight_sum", "lr_max", "scheduled_lr", "train_mode")
 
 
 def state_path(lora_path: Path) -> Path:
@@ -271,10 +278,7 @@ def check_state_values(state: TrainingState, path: Path, images: int | None = No
         if _non_finite(tensor):
             raise LeanLoRAError(f"training state {path} holds NaN/inf values in its EMA of the LoRA weights ({where}): "
                                 f"the file is damaged or was edited; {pick}")
-    for group in (state.optimizer or {}).get("param_groups", []) if isinstance(state.optimizer, dict) else []:
-        for key in ("lr", "initial_lr"):
-            if key in group and not (_is_number(group[key]) and group[key] >= 0):
-                raise damaged(f"its optimizer's {key} is {group[key]!r}, not a finite rate")
+    _check_optimizer_values(state.optimizer, damaged)
     if state.scaler and not (_is_number(state.scaler.get("scale")) and state.scaler["scale"] > 0):
         raise damaged(f"its fp16 loss scale is {state.scaler.get('scale')!r}, not a positive finite number")
     _check_rng(state.rng, damaged)
@@ -291,6 +295,33 @@ def check_state_values(state: TrainingState, path: Path, images: int | None = No
     high = max((i for chunk in order for i in chunk), default=-1)
     if images is not None and high >= images:
         raise damaged(f"its batch order names image {high}, but the dataset has {images} images")
+
+
+def _check_optimizer_values(optimizer, damaged) -> None:
+    """The optimizer's settings and second moments, which its first step would use: an edited value otherwise
+    ends as a divergence blamed on the learning rate, or as a bare error from inside the optimizer."""
+    if not isinstance(optimizer, dict):
+        return
+    for index, group in enumerate(optimizer.get("param_groups", [])):
+        def bad(key: str, value, expected: str) -> LeanLoRAError:
+            return damaged(f"its optimizer's {key} is {value!r} (param group {index}), not {expected}")
+        for key in ("lr", "initial_lr"):
+            if key in group and not (_is_number(group[key]) and 0 <= group[key] <= MAX_RATE):
+                raise bad(key, group[key], f"a rate from 0 to {MAX_RATE:g} (the learning_rate widget's range)")
+        betas = group.get("betas", ())
+        if not isinstance(betas, (list, tuple)) or not all(_is_number(b) and 0 <= b < 1 for b in betas):
+            raise bad("betas", betas, "numbers in [0, 1)")
+        eps = group.get("eps", 1.0)
+        if not all(_is_number(e) and e > 0 for e in (eps if isinstance(eps, (list, tuple)) else (eps,))):
+            raise bad("eps", eps, "a positive number")
+        for key in RUNNING_GROUP_VALUES:  # carried over as stored (others are this run's; Prodigy's growth_rate is inf)
+            if isinstance(group.get(key), float) and not math.isfinite(group[key]):
+                raise bad(key, group[key], "a finite number")
+    for where, tensor in _tensors_in(optimizer.get("state"), "state.optimizer.state"):
+        moment = where.rsplit(".", 1)[-1]
+        if moment in SECOND_MOMENTS and tensor.is_floating_point() and bool((tensor < 0).any()):
+            raise damaged(f"its optimizer's second moment {where} holds negative values (a sum of squares never "
+                          "is)")
 
 
 def _pairs(values):
@@ -389,11 +420,15 @@ def restore_state(session, state: TrainingState) -> list[str]:
             param.copy_(saved.to(param.device, param.dtype))
     optimizer = session.optimizer
     if state.optimizer is not None and state.optimizer_name == type(optimizer).__name__:
+        chosen = [{key: value for key, value in group.items() if key not in ("params", *RUNNING_GROUP_VALUES)}
+                  for group in optimizer.param_groups]  # this run's rates and settings (Train's, not the state's)
         try:
             optimizer.load_state_dict(state.optimizer)
         except (ValueError, KeyError, RuntimeError) as error:
             notes.append(f"resume: the optimizer state could not be loaded ({one_line(error)}); its moments "
                          "restart (the LoRA weights are kept)")
+        else:
+            notes += _keep_chosen_settings(optimizer, chosen)
     else:
         notes.append(f"resume: the state was trained with {state.optimizer_name}, this run uses "
                      f"{type(optimizer).__name__}: the optimizer moments restart (the LoRA weights are kept)")
@@ -412,3 +447,29 @@ def restore_state(session, state: TrainingState) -> list[str]:
         notes.append("resume: the state holds no EMA of the LoRA weights (ema_decay was off): the average starts "
                      "from the resumed weights")
     return notes
+
+
+def _keep_chosen_settings(optimizer, chosen: list[dict]) -> list[str]:
+    """Puts this run's group settings back over the loaded ones (the moments stay the state's), so a resume trains at
+    Train's learning rate; returns a note naming what the state had stored otherwise. The schedule is rebuilt
+    after this, from initial_lr (build_lr_schedule), so `lr` itself is not compared."""
+    replaced = []
+    for index, (group, values) in enumerate(zip(optimizer.param_groups, chosen)):
+        for key, value in values.items():
+            stored = group.get(key)
+            if key != "lr" and stored != value:
+                name = ("learning_rate", "text_encoder_lr")[min(index, 1)] if key == "initial_lr" else key
+                replaced.append(f"{name} {_shown(stored)} -> {_shown(value)}")
+        group.update(values)
+    if not replaced:
+        return []
+    return ["resume: the optimizer steps with this run's settings, not those stored in the state: "
+            + ", ".join(dict.fromkeys(replaced))]
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_shown(v) for v in value) + ")"
+    return str(value)

@@ -82,6 +82,16 @@ def _fetch(store: LatentTextStore | None, make_key: Callable[[], str],
     return entry, False
 
 
+def _check_finite(encoded: dict[str, torch.Tensor], part: str, doing: str) -> None:
+    """An encoder's NaN/inf output would make every step's loss NaN, blamed on the learning rate as a divergence:
+    named here, before training, as the part of the checkpoint that gave it."""
+    bad = [key for key, tensor in encoded.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise LeanLoRAError(f"the checkpoint's {part} gave NaN/inf values {doing} ({', '.join(bad)}): that part "
+                            "of the checkpoint is damaged or overflows in fp16; nothing was trained. Load a working "
+                            f"{part.split(' ')[0]} separately, or pick another checkpoint")
+
+
 def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextEncoder,
                 on_item: Callable[[int, int], None] = lambda done, total: None,
                 store: LatentTextStore | None = None, image_encoder_id: str = "", text_encoder_id: str = "",
@@ -116,6 +126,7 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
             stats.skipped.append((sample.path.name, unusable.reason))
             on_item(index + 1, total)
             continue
+        _check_finite(latent, "VAE", f"encoding {sample.path.name}")
         stats.image_hits += hit
         stats.image_misses += not hit
 
@@ -126,6 +137,7 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 run_texts[text_id], hit = _fetch(
                     store, lambda: text_key(caption, width, height, text_encoder_id),
                     lambda: {k: v.detach().to("cpu") for k, v in encode_text(caption, width, height).items()})
+                _check_finite(run_texts[text_id], "text encoder (CLIP)", f"encoding the caption {caption[:60]!r}")
                 if tokenize is not None:
                     run_texts[text_id] = {**run_texts[text_id], **tokenize(caption)}
             stats.text_hits += hit

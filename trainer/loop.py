@@ -2,6 +2,7 @@
 units plugged into it."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -21,6 +22,7 @@ class LoopResult:
     # The first step whose loss (or, outside fp16 loss scaling, gradient) was NaN/inf: the run stopped there and
     # the LoRA weights are back at `steps_done`, the last step at which they were checked and finite.
     diverged_at: int | None = None
+    loss_diverged: bool = False  # the loss itself was NaN/inf at diverged_at (else a gradient, or the weights)
 
 
 class LastFiniteWeights:
@@ -103,7 +105,7 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
         elapsed = time.perf_counter() - start
         for (step, _, _, lr), value, ok in zip(pending, values, finite):
             if not ok:
-                result.diverged_at = step
+                result.diverged_at, result.loss_diverged = step, not math.isfinite(value)
                 break
             result.losses.append(value)
             result.steps_done = step

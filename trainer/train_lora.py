@@ -306,7 +306,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     timeline.reset()
     recoveries = session.recoveries
     failure: BaseException | None = None
-    cancelled = False
+    cancelled = from_start = False
     diverged_at: int | None = None
     started = time.perf_counter()  # reset below, once the estimate's probe steps are done
     estimate = None
@@ -359,6 +359,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                                                                text=f"recovered ({recovery.cause}): {recovery.rung}"),
                              evaluate_every=validation.every if validation else 0, on_evaluate=on_evaluate)
         cancelled, diverged_at = result.cancelled, result.diverged_at
+        # a NaN/inf loss at the run's first step came from the model as loaded, before any update of this run
+        from_start = diverged_at == first_step + 1 and result.loss_diverged
         if validation is not None and not cancelled and diverged_at is None and session.steps_done > first_step \
                 and (not validation.losses or validation.losses[-1][0] != session.steps_done):
             try:
@@ -389,7 +391,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     if steps_done == first_step:
         release_training()
         if diverged_at is not None:
-            raise _diverged(diverged_at, None, lora, train, session.memory)
+            raise _diverged(diverged_at, None, lora, train, session.memory, from_start=from_start)
         if failure is not None:
             raise _explain(failure, None, before_first_step=not recoveries) from failure
         raise TrainingCancelled("cancelled before the first step; no LoRA was saved"
@@ -422,7 +424,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             report.append(f"the samples at step {steps_done} were cancelled; the LoRA is saved complete")
 
     if diverged_at is not None:
-        raise _diverged(diverged_at, path, lora, train, session.memory, save_note)
+        raise _diverged(diverged_at, path, lora, train, session.memory, save_note, from_start)
     if failure is not None:
         raise _explain(failure, path, note=save_note) from failure
     trained = steps_done - first_step
@@ -612,11 +614,17 @@ def batch_used(cache: list, repeats: int, batch_size: int) -> int:
 
 
 def _diverged(step: int, saved: Path | None, lora: LoraSettings, train: TrainSettings, memory: MemorySettings,
-              save_note: str | None = None) -> LeanLoRAError:
+              save_note: str | None = None, from_start: bool = False) -> LeanLoRAError:
     kept = (f"the last LoRA checked finite is saved as {saved}" if saved else
             "no finite LoRA was learned before it, so nothing was saved")
     precision = ("use mixed precision bf16 (fp16's range overflows)" if memory.mixed_precision == "fp16" else
                  f"mixed precision 'no' (fp32) if it persists (now {memory.mixed_precision})")
+    if from_start:  # no update of this run came before it: its learning rate and alpha are not the cause
+        return LeanLoRAError(
+            f"the loss was NaN/inf at step {step}, the first this run computed, before any of its updates: the model "
+            f"gives NaN/inf on these images as it was loaded, so the learning rate and alpha are not the cause; "
+            f"{kept}. To fix: check the checkpoint (it may hold NaN/inf weights: pick another or download it again)"
+            + (f", or {precision}" if memory.mixed_precision == "fp16" else ""))
     return LeanLoRAError(
         f"training diverged: at step {step} the loss (or its gradients) turned NaN/inf, so training stopped "
         f"there; {kept}"

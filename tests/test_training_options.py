@@ -389,6 +389,28 @@ def masked_dataset(folder: Path):
     return scan_folder(folder, 64)
 
 
+def _black_masks(folder: Path, count: int):
+    """The tiny dataset of 4 images, the first `count` with a mask file that is black all over."""
+    import tiny_assets
+    from PIL import Image
+    folder = tiny_assets.build_tiny_dataset(folder, n=4)
+    for image in sorted(folder.glob("*.png"))[:count]:
+        Image.new("L", (64, 64), 0).save(image.with_name(image.stem + "_mask.png"))
+    return scan_folder(folder, 64)
+
+
+def test_masks_that_exclude_every_pixel_are_refused_before_training(tmp_path):
+    """Issue 45: before, every mask black trained a loss of 0.0000 and saved a LoRA whose lora_up stayed zero."""
+    events = []
+    with pytest.raises(LeanLoRAError, match=r"masked_loss: the loss mask of every image excludes every pixel "
+                                            r"\(img_000.png, img_001.png, img_002.png, img_003.png\).*set masked_loss off"):
+        run(tmp_path / "all", "all_black", dataset=_black_masks(tmp_path / "data", 4), masked_loss=True, events=events)
+    assert not any(event["kind"] == "step" for event in events) and not list((tmp_path / "all").rglob("*.safetensors"))
+    some = run(tmp_path / "some", "some_black", dataset=_black_masks(tmp_path / "data2", 2), masked_loss=True, steps=2)
+    assert "WARNING: the loss masks of 2 images exclude every pixel, so they teach nothing: img_000.png, " \
+           "img_001.png" in some.report
+
+
 def test_masks_come_from_the_mask_file_or_the_alpha_framed_like_the_image(tmp_path):
     from trainer.dataset import load_mask
     dataset = masked_dataset(tmp_path / "data")

@@ -92,6 +92,20 @@ def _check_finite(encoded: dict[str, torch.Tensor], part: str, doing: str) -> No
                             f"{part.split(' ')[0]} separately, or pick another checkpoint")
 
 
+def _check_masks_leave_pixels(cached: list[CachedSample], stats: CacheStats) -> None:
+    """A mask that excludes every pixel makes its image's loss 0: that image teaches nothing (a note names it), and
+    when every mask does, the run would save an untrained LoRA after a loss of 0.0000: refused before training."""
+    empty = [sample.name for sample in cached if sample.mask is not None and not bool(sample.mask.any())]
+    if cached and len(empty) == len(cached):
+        raise LeanLoRAError(f"masked_loss: the loss mask of every image excludes every pixel ({', '.join(empty[:5])}"
+                            + (f" and {len(empty) - 5} more" if len(empty) > 5 else "") + "), so nothing could be "
+                            "learned; nothing was trained. Paint the <image>_mask.png files white (or leave the alpha "
+                            "opaque) where the loss should count, or set masked_loss off")
+    if empty:
+        stats.notes.append(f"WARNING: the loss masks of {len(empty)} images exclude every pixel, so they teach "
+                           f"nothing: {', '.join(empty[:5])}" + (f" and {len(empty) - 5} more" if len(empty) > 5 else ""))
+
+
 def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextEncoder,
                 on_item: Callable[[int, int], None] = lambda done, total: None,
                 store: LatentTextStore | None = None, image_encoder_id: str = "", text_encoder_id: str = "",
@@ -166,6 +180,7 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
     if store is not None and store.disk_problem:
         stats.notes.append(store.disk_problem)
     if masked_loss:
+        _check_masks_leave_pixels(cached, stats)
         count = lambda where: mask_sources.get(where, 0)  # noqa: E731
         stats.mask_line = (f"masked loss: {count('mask file')} images masked by <image>_mask.png, "
                            f"{count('alpha channel')} by their alpha channel, {count('none')} without a mask (every "

@@ -64,12 +64,12 @@ def folder_problem(folder: str, input_dir: str | Path) -> str | None:
 
 def links_problem(path: Path, confined: Confinement | None) -> str | None:
     """The refusal of a folder holding links that lead out of the confinement (None: none, or not confined)."""
-    if confined is None or not path.is_dir():
-        return None
     try:
+        if confined is None or not path.is_dir():
+            return None
         leaving = confined.links_out(sorted(path.iterdir()))
     except OSError:
-        return None  # unreadable: the scan names the reason
+        return None  # unreadable (or a name too long for the file system): the scan names the reason
     return confined.refusal(path, leaving) if leaving else None
 
 
@@ -109,7 +109,7 @@ class LeanLoRADataset:
     @classmethod
     def VALIDATE_INPUTS(cls, folder=None):
         """Before the run (and before the checkpoint loads): a folder that is not there fails here."""
-        if not isinstance(folder, str):  # fed through a link: checked when it runs
+        if folder is None:  # fed through a link: checked when it runs
             return True
         return folder_problem(folder, folder_paths.get_input_directory()) or True
 

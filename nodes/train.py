@@ -1,4 +1,5 @@
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -184,9 +185,17 @@ def resolve_resume(choice: str, output_name: str) -> Path | None:
         return latest
     for folder in _lora_folders():
         path = folder / choice
-        if path.is_file() and path.resolve().is_relative_to(folder.resolve()):
+        try:
+            if not (path.is_file() and Path(os.path.normpath(path)).is_relative_to(folder)):  # absolute, '..'
+                continue
+        except OSError:  # a name no file system holds (too long): not there
+            continue
+        if path.resolve().is_relative_to(folder.resolve()):
             return path
-    raise LeanLoRAError(f"resume: the training state {choice!r} is not in the loras folder any more: pick another "
+        raise LeanLoRAError(f"resume: the training state {choice!r} in {folder} is a link leading out of the loras "
+                            f"folder (to {path.resolve()}), which LeanLoRA does not read states through: copy the "
+                            "state file itself into the loras folder, or pick another one")
+    raise LeanLoRAError(f"resume: the training state {choice!r:.200} is not in the loras folder any more: pick another "
                         "one (refresh the page to update the list) or 'latest state of this output name'")
 
 

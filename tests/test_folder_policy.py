@@ -206,10 +206,15 @@ def test_continue_from_and_resume_stay_in_the_loras_folder_whatever_the_policy(t
     (loras / "linked.leanlora-state").symlink_to(private / "stolen.leanlora-state")
     monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras", ([str(loras)], {".safetensors"}))
     monkeypatch.setenv(ALLOW_ANY_FOLDER, "1")  # the opt-in is for dataset folders only
-    for choice in (str(private / "elsewhere.leanlora-state"), "../../private/elsewhere.leanlora-state",
-                   "linked.leanlora-state"):
+    for choice in (str(private / "elsewhere.leanlora-state"), "../../private/elsewhere.leanlora-state"):
         with pytest.raises(pack_error, match=r"^resume: the training state .* is not in the loras folder"):
             train.resolve_resume(choice, "my_lora")
+    # issue 45: a link in loras/ is named as what it is, not as a file gone from the folder
+    with pytest.raises(pack_error, match=rf"^resume: the training state 'linked.leanlora-state' in {loras} is a link "
+                                         r"leading out of the loras folder \(to .*stolen.leanlora-state\).*copy the"):
+        train.resolve_resume("linked.leanlora-state", "my_lora")
+    with pytest.raises(pack_error, match=r"^resume: the training state .* is not in the loras folder"):
+        train.resolve_resume("x" * 5000, "my_lora")  # a name too long for the file system: not there
     config = settings.LeanLoRALoraConfig()
     for choice in (str(private / "elsewhere.safetensors"), "../../private/elsewhere.safetensors"):
         with pytest.raises(pack_error, match=r"^continue_from: .* is not in the loras folder"):

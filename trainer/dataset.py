@@ -168,9 +168,20 @@ def resolve_folder(folder: str, input_dir: str | Path, confined: str | None = No
     return path
 
 
+NAME_MAX, PATH_MAX = 255, 4095  # bytes of one path part and of a whole path that file systems hold (Linux's)
+
+
 def _resolve_folder(folder: str, input_dir: str | Path) -> Path:
+    if not isinstance(folder, str):  # an API prompt or another node's output can send any JSON value
+        raise LeanLoRAError(f"folder: got the {type(folder).__name__} {folder!r:.80}, not a folder name; give a folder "
+                            f"name inside ComfyUI's input folder ({input_dir}) or an absolute path")
     text = folder.strip()
     input_dir = Path(os.path.normpath(input_dir))
+    longest = max((len(part.encode(errors="surrogateescape")) for part in text.split(os.sep)), default=0)
+    if longest > NAME_MAX or len(os.path.join(input_dir, text).encode(errors="surrogateescape")) > PATH_MAX:
+        raise LeanLoRAError(f"folder {text[:60]!r}... is {len(text):,} characters long, beyond what a file system "
+                            f"holds ({NAME_MAX} bytes a name, {PATH_MAX} a path), so no such folder exists; pick a "
+                            "folder from the list or type its path")
     if not text:
         raise LeanLoRAError(f"folder is empty; give a folder name inside ComfyUI's input folder ({input_dir}) "
                             "or an absolute path")

@@ -829,6 +829,10 @@ FOLDER_ERRORS = {  # case -> (folder field, names the error must carry)
     "a_file_not_a_folder": ("pasted_upload.png", ["pasted_upload.png"]),
     "nul_byte": ("bad\x00folder", ["folder"]),
     "home_of_nobody": ("~no_such_user_xyz/photos", ["photos"]),
+    # issue 45: before, 'File name too long' (OSError) and AttributeError: 'int' object has no attribute 'strip'
+    "5000_characters": ("a" * 5000, ["folder", "5,000 characters"]),
+    "300_dots": ("." * 300, ["folder", "300 characters"]),
+    "a_number": (5, ["folder", "not a folder name"]),
 }
 
 
@@ -841,6 +845,15 @@ def test_bad_dataset_folder_is_a_clear_error(hostile, invariants, case):
             shutil.copytree(hostile.tiny_dataset, outside)
     result = run(hostile, f"folder_{case}", train_prompt(value, f"folder_{case}"))
     expect_error(result, names)
+
+
+@pytest.mark.parametrize("case, folder", [("5000_characters", "a" * 5000), ("300_dots", "." * 300)])
+def test_the_preview_route_answers_a_long_name_with_400(hostile, invariants, case, folder):
+    """Before: HTTP 500 (ENAMETOOLONG in links_problem)."""
+    answer = requests.get(f"{hostile.server.url}/leanlora/dataset_preview", params={"folder": folder}, timeout=30)
+    outcome = "clear error" if answer.status_code == 400 and "characters long" in answer.json()["error"] else \
+        "other failure"
+    record(f"preview_{case}", outcome, f"HTTP {answer.status_code}: {answer.text[:300]}")
 
 
 def test_absolute_dataset_folder_trains(hostile, invariants):
@@ -876,6 +889,14 @@ STATE_EDITS = {  # case -> (edit of the loaded state, what the error must name b
     "state_nan_lora": (_nan_first_lora_tensor, ["NaN", "LoRA tensor 0"]),
     "state_step_minus_3": (lambda state: setattr(state, "step", -3), ["step is -3"]),
     "state_position_past_the_epoch": (lambda state: state.data.update(position=10**6), ["data position"]),
+    # issue 45: before, a rate of 1000 trained |lora_up| up to 1398; betas (2, 5) with eps 0 raised a bare
+    # "ComplexFloat can't be cast"; negative second moments ended as 'training diverged ... lower the learning rate'
+    "state_initial_lr_1000": (lambda state: state.optimizer["param_groups"][0].update(initial_lr=1000.0),
+                              ["initial_lr is 1000.0"]),
+    "state_betas_2_5_eps_0": (lambda state: state.optimizer["param_groups"][0].update(betas=(2, 5), eps=0.0),
+                              ["betas is (2, 5)"]),
+    "state_negative_second_moment": (lambda state: state.optimizer["state"][0]["exp_avg_sq"].fill_(-1.0),
+                                     ["second moment", "exp_avg_sq"]),
 }
 
 
@@ -893,6 +914,63 @@ def test_resume_from_a_state_with_impossible_values_names_the_file_and_the_value
     assert "training diverged" not in result.message and "learning rate" not in result.message, result.message
     assert "caching latents" not in result.log, result.log[-2000:]
     assert not list(hostile.loras.glob(f"{case}*.safetensors"))
+
+
+def test_a_resume_trains_at_the_learning_rate_train_says(hostile, invariants):
+    """Before: the report said 'learning_rate 0.001 -> 0.1' and the run trained at the state's rate, bit for bit."""
+    _, state_file = _run_with_state(hostile)
+    results = {lr: run(hostile, f"resume_lr_{lr:g}", train_prompt(_LOADED["folder"].name, f"resume_lr_{lr:g}", steps=3,
+                                                                  **{"5.resume": state_file.name, "5.learning_rate": lr}))
+               for lr in (0.1, 0.0001)}
+    for result in results.values():
+        expect_success(result)
+    fast, slow = (load_file(saved_lora(hostile, results[lr])) for lr in (0.1, 0.0001))
+    assert any(not torch.equal(fast[key], slow[key]) for key in fast if "lora_up" in key)
+    assert "the optimizer steps with this run's settings" in results[0.1].report, results[0.1].report
+
+
+def test_a_state_in_loras_that_links_out_is_named_as_a_link(hostile, invariants):
+    _, state_file = _run_with_state(hostile)
+    outside = hostile.base / "elsewhere_states"
+    outside.mkdir(exist_ok=True)
+    shutil.copy(state_file, outside / "kept.leanlora-state")
+    link = hostile.loras / "linked_out.leanlora-state"
+    link.symlink_to(outside / "kept.leanlora-state")
+    try:
+        result = run(hostile, "state_link_out", train_prompt(_LOADED["folder"].name, "state_link_out", steps=3,
+                                                             **{"5.resume": link.name}))
+        expect_error(result, ["linked_out.leanlora-state", "link leading out"])
+    finally:
+        link.unlink()
+
+
+# --- parts of the checkpoint that give NaN, masks that exclude everything (issue 45) ---------------------------
+
+@pytest.mark.parametrize("case, prefix, part", [
+    ("nan_vae", "first_stage_model.taesd_encoder.", "VAE"),
+    ("nan_text_encoder", "cond_stage_model.transformer.text_model.encoder.", "text encoder")])
+def test_nan_in_a_part_of_the_checkpoint_is_named_before_training(hostile, invariants, case, prefix, part):
+    """Before: 'training diverged ... lower the learning rate' (NaN in the UNet was named already)."""
+    tensors = load_file(hostile.base / "models" / "checkpoints" / CHECKPOINT)
+    hit = [key for key in tensors if key.startswith(prefix) and tensors[key].is_floating_point()]
+    assert hit, prefix
+    for key in hit:
+        tensors[key] = torch.full_like(tensors[key], math.nan)
+    save_file(tensors, hostile.base / "models" / "checkpoints" / f"{case}.safetensors")
+    folder = hostile.dataset(case)
+    result = run(hostile, case, train_prompt(folder.name, case, steps=2, **{"1.ckpt_name": f"{case}.safetensors"}))
+    expect_error(result, [part, "NaN"])
+    assert "diverged" not in result.message and "learning rate" not in result.message, result.message
+
+
+def test_masks_that_exclude_every_pixel_fail_before_training(hostile, invariants):
+    """Before: a loss of 0.0000 and a saved LoRA whose lora_up were all zero, without a word."""
+    folder = hostile.dataset("black_masks")
+    for image in folder.glob("*.png"):
+        Image.new("L", (64, 64), 0).save(image.with_name(image.stem + "_mask.png"))
+    result = run(hostile, "black_masks", train_prompt(folder.name, "black_masks", steps=2, **{"5.masked_loss": True}))
+    expect_error(result, ["masked_loss", "excludes every pixel"])
+    assert not list(hostile.loras.glob("black_masks*.safetensors"))
 
 
 def _edited_lora(h: Hostile, name: str, suffix: str) -> str:

@@ -25,6 +25,8 @@ from comfy_headless import comfyui_path
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_FAMILY = ("torch", "torchvision", "torchaudio")
+# Listed only to bound what another dependency pulls in (see requirements.txt), never imported by the pack
+BOUNDS_ONLY = ("accelerate",)
 NETWORK_ERRORS = re.compile(r"Failed to fetch|dns error|Connection refused|Could not connect|timed out|"
                             r"Temporary failure in name resolution|Network is unreachable", re.I)
 
@@ -182,6 +184,33 @@ def test_installing_the_pack_changes_no_installed_package(comfyui_environment):
     assert added, "the pack's own dependencies should be new installs"
 
 
+def _torch_only_environment(work: Path, version: str) -> Path:
+    """A venv whose one distribution is torch `version`, as metadata: what pip sees of a ComfyUI environment's torch
+    when it resolves (the wheel itself, GBs, plays no part in that). Returns its python."""
+    env = work / f"torch-{version}"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(env)],
+                   check=True, timeout=300)
+    python = env / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    info = site / f"torch-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "RECORD").write_text("")
+    return python
+
+
+@pytest.mark.parametrize("torch_version", ["2.4.1", "2.5.1", "newest"])
+def test_installing_the_pack_keeps_every_torch_comfyui_accepts(tmp_path, torch_version):
+    """Issue 45: with torch 2.4 or 2.5, peft pulled accelerate 1.16, which needs torch>=2.6, and pip replaced the
+    user's torch. "newest": this machine's torch, the newest its registry offers."""
+    version = importlib.metadata.version("torch").split("+")[0] if torch_version == "newest" else torch_version
+    changed, added = _changes(_torch_only_environment(tmp_path, version), REPO / "requirements.txt", tmp_path)
+    assert not changed, f"pip install -r requirements.txt beside torch {version} would change: {changed}"
+    assert not [line for line in added if line.split()[0] in TORCH_FAMILY], added
+
+
 def test_the_check_sees_an_upgrade(comfyui_environment):
     """The control: the requirement the pack listed before (diffusers, whose current releases need
     huggingface-hub>=1.32) upgrades huggingface-hub, so the assertion above can fail."""
@@ -202,6 +231,8 @@ def test_every_listed_dependency_is_imported_by_the_pack():
         if not line:
             continue
         name = canonicalize_name(Requirement(line).name)
+        if name in BOUNDS_ONLY:
+            continue
         module = import_names.get(name, name.replace("-", "_"))
         assert re.search(rf"^\s*(import|from) {module}\b", sources, re.M), f"{name} is listed but never imported"
 

@@ -9,6 +9,7 @@ generator for its noise), and everything sampling loaded is unloaded afterwards,
 before training: the training copy finds the memory as it left it."""
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 from typing import Callable
@@ -37,8 +38,9 @@ class SampleRenderer:
     prompt order) into this run's own folder; returns the paths. The folder is `folder`, or `folder_2`, `_3`, ...
     where an earlier run has one (created at the first image: a run never overwrites another run's samples).
     The prompts are encoded once, at the first call (with text-encoder keys in the state dict, text_encoder_lr: at
-    every call, through that LoRA on a clone of the CLIP). `should_stop()` (Cancel) is asked after every sampler step
-    and before each image and decode: Cancel stops a sample within one sampler step."""
+    every call, through that LoRA on a clone of the CLIP). `should_stop()` (Cancel) is asked after every sampler step,
+    before each image and decode, and before each block of the diffusion model and the VAE: one sampler step or decode
+    at a large size takes minutes on a CPU, and Cancel stops it within one block."""
 
     def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path,
                  should_stop: Callable[[], bool] = lambda: False):
@@ -79,6 +81,11 @@ class SampleRenderer:
                 self._conds = [encode(prompt) for prompt in settings.prompts], encode("")
             positives, negative = self._conds
         patched, _ = apply_lora(self.model, None, lora_state_dict, 1.0, 0.0)
+        with _checked_between_blocks((self.model.model, self.vae.first_stage_model), self._stop_if_cancelled):
+            return self._sample(patched, positives, negative)
+
+    def _sample(self, patched, positives, negative) -> list[np.ndarray]:
+        settings = self.settings
         latent_size = settings.size // 8
         images = []
         for positive in positives:
@@ -105,3 +112,17 @@ class SampleRenderer:
         Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)
         path = self.folder / f"step{step}_{index}.png"
         return write_atomic(path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()))
+
+
+@contextlib.contextmanager
+def _checked_between_blocks(models, check: Callable[[], None]):
+    """`check` before every block (each child of a ModuleList or Sequential) of `models` while inside, so an interrupt
+    raised by it stops a forward part-way. The hooks are the user's modules' for this block only: removed after."""
+    handles = [block.register_forward_pre_hook(lambda *_: check())
+               for model in models for module in model.modules()
+               if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) for block in module.children()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1290,6 +1290,20 @@ def test_interrupt_while_sampling_after_training_keeps_the_lora(hostile, invaria
     record("interrupt_sampling", "correct result" if ok else "silent wrong result", f"saved {saved}")
 
 
+def test_interrupt_inside_a_2048_px_sample_stops_it(hostile, invariants):
+    """Issue 45: a sample at the largest allowed size ignored /interrupt for 240 s on a CPU server (one sampler step
+    of it takes minutes there); Cancel now reaches it between the diffusion model's blocks."""
+    folder = hostile.dataset("int_big_sample")
+    prompt = train_prompt(folder.name, "int_big_sample", steps=3, **{**SAMPLE_VALUES, "5.sample_size": 2048})
+    wait = log_shows(hostile, "rendering samples at step 1")
+
+    def inside_the_sampler(result, log_start):
+        wait(result, log_start)
+        time.sleep(5)  # the prompt is encoded and the first sampler step under way
+    result = interrupt_when(hostile, "interrupt_big_sample", prompt, inside_the_sampler)
+    expect_clean_interrupt(hostile, result, "int_big_sample", partial=True)
+
+
 def test_queue_still_trains_after_the_interrupts(hostile, invariants):
     """A tiny successful prompt after everything above."""
     folder = hostile.dataset("after_all")

@@ -206,6 +206,30 @@ def test_cancel_stops_a_sample_within_one_sampler_step(comfy_objects, tmp_path, 
     assert not comfy.model_management.current_loaded_models
 
 
+@pytest.mark.parametrize("part", ["diffusion model", "VAE"])
+def test_cancel_stops_a_sampler_step_or_a_decode_part_way(comfy_objects, tmp_path, part):
+    """Issue 45: one sampler step (or the decode) at 2048 px takes minutes on a CPU, and /interrupt waited for it.
+    Cancel pressed as the first block of a forward starts: none of its later blocks runs."""
+    model, clip, vae = comfy_objects
+    decoder = getattr(vae.first_stage_model, "taesd_decoder", None) or getattr(vae.first_stage_model, "decoder", None)
+    root = model.model.diffusion_model if part == "diffusion model" else decoder
+    blocks = [block for module in root.modules() if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+              for block in module.children()]
+    cancelled, last_ran = [], []
+    first = blocks[0].register_forward_pre_hook(lambda *_: cancelled.append(True))  # Cancel, mid-forward
+    last = blocks[-1].register_forward_hook(lambda *_: last_ran.append(True))
+    settings = SampleSettings(("a cat",), every_steps=1, size=64, steps=2, seed=1)
+    renderer = SampleRenderer(model, clip, vae, settings, tmp_path / "samples", should_stop=lambda: bool(cancelled))
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            in_a_training_thread(lambda: renderer(1, NO_LORA))
+    finally:
+        first.remove()
+        last.remove()
+    assert cancelled and not last_ran, f"the {part}'s forward ran to its end after Cancel"
+    assert not (tmp_path / "samples").exists()
+
+
 def test_two_runs_with_one_name_get_their_own_sample_folders(comfy_objects, tmp_path):
     settings = SampleSettings(("a cat",), every_steps=1, size=64, steps=2, seed=1)
     first = in_a_training_thread(lambda: SampleRenderer(*comfy_objects, settings, tmp_path / "my_lora")(1, NO_LORA))

@@ -176,12 +176,27 @@ def _write(path: Path, tag: str, make_sd) -> Path:
 
 # --- single files ----------------------------------------------------------------------------------------------
 
+# Fields that newer ComfyUIs' parameter dataclasses require and 0.3.75's lack, with the values their model_detection
+# gives FLUX.1 and Chroma files (0.33: FluxParams/ChromaParams.txt_ids_dims [], ChromaParams.vec_in_dim None).
+NEWER_REQUIRED = {"txt_ids_dims": [], "vec_in_dim": None}
+
+
+def _newer_required(module, config: dict) -> dict:
+    """NEWER_REQUIRED's entries that a params dataclass of `module` requires (no default) and `config` lacks."""
+    import dataclasses
+    required = {field.name for obj in vars(module).values() if dataclasses.is_dataclass(obj) and isinstance(obj, type)
+                for field in dataclasses.fields(obj)
+                if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING}
+    return {k: v for k, v in NEWER_REQUIRED.items() if k in required and k not in config}
+
+
 def _diffusion_model(path: str | Path, seed: int, tag: str, config: dict, class_path: str, **extra) -> Path:
     """A diffusion model file: ComfyUI's class at `class_path` built on the meta device from `config` (less its
     `image_model`, which only some classes take, as `extra`), seeded random values, bf16."""
     def make():
         module, _, name = class_path.rpartition(".")
         cfg = {k: v for k, v in config.items() if k != "image_model"}
+        cfg.update(_newer_required(importlib.import_module(module), cfg))
 
         def build(comfy, ops):
             return getattr(importlib.import_module(module), name)(dtype=torch.float32, device="meta",

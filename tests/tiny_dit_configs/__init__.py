@@ -33,7 +33,8 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
 3. comfy.sd.detect_te_model is wrapped: a narrow T5-XXL file loaded alone (CLIPLoader, Chroma) has 2 blocks, not
    24, and would be taken for T5-base; it is detected as T5-XXL. So is a narrow umt5-xxl (T5 v1.1 gated blocks, a
    relative attention bias in every block, encoder width below 4096: Wan's, CLIPLoader type wan), as ComfyUI
-   detects the real file; CLIPLoader type wan then builds its umt5 encoder and tokenizer.
+   detects the real file; CLIPLoader type wan then builds its umt5 encoder and tokenizer. A narrow Qwen3-4B is
+   detected as Qwen3-4B (ComfyUI 0.33 tells Qwen3 sizes apart by width and would take it for Llama-3-8B).
 4. comfy.sd.load_text_encoder_state_dicts (behind CLIPLoader, DualCLIPLoader and comfy.sd.load_clip) is wrapped:
    for a narrow CLIP-L, T5-XXL, umt5-xxl, Qwen3-4B or Qwen2.5-VL-7B state dict it adds ComfyUI's own per-encoder
    config override, model_options["<t5xxl|umt5xxl|qwen3_4b|qwen25_7b>_model_config"] (read by
@@ -182,6 +183,8 @@ def _install() -> None:
     def detect_te_model(sd):
         if _narrow_umt5(sd):  # Wan's umt5-xxl (CLIPLoader type wan)
             return comfy.sd.TEModel.T5_XXL
+        if "qwen3_4b_model_config" in _te_overrides(sd):  # 0.33 tells Qwen3 sizes by width: a narrow one is "LLAMA3_8"
+            return comfy.sd.TEModel.QWEN3_4B
         # a single T5-XXL (CLIPLoader: Chroma) is told from T5-base by its 24th block, which a 2-block file lacks
         found = detect_te(sd)
         if found == comfy.sd.TEModel.T5_BASE and "t5xxl_model_config" in _te_overrides(sd) \

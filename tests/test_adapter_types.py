@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from test_adapter_math import _expected_lokr_form
 from test_families import (DIT, FP32_CHECKPOINTED, _adapter, _base_output, _fingerprint, dit_files,  # noqa: F401
                            family_objects, latent_shape, two_images)
 from trainer.errors import LeanLoRAError
@@ -28,8 +29,8 @@ from trainer.training_state import STATE_SUFFIX
 TYPES = [kind.value for kind in AdapterKind]
 FAMILIES = ["sd15", *DIT]
 # The keys each type's file holds per module, as LyCORIS writes them and ComfyUI's weight_adapter reads them.
-# LoKr's w2 is low-rank where rank 4 is below half its larger side (LyCORIS' rule), else one full matrix: the tiny
-# SD1.5's layers (sides up to 16) get the low-rank form, the tiny DiTs' narrower ones the full one.
+# LoKr's w2 is low-rank where rank 4 is below half its larger side (LyCORIS' rule), else one full matrix: either form
+# here, and the conformance test checks each module's form against its layer's sides (_expected_lokr_form).
 PARTS = {"lora": [{"lora_down.weight", "lora_up.weight", "alpha"}],
          "dora": [{"lora_down.weight", "lora_up.weight", "alpha", "dora_scale"}],
          "loha": [{"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}],
@@ -117,6 +118,11 @@ def test_each_type_trains_exports_loads_in_comfyui_continues_and_resumes_exactly
     unet, continued = _read_back(objects, dataclasses.replace(lora, continue_from=str(straight.lora_path)))
     assert continued.modules == len(modules) and continued.steps == 4
     adapter = _adapter(objects)
+    if kind == "lokr":  # each module in the form LyCORIS' rule gives its layer's sides, not either form
+        names = adapter.kohya_module_names()
+        for path, layer in adapter_type(lora).layers(unet).items():
+            module = "lora_unet_" + (names[path] if names is not None else path).replace(".", "_")
+            assert parts[module] == _expected_lokr_form(layer, lora.rank, lora.factor), module
     again = kohya_state_dict(unet, lora, adapter.kohya_module_names())
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
 

@@ -453,8 +453,10 @@ def test_qwen_image_loras_load_in_diffusers_and_diffusers_files_continue(family_
         axes_dims_rope=(16, 56, 56))
     converted = QwenImagePipeline.lora_state_dict(saved)
     converted = converted[0] if isinstance(converted, tuple) else converted
+    every = _diffusers_block_linears(transformer, "transformer_blocks.")  # the diffusers model's own modules
     transformer.load_lora_adapter(converted, prefix="transformer", adapter_name="leanlora")
-    assert sum(isinstance(m, LoraLayer) for m in transformer.modules()) == len(modules)
+    assert {path for path, m in transformer.named_modules() if isinstance(m, LoraLayer)} == every
+    assert len(every) == len(modules)
 
     file = tmp_path / "diffusers_format.safetensors"  # alpha folded into the weights by the conversion: scale 1
     save_file({k: v.contiguous() for k, v in converted.items()}, str(file))
@@ -463,6 +465,13 @@ def test_qwen_image_loras_load_in_diffusers_and_diffusers_files_continue(family_
                            TrainSettings(2, 1e-3, 0, "qwen_more"), tmp_path / "more", lambda **event: None,
                            lambda: False)
     assert f"{len(modules)} modules loaded" in continued.report and "diffusers/peft" in continued.report
+
+
+def _diffusers_block_linears(model: torch.nn.Module, *blocks: str) -> set[str]:
+    """Every module of a diffusers transformer's blocks that a LoRA of attention+feed-forward goes on, from the
+    model itself: each Linear under `blocks` but the modulation (img_mod/txt_mod, adaLN_modulation, norm.linear)."""
+    return {path for path, m in model.named_modules() if isinstance(m, torch.nn.Linear) and path.startswith(blocks)
+            and not re.search(r"(^|\.)([a-z]+_mod|adaLN_modulation|norm\d?(_context)?)\.", path)}
 
 
 def _peft_deltas(model: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
@@ -504,9 +513,11 @@ def test_z_image_loras_load_in_diffusers_with_each_fused_projection_split_exactl
         ff.w2 = torch.nn.Linear(hidden, config["dim"], bias=False)
     converted = ZImagePipeline.lora_state_dict(saved)
     converted = converted[0] if isinstance(converted, tuple) else converted
+    every = _diffusers_block_linears(transformer, "layers.", "noise_refiner.", "context_refiner.")
     transformer.load_lora_adapter(converted, prefix="transformer", adapter_name="leanlora")
     theirs, ours = _peft_deltas(transformer, "leanlora"), _file_deltas(saved)
-    assert len(theirs) == len(ours) + 2 * sum(name.endswith("attention_qkv") for name in ours)  # every module
+    assert set(theirs) == every  # every module of diffusers' own blocks
+    assert len(theirs) == len(ours) + 2 * sum(name.endswith("attention_qkv") for name in ours)
     for name, delta in ours.items():
         block = re.sub(r"_(\d+)$", r".\1", name.split("_attention_")[0].split("_feed_forward_")[0])
         if name.endswith("attention_qkv"):
@@ -535,9 +546,10 @@ def test_wan_loras_load_in_diffusers_onto_every_module_with_the_same_differences
         eps=config["eps"])
     converted = WanPipeline.lora_state_dict(saved)
     converted = converted[0] if isinstance(converted, tuple) else converted
+    every = _diffusers_block_linears(transformer, "blocks.")  # the diffusers model's own modules
     transformer.load_lora_adapter(converted, prefix="transformer", adapter_name="leanlora")
     theirs, ours = _peft_deltas(transformer, "leanlora"), _file_deltas(saved)
-    assert len(theirs) == len(ours)  # every module, none split
+    assert set(theirs) == every and len(ours) == len(every)  # every module of diffusers' blocks, none split
     attention = {"self_attn": "attn1", "cross_attn": "attn2"}
     projection = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0"}
     for name, delta in ours.items():

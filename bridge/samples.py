@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +29,11 @@ from .families import family_for
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.files import new_folder, write_atomic
     from ..trainer.settings import SampleSettings
+    from ..trainer.train_lora import StepPace
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.files import new_folder, write_atomic
     from trainer.settings import SampleSettings
+    from trainer.train_lora import StepPace
 
 
 class SampleRenderer:
@@ -51,7 +54,16 @@ class SampleRenderer:
         self.sampler, self.scheduler = defaults.sampler, defaults.scheduler
         self._conds = None  # (positive per prompt, the empty negative), ComfyUI's conditioning lists
 
-    def __call__(self, step: int, lora_state_dict: dict[str, torch.Tensor]) -> list[Path]:
+    def __call__(self, step: int, lora_state_dict: dict[str, torch.Tensor], pace: StepPace | None = None) -> list[Path]:
+        """`pace`: the training step's, which bounds a sampler step (StepPace): a sample estimated past it is not
+        started, and one measured past it (on the second step: the first includes loading the model) stops there;
+        either raises a TimeoutError saying how long the sample would take."""
+        self._allowed, self._step_times = (pace.sampler_step_allowed if pace else None), []
+        if pace is not None:
+            settings = self.settings
+            estimate = pace.sampler_step_estimate((settings.size // 8) ** 2, 1 if settings.cfg == 1 else 2)
+            if estimate > self._allowed:
+                raise TimeoutError(self._too_slow(estimate, f"estimated from the training step's {pace.seconds:.2f} s"))
         device = comfy.model_management.get_torch_device()
         devices = [device] if device.type == "cuda" else []  # the CUDA generator sampling may draw from
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
@@ -65,9 +77,27 @@ class SampleRenderer:
         return [self._write(image, step, index) for index, image in enumerate(images)]
 
     def _stop_if_cancelled(self, *_) -> None:
-        """Between sampler steps (ComfyUI's sampler callback) and images: Cancel, from the job or the queue."""
+        """Between blocks, sampler steps and images: Cancel, from the job or the queue."""
         if self.should_stop() or comfy.model_management.processing_interrupted():
             raise comfy.model_management.InterruptProcessingException()
+
+    def _after_sampler_step(self, *_) -> None:
+        """ComfyUI's sampler callback: Cancel, and the time bound, judged on the second step (the first includes
+        loading the model)."""
+        self._stop_if_cancelled()
+        self._step_times.append(time.perf_counter())
+        if self._allowed is None or len(self._step_times) != 3:
+            return
+        seconds = self._step_times[2] - self._step_times[1]
+        if seconds > self._allowed:
+            raise TimeoutError(self._too_slow(seconds, "measured"))
+
+    def _too_slow(self, seconds: float, how: str) -> str:
+        settings = self.settings
+        total = seconds * settings.steps * len(settings.prompts)
+        return (f"one sampler step at {settings.size} px takes about {seconds:.1f} s ({how}), so {settings.steps} steps x "
+                f"{len(settings.prompts)} images would take about {total / 60:.1f} min, past the bound of "
+                f"{self._allowed:.2f} s a sampler step: lower sample_size or sample_steps")
 
     def _render(self, lora_state_dict: dict[str, torch.Tensor]) -> list[np.ndarray]:
         settings = self.settings
@@ -90,11 +120,12 @@ class SampleRenderer:
         images = []
         for positive in positives:
             self._stop_if_cancelled()
+            self._step_times.append(time.perf_counter())  # the sampler's start: its first step is timed from here
             latent = comfy.sample.fix_empty_latent_channels(patched, torch.zeros(1, 4, latent_size, latent_size))
             noise = comfy.sample.prepare_noise(latent, settings.seed)
             samples = comfy.sample.sample(patched, noise, settings.steps, settings.cfg, self.sampler, self.scheduler,
                                           positive, negative, latent, disable_pbar=True, seed=settings.seed,
-                                          callback=self._stop_if_cancelled)
+                                          callback=self._after_sampler_step)
             self._stop_if_cancelled()
             decoded = self.vae.decode(samples)
             if decoded.dim() == 5:  # a video VAE's frames (Qwen-Image's Wan VAE): one frame here, as VAEDecode does

@@ -355,7 +355,7 @@ def test_the_final_samples_and_what_follows_train_find_the_training_state_releas
         held["gradients"] = [weakref.ref(p) for p in args[1]]  # the LoRA parameters: their .grad must be gone
         return optimizer, note
 
-    def on_sample(step, state_dict):
+    def on_sample(step, state_dict, _pace):
         if step == 4:  # the final LoRA's samples
             alive_at_final_sample.append(held["optimizer"]() is not None)
             alive_at_final_sample.append(any(ref() is not None and ref().grad is not None

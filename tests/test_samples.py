@@ -2,6 +2,7 @@
 own sampling on the tiny SD1.5 checkpoint in this process, from a training thread like the Train node's job."""
 import hashlib
 import re
+import time
 
 import numpy as np
 import pytest
@@ -102,7 +103,7 @@ def test_samples_render_every_n_steps_between_steps_and_leave_the_run_and_the_mo
             return _real(*args, **kwargs)
         monkeypatch.setattr(comfy.model_management, name, recorder)
     renderer = SampleRenderer(model, clip, vae, SAMPLES, tmp_path / "samples")
-    recording = lambda step, state_dict: calls.append((step, state_dict)) or renderer(step, state_dict)  # noqa: E731
+    recording = lambda step, state_dict, allowed: calls.append((step, state_dict)) or renderer(step, state_dict, allowed)  # noqa: E731
     events = []
     outcome = _train(comfy_objects, dataset, tmp_path / "loras", "sampled", recording, events)
 
@@ -154,7 +155,7 @@ def test_a_sampling_failure_is_reported_and_training_goes_on(comfy_objects, data
 
 
 def test_cancel_while_sampling_stops_the_run_and_keeps_a_partial_lora(comfy_objects, dataset, tmp_path):
-    def cancelled(step, state_dict):
+    def cancelled(step, state_dict, _allowed):
         raise comfy.model_management.InterruptProcessingException()
     outcome = _train(comfy_objects, dataset, tmp_path / "loras", "cancel_sampling", cancelled)
     assert outcome.partial and len(outcome.losses) == 2
@@ -228,6 +229,41 @@ def test_cancel_stops_a_sampler_step_or_a_decode_part_way(comfy_objects, tmp_pat
         last.remove()
     assert cancelled and not last_ran, f"the {part}'s forward ran to its end after Cancel"
     assert not (tmp_path / "samples").exists()
+
+
+def test_a_sample_slower_than_ten_training_steps_a_step_is_skipped_with_a_note(comfy_objects, dataset, tmp_path,
+                                                                               monkeypatch):
+    """Issue 45: a sampler step is estimated from the measured training step before a sample starts, and timed on
+    its second step (the first loads the model); past 10 training steps' time the sample is not started or stops
+    there, this and later samples are skipped with a note, and training goes on."""
+    import trainer.train_lora as train_lora_module
+    from trainer.train_lora import StepPace
+    model, clip, vae = comfy_objects
+    real = comfy.sample.sample
+
+    def slow(*args, callback=None, **kwargs):  # each sampler step 50 ms slower
+        def each_step(*rest):
+            time.sleep(0.05)
+            callback(*rest)
+        return real(*args, callback=each_step, **kwargs)
+    monkeypatch.setattr(comfy.sample, "sample", slow)
+    monkeypatch.setattr(train_lora_module, "SAMPLE_STEP_BOUND", 1e-4)  # the bound, scaled down to this tiny model
+    monkeypatch.setattr(train_lora_module, "MIN_SAMPLE_STEP_BOUND", 0.0)
+    renderer = SampleRenderer(model, clip, vae, SAMPLES, tmp_path / "samples")
+    events = []
+    outcome = _train(comfy_objects, dataset, tmp_path / "loras", "too_slow", renderer, events)
+    assert not outcome.partial and len(outcome.losses) == 6
+    notes = [e["text"] for e in events if e["kind"] == "phase" and "samples skipped" in e["text"]]
+    assert len(notes) == 1 and re.search(r"samples skipped from step 2 on: one sampler step at 64 px takes about "
+                                         r"[\d.]+ s \(estimated from the training step's [\d.]+ s\), so 3 steps x 2 "
+                                         r"images would take about [\d.]+ min", notes[0]), notes
+    assert notes[0] in outcome.report and not any(e["kind"] == "sample" for e in events)
+    assert not (tmp_path / "samples").exists()
+    # estimated within the bound, measured past it: stopped at the second sampler step
+    with pytest.raises(TimeoutError, match=r"takes about [\d.]+ s \(measured\)"):
+        in_a_training_thread(lambda: renderer(1, NO_LORA, StepPace(0.001, 10 ** 9)))
+    assert not (tmp_path / "samples").exists()
+    assert len(in_a_training_thread(lambda: renderer(1, NO_LORA, None))) == 2  # no step measured yet: rendered
 
 
 def test_two_runs_with_one_name_get_their_own_sample_folders(comfy_objects, tmp_path):

@@ -41,6 +41,26 @@ from .memory.vram import GIB, DevicePeak, Timeline, device_memory_gib, process_r
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)
+# A sampler step may take this many training steps' time (and at least MIN_SAMPLE_STEP_BOUND seconds, where steps
+# are fast anyway); a slower sample is skipped: it would hold the run for minutes to hours (2048 px on a CPU)
+SAMPLE_STEP_BOUND = 10
+MIN_SAMPLE_STEP_BOUND = 1.0
+
+
+@dataclass(frozen=True)
+class StepPace:
+    """A training step's measured time and size, which bound a sample's time (on_sample's third argument)."""
+    seconds: float
+    latent_pixels: int  # latent pixels one optimizer step trains (images x latent height x width)
+
+    @property
+    def sampler_step_allowed(self) -> float:
+        return max(SAMPLE_STEP_BOUND * self.seconds, MIN_SAMPLE_STEP_BOUND)
+
+    def sampler_step_estimate(self, latent_pixels: int, forwards: int) -> float:
+        """A sampler step's seconds: a forward costs about a third of a training step's forward and backward, in
+        proportion to the latent pixels (attention grows faster: this is a floor)."""
+        return self.seconds * latent_pixels * forwards / (3 * self.latent_pixels)
 
 
 @dataclass
@@ -67,12 +87,15 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
                store: LatentTextStore | None = None, fallback_dir: Path | None = None,
                timeline: Timeline | None = None, sample_every: int = 0,
-               on_sample: Callable[[int, dict[str, torch.Tensor]], list[Path]] | None = None) -> TrainOutcome:
+               on_sample: Callable[[int, dict[str, torch.Tensor], StepPace | None], list[Path]] | None = None
+               ) -> TrainOutcome:
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
     `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full).
     `timeline` records device memory per step (emptied first); the caller may read it during the run.
-    `on_sample(step, kohya state dict)` renders images from the LoRA at that step and returns their files: every
-    `sample_every` steps between optimizer steps, and after the final save; a failure is reported, never fatal."""
+    `on_sample(step, kohya state dict, StepPace or None)` renders images from the LoRA at that step and returns their
+    files: every `sample_every` steps between optimizer steps, and after the final save; a failure is reported, never
+    fatal. A TimeoutError from it (a sampler step estimated or measured past StepPace.sampler_step_allowed) skips
+    this and every later sample of the run, with a note."""
     timeline = timeline if timeline is not None else Timeline()
     device = adapter.device
     loras_dir = Path(loras_dir)
@@ -204,7 +227,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     def on_step(info: StepInfo):
         losses.append(info.loss)
         timeline.record(info.step, device)
-        s_per_step = pace.seconds_per_step(info.step)
+        s_per_step = pace.seconds_per_step(info.step, info.seconds / max(1, info.step - first_step))
         emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds,
              first_step=first_step, s_per_step=s_per_step, d=adapted_step(session.optimizer),
              eta_s=None if s_per_step is None else s_per_step * (info.total - info.step))
@@ -269,8 +292,13 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     def sample(step: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Images from the LoRA at this step. A failure (out of memory while sampling, a file that cannot be
         written) is said and training goes on; Cancel while sampling stops the run like Cancel in a step."""
+        if samples.too_slow:
+            return
         emit(kind="phase", text=f"rendering samples at step {step}")
         started_sampling = time.perf_counter()
+        images = batch_used(cache, dataset.repeats, session.memory.batch_size) * session.memory.gradient_accumulation
+        area = sum(sample.latent.shape[-2] * sample.latent.shape[-1] for sample in cache) / len(cache)
+        step_pace = StepPace(pace.latest, round(images * area)) if pace.latest else None
         try:
             if state_dict is None:
                 with session.evaluation_weights():
@@ -279,12 +307,17 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                 tensors = state_dict
             if state_dict is None:  # mid-run: the training copy is on the device
                 with room_for_sampling(session) as made_room:
-                    paths = on_sample(step, tensors)
+                    paths = on_sample(step, tensors, step_pace)
                 samples.made_room += made_room
             else:  # the final samples: the run was released before them
-                paths = on_sample(step, tensors)
+                paths = on_sample(step, tensors, step_pace)
         except cancel_errors:
             raise
+        except TimeoutError as slow:
+            samples.too_slow = (f"WARNING: samples skipped from step {step} on: {slow}; the LoRA is not affected")
+            report.append(samples.too_slow)
+            emit(kind="phase", text=samples.too_slow)
+            return
         except Exception as error:  # noqa: BLE001 - a sample never loses the run
             report.append(f"WARNING: the samples at step {step} failed ({one_line(error)}); training went on")
             emit(kind="phase", text=report[-1])
@@ -292,6 +325,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             return
         finally:
             samples.seconds += time.perf_counter() - started_sampling
+            pace.exclude(time.perf_counter() - started_sampling)
         samples.paths += paths
         emit(kind="sample", step=step, paths=[str(path) for path in paths])
 
@@ -470,12 +504,22 @@ class Pace:
 
     def __init__(self):
         self.marks: list[tuple[float, int]] = []  # (time, step) as steps were reported
+        self.latest: float | None = None  # the last measure (before a second step: the first step's time)
 
-    def seconds_per_step(self, step: int) -> float | None:
+    def seconds_per_step(self, step: int, first_guess: float | None = None) -> float | None:
+        """`first_guess`: a step's time so far, warm-up included, for `latest` until two steps are reported."""
         self.marks.append((time.perf_counter(), step))
         self.marks = self.marks[-self.WINDOW:]
         (t0, s0), (t1, s1) = self.marks[0], self.marks[-1]
-        return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+        if s1 > s0:
+            self.latest = (t1 - t0) / (s1 - s0)
+            return self.latest
+        self.latest = self.latest or first_guess
+        return None
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent between steps on something else (sampling): out of the measure."""
+        self.marks = [(mark + seconds, step) for mark, step in self.marks]
 
 
 def format_duration(seconds: float) -> str:
@@ -491,6 +535,7 @@ class SampleLog:
     failed: list[int] = field(default_factory=list)
     seconds: float = 0.0
     made_room: int = 0  # samplings for which the training copy's weights waited in CPU RAM
+    too_slow: str = ""  # why samples were skipped from some step on (a sampler step past the bound)
 
     def describe(self, every: int) -> str:
         where = f" in {self.paths[0].parent}" if self.paths else ""

@@ -7,6 +7,7 @@ The user's MODEL is never modified: training runs on a private copy of the diffu
 (non-inference) tensors, and the trained LoRA comes back as ordinary ComfyUI patches on fresh clones."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 
@@ -24,13 +25,13 @@ from .text_encoder import ComfyTextEncoderLora, caption_tokens, text_encoder_sup
 
 if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
     from ..trainer.errors import LeanLoRAError
-    from ..trainer.step.frozen_weights import cast_frozen_weights
+    from ..trainer.step.frozen_weights import cast_frozen_weights, move_to_host
     from ..trainer.model import FamilyIdentity
     from ..trainer.memory.vram import GIB, available_ram_bytes
     from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraTargets
 else:  # `bridge` beside `trainer` on sys.path (tests, bench)
     from trainer.errors import LeanLoRAError
-    from trainer.step.frozen_weights import cast_frozen_weights
+    from trainer.step.frozen_weights import cast_frozen_weights, move_to_host
     from trainer.model import FamilyIdentity
     from trainer.memory.vram import GIB, available_ram_bytes
     from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraTargets
@@ -308,8 +309,24 @@ class ComfyAdapter:
         encoders = text_encoder_support(self.base, self.clip, self.family.name, lora.text_encoder_lr)
         return ComfyTextEncoderLora(self.clip, encoders, lora, seed, self.device)
 
+    @contextlib.contextmanager
+    def training_kernels(self):
+        """While training steps and memory probes run: ComfyUI 0.33's DiT attention takes comfy-kitchen's fused
+        inference kernels (rope, rms norm + rope), which have no backward ("no autograd formula was registered"),
+        unless `comfy.model_management.in_training` is set, as ComfyUI's own trainer sets it around its loop.
+        0.3.75 has no such switch."""
+        if not hasattr(comfy.model_management, "in_training"):
+            yield
+            return
+        before = comfy.model_management.in_training
+        comfy.model_management.in_training = True
+        try:
+            yield
+        finally:
+            comfy.model_management.in_training = before
+
     def free(self, unet: torch.nn.Module) -> None:
-        unet.to("cpu")
+        move_to_host(unet)
         with torch.inference_mode():
             comfy.model_management.soft_empty_cache()
 

@@ -271,14 +271,21 @@ class TrainingSession:
             self.notes.append("the memory probe itself ran out of memory; training relies on OOM recovery")
             return estimate
 
+    def training_kernels(self):
+        """The host's switch to kernels that have a backward, where it has one (ComfyAdapter.training_kernels)."""
+        return getattr(self.adapter, "training_kernels", contextlib.nullcontext)()
+
     def free_failed_step(self, error: BaseException) -> None:
         """After a step that ran out of memory: its gradients go, and the memory its frames held (pinned by the
         error's traceback) goes back to the driver."""
         self.optimizer.zero_grad(set_to_none=True)
-        error.__traceback__ = None
+        while error is not None:  # and the errors it was raised while handling (autograd's engine re-raises)
+            error.__traceback__ = None
+            error = error.__cause__ or error.__context__
         gc.collect()
-        if self.adapter.device.type == "cuda":
-            torch.cuda.empty_cache()
+        memory = device_memory(self.adapter.device)
+        if memory is not None:
+            memory.empty_cache()
 
     def held_between_steps(self) -> tuple[int, int]:
         """Bytes of LoRA gradients kept allocated between steps (flat ones are) and of optimizer state now."""
@@ -311,7 +318,8 @@ class TrainingSession:
         the run's RNG stream untouched (the training steps draw the same noise with or without it)."""
         rng = self.generator.get_state()
         try:
-            self.micro_step.throwaway(self.inputs(batch))
+            with self.training_kernels():
+                self.micro_step.throwaway(self.inputs(batch))
         finally:  # also when it failed part-way (compile errors, out of memory): no gradients left behind
             self.generator.set_state(rng)
             self.optimizer.zero_grad(set_to_none=True)
@@ -395,7 +403,7 @@ class TrainingSession:
         memory = device_memory(self.adapter.device)
         while True:
             try:
-                with memory.computing() if memory is not None else contextlib.nullcontext():
+                with memory.computing() if memory is not None else contextlib.nullcontext(), self.training_kernels():
                     result = train_loop(self.params, self.step, self.data, self.optimizer, self.precision,
                                         until or self.train.steps,
                                         self.memory.gradient_accumulation, should_stop, counted,

@@ -90,7 +90,10 @@ class ActivationOffload:
 
     def pack(self, tensor: torch.Tensor):
         if not self._wants(tensor):
-            return tensor
+            # Detached: a node's own output returned as is would hold its grad_fn, which holds the saved output (a
+            # cycle through C++ that Python's gc cannot see). Backward breaks it; a forward that fails (out of memory
+            # in a probe or a step) left the whole partial graph allocated for good.
+            return tensor.detach()
         host = self._host_buffer(tensor)
         compute, copy = torch.cuda.current_stream(tensor.device), self._stream(tensor.device)
         copy.wait_stream(compute)  # the tensor has been written

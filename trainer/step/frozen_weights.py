@@ -136,6 +136,9 @@ def cast_frozen_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
 def frozen_weight_bytes(module: torch.nn.Module, device: torch.device | None = None) -> int:
     """Bytes of frozen parameters and buffers (resident for the whole run), only those on `device` if given."""
     tensors = [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
+    memory = device_memory(device)
+    if memory is not None and memory.simulated:  # on a CPU test's simulated card, host tensors are CPU tensors too
+        return sum(t.numel() * t.element_size() for t in tensors if memory.holds(t))
     return sum(t.numel() * t.element_size() for t in tensors if device is None or t.device == torch.device(device))
 
 
@@ -178,3 +181,18 @@ def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
             tensor.data = memory.place(tensor.data)  # a copy where the card's memory lies elsewhere; else itself
         elif tensor.device != torch.device(device):
             tensor.data = tensor.data.to(device)
+
+
+def move_to_host(module: torch.nn.Module) -> None:
+    """Every parameter and buffer of `module` that is on a GPU goes to host RAM (the training copy after the run:
+    its LoRA is saved from there)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    memory = device_memory(next((t.device for t in tensors if device_memory(t.device) is not None), None))
+    if memory is None:
+        return
+    if not memory.simulated:
+        module.to("cpu")
+        return
+    for tensor in tensors:
+        if memory.holds(tensor):
+            tensor.data = memory.to_host(tensor.data)

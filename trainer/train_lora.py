@@ -31,11 +31,9 @@ from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
 from .session import TrainingSession
-from .settings import (OBJECTIVE_DEFAULTS, OPTION_DEFAULTS, AdapterKind, LoraSettings, LoraTargets, LoraWeights,
-                       MemorySettings, TrainSettings)
-from .training_state import (TrainingState, capture_state, check_base_weights, check_resumable, check_state_values,
-                             dataset_fingerprint, load_training_state, lora_fingerprint, model_fingerprint,
-                             restore_state, save_training_state, state_path)
+from .settings import AdapterKind, LoraSettings, LoraTargets, LoraWeights, MemorySettings, TrainSettings
+from .training_state import (Resume, capture_state, check_base_weights, dataset_fingerprint, lora_fingerprint,
+                             model_fingerprint, save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
 from .memory.vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
 
@@ -130,15 +128,10 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                                                        for key, value in train.option_changes().items()))
 
     held_out_count(train.validation_fraction, len(dataset.samples))  # too few images: said before any encoding
-    resumed: TrainingState | None = None
     dataset_id = dataset_fingerprint(dataset)
-    if train.resume_from is not None:  # read and checked against the dataset before any encoding
-        resumed = load_training_state(Path(train.resume_from))
-        check_state_values(resumed, Path(train.resume_from), len(dataset.samples))
-        check_resumable(resumed, Path(train.resume_from), {"dataset": dataset_id}, train.steps, checks=("dataset",))
+    resume = Resume.of(train.resume_from, dataset_id, len(dataset.samples), train.steps)  # before any encoding
     cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
-    # wall clock, for the file's metadata: a resumed run's file says when its training began
-    started_at = float(resumed.settings.get("started_at", time.time())) if resumed else time.time()
+    started_at = resume.started_at(time.time())
     emit(kind="phase", text="caching latents and text embeddings")
     stats = CacheStats()
     try:
@@ -194,13 +187,11 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                                             + (("text_encoder_lr on",) if text_encoder is not None else ()))
     if held_out:
         fingerprints["validation"] = split_fingerprint(cached_images, held_out)
-    if resumed is not None:
-        try:
-            check_resumable(resumed, Path(train.resume_from), fingerprints, train.steps,
-                            lora_shapes=[tuple(p.shape) for p in params], lora_type=lora.type.value)
-        except LeanLoRAError:
-            adapter.free(unet)
-            raise
+    try:
+        resume.check(fingerprints, params, lora.type.value)
+    except LeanLoRAError:
+        adapter.free(unet)
+        raise
     unet.train()
     report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
     check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
@@ -212,15 +203,13 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         validation = ValidationSet.build([all_cached[i] for i in held_out], train.validation_every_steps,
                                          session.sampling_on_cpu, train.seed,
                                          sampling=adapter.timestep_sampling)
-        if resumed is not None:  # the curve so far: a resumed run's curve is the uninterrupted run's
-            validation.losses[:] = [(int(step), float(value)) for step, value in resumed.validation_losses]
+        validation.losses[:] = resume.validation_losses
         names = [sample.name for sample in validation.samples]
         report.append(validation.describe(cached_images) + f": {', '.join(names[:5])}"
                       + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
         run.validation_losses = validation.losses
 
-    losses: list[float] = list(resumed.losses) if resumed else []
-    first_step = resumed.step if resumed else 0
+    losses, first_step = resume.losses, resume.step
 
     pace = Pace()
 
@@ -371,20 +360,9 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         # from them gives the same run for a seed (a resume puts the state's generators back instead); LoRA
         # dropout draws from the run's own generator (lora.StepSeededDropout)
         torch.manual_seed(train.seed)
-        if resumed is not None:
-            notes = restore_state(session, resumed)
-            line = (f"resumed from {Path(train.resume_from).name}: step {resumed.step} of {train.steps}, trained "
-                    f"with {resumed.settings.get('memory') or 'the same settings'}")
-            # a state from before the timestep and loss knobs (and the other options) trained with their defaults
-            before = {**OBJECTIVE_DEFAULTS, **OPTION_DEFAULTS, **resumed.settings}
-            changed = [f"{key} {before[key]} -> {value}" for key, value in state_settings.items()
-                       if key in ("seed", "learning_rate", "lr_schedule", "warmup_steps", "text_encoder_lr",
-                                  *OBJECTIVE_DEFAULTS, *OPTION_DEFAULTS)
-                       and before.get(key, value) != value]
-            for text in [line, *(["resume: changed since the state: " + ", ".join(changed)] if changed else []),
-                         *notes]:
-                report.append(text)
-                emit(kind="phase", text=text)
+        for text in resume.restore(session, state_settings):
+            report.append(text)
+            emit(kind="phase", text=text)
         started = time.perf_counter()
         result = session.run(should_stop, on_step, cancel_errors,
                              sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
@@ -428,8 +406,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
             raise _diverged(diverged_at, None, lora, train, session.memory, from_start=from_start)
         if failure is not None:
             raise _explain(failure, None, before_first_step=not recoveries) from failure
-        raise TrainingCancelled("cancelled before the first step; no LoRA was saved"
-                                + (f" (the state {Path(train.resume_from).name} is unchanged)" if resumed else ""))
+        raise TrainingCancelled("cancelled before the first step; no LoRA was saved" + resume.unchanged())
 
     stem = f"{exporter.stem}_partial_step{steps_done}" if partial else exporter.stem
     try:

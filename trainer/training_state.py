@@ -22,6 +22,7 @@ from .dataset import MASK_SUFFIX
 from .errors import LeanLoRAError, one_line
 from .files import sanitize_name, save_safetensors_atomic
 from .optimizers import build_lr_schedule
+from .settings import OBJECTIVE_DEFAULTS, OPTION_DEFAULTS
 
 STATE_SUFFIX = ".leanlora-state"
 FORMAT = "leanlora-training-state/1"
@@ -388,6 +389,70 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
     if state.step >= total_steps:
         raise LeanLoRAError(f"cannot resume from {path.name}: it has trained {state.step} steps already, and Train "
                             f"asks for {total_steps}: raise steps above {state.step} to train further")
+
+
+class Resume:
+    """A run's resume, in one place: the state read and checked before any encoding (`Resume.of`), checked against
+    the injected LoRA (`check`), put into the session once it started (`restore`, which returns the report's lines).
+    Without a state (resume off) it is a new run's start: step 0, no losses, and every method does nothing."""
+
+    # settings a state records that this run may change (Train's values are the ones used); a state from before the
+    # timestep and loss knobs and the other options trained with their defaults
+    COMPARED = ("seed", "learning_rate", "lr_schedule", "warmup_steps", "text_encoder_lr", *OBJECTIVE_DEFAULTS,
+                *OPTION_DEFAULTS)
+
+    def __init__(self, path: Path | None = None, state: TrainingState | None = None, total_steps: int = 0):
+        self.path, self.state, self.total_steps = path, state, total_steps
+
+    @classmethod
+    def of(cls, path: Path | None, dataset_id: str, images: int, total_steps: int) -> Resume:
+        """`path` (Train's resume_from; None: off) read, its values checked and its dataset compared."""
+        if path is None:
+            return cls()
+        path = Path(path)
+        state = load_training_state(path)
+        check_state_values(state, path, images)
+        check_resumable(state, path, {"dataset": dataset_id}, total_steps, checks=("dataset",))
+        return cls(path, state, total_steps)
+
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state else 0
+
+    @property
+    def losses(self) -> list[float]:
+        return list(self.state.losses) if self.state else []
+
+    @property
+    def validation_losses(self) -> list[tuple[int, float]]:
+        """The curve so far: a resumed run's curve is the uninterrupted run's."""
+        return [(int(step), float(value)) for step, value in self.state.validation_losses] if self.state else []
+
+    def started_at(self, now: float) -> float:
+        """Wall clock, for the file's metadata: a resumed run's file says when its training began."""
+        return float(self.state.settings.get("started_at", now)) if self.state else now
+
+    def check(self, fingerprints: dict[str, str], params: list[torch.nn.Parameter], lora_type: str) -> None:
+        if self.state is not None:
+            check_resumable(self.state, self.path, fingerprints, self.total_steps,
+                            lora_shapes=[tuple(p.shape) for p in params], lora_type=lora_type)
+
+    def restore(self, session, settings: dict[str, str]) -> list[str]:
+        """Puts the session where the state stopped; returns what the report says: where from, what changed since
+        the state (`settings`: this run's, which it trains with) and what could not carry over."""
+        if self.state is None:
+            return []
+        notes = restore_state(session, self.state)
+        trained = self.state.settings.get("memory") or "the same settings"
+        before = {**OBJECTIVE_DEFAULTS, **OPTION_DEFAULTS, **self.state.settings}
+        changed = [f"{key} {before[key]} -> {value}" for key, value in settings.items()
+                   if key in self.COMPARED and before.get(key, value) != value]
+        return [f"resumed from {self.path.name}: step {self.step} of {self.total_steps}, trained with {trained}",
+                *(["resume: changed since the state: " + ", ".join(changed)] if changed else []), *notes]
+
+    def unchanged(self) -> str:
+        """For a run stopped before its first step."""
+        return f" (the state {self.path.name} is unchanged)" if self.state else ""
 
 
 def capture_state(session, losses: list[float], fingerprints: dict[str, str], settings: dict[str, str],

@@ -405,7 +405,7 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
         if diverged_at is not None:
             raise _diverged(diverged_at, None, lora, train, session.memory, from_start=from_start)
         if failure is not None:
-            raise _explain(failure, None, before_first_step=not recoveries) from failure
+            raise _explain(failure, None, before_first_step=not recoveries, memory=memory) from failure
         raise TrainingCancelled("cancelled before the first step; no LoRA was saved" + resume.unchanged())
 
     stem = f"{exporter.stem}_partial_step{steps_done}" if partial else exporter.stem
@@ -657,16 +657,29 @@ def _diverged(step: int, saved: Path | None, lora: LoraSettings, train: TrainSet
 
 
 def _explain(error: BaseException, saved: Path | None, before_first_step: bool = False,
-             note: str | None = None) -> LeanLoRAError:
+             note: str | None = None, memory: MemorySettings | None = None) -> LeanLoRAError:
     kept = f"; what was learned so far is saved as {saved}" if saved else ""
     kept += f" ({note})" if note else ""
     if is_out_of_memory(error) and before_first_step:
         return LeanLoRAError("out of GPU memory while placing the training copy or measuring memory, before step 1. "
-                             "Set auto_fit to 'free VRAM' in LeanLoRA Memory Settings (it picks fp8 or streamed "
-                             "weights when the model itself does not fit), or choose them by hand")
+                             + _out_of_memory_advice(memory))
     if is_out_of_memory(error):
         return LeanLoRAError(f"out of GPU memory during training, even after every memory-saving fallback{kept}. "
                              "Lower the resolution or the LoRA rank, or free VRAM used by other programs")
     if isinstance(error, LeanLoRAError):
         return LeanLoRAError(f"{error}{kept}")
     return LeanLoRAError(f"training failed: {error.__class__.__name__}: {error}{kept}")
+
+
+def _out_of_memory_advice(memory: MemorySettings | None) -> str:
+    """What to change, for the card setting the user has (Memory Settings' `card`)."""
+    auto_fit = memory.auto_fit if memory is not None else None
+    if auto_fit is not None and auto_fit.card_gib is not None:
+        return (f"Memory Settings' card is {auto_fit.card_gib:g} GiB and even the leanest plan for it did not fit what "
+                "this GPU has free now (other programs, or models ComfyUI keeps loaded, hold the rest): pick a smaller "
+                "card size, or close what holds VRAM; a lower resolution or LoRA rank also needs less")
+    if auto_fit is not None and auto_fit.free_vram:
+        return ("Memory Settings' card is auto (the free VRAM) and even the leanest plan did not fit it: close what "
+                "holds VRAM (other programs, models ComfyUI keeps loaded), or lower the resolution or LoRA rank")
+    return ("Memory Settings' card is manual, so nothing was traded for memory: set card to auto (or your GPU's size) "
+            "and the plan picks fp8 or streamed weights where the model itself does not fit, or choose them by hand")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# conftest has the repo on sys.path already, after ComfyUI's folder: putting it first would make ComfyUI's own
+# `import nodes` find this pack's nodes/ package for the rest of the session
 from bench import card_holder  # noqa: E402
 
 GIB, MIB = 2 ** 30, 2 ** 20

@@ -5,7 +5,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# conftest has the repo on sys.path already, after ComfyUI's folder: putting it first would make ComfyUI's own
+# `import nodes` find this pack's nodes/ package for the rest of the session
 from bench import gpu_matrix, server_matrix as sm  # noqa: E402
 
 

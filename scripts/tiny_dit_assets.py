@@ -378,6 +378,25 @@ def import_tiny_configs():
     return sys.modules["tiny_dit_configs"]
 
 
+def load_family(files: dict, family: str, model_options: dict | None = None) -> tuple:
+    """MODEL, CLIP and VAE of one tiny set (build_family's files), loaded as the stock loader nodes load them
+    (UNETLoader with `model_options`, (Dual)CLIPLoader of the workflow's type, VAELoader)."""
+    import_tiny_configs()
+    import comfy.sd
+    import comfy.utils
+    loaders = WORKFLOW[family]
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(files["unet_name"]), model_options=model_options or {})
+        if "DualCLIPLoader" in loaders:
+            clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],
+                                      clip_type=comfy.sd.CLIPType[loaders["DualCLIPLoader"]["type"].upper()])
+        else:
+            clip = comfy.sd.load_clip([str(files["clip_name"])],
+                                      clip_type=comfy.sd.CLIPType[loaders["CLIPLoader"]["type"].upper()])
+        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae_name"])))
+    return model, clip, vae
+
+
 def _shapes(d: dict) -> dict:
     return {k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in d.items()}
 

@@ -45,22 +45,9 @@ def dit_files(comfy_base) -> dict[str, dict[str, Path]]:
 @pytest.fixture(scope="session")
 def family_objects(dit_files, comfy_objects):
     """MODEL, CLIP and VAE per family, loaded the way the stock loader nodes load them."""
-    tiny_dit_assets.import_tiny_configs()
-    import comfy.sd
-    import comfy.utils
     loaded = {"sd15": comfy_objects}
     for family, files in dit_files.items():
-        loaders = tiny_dit_assets.WORKFLOW[family]
-        with torch.inference_mode():
-            model = comfy.sd.load_diffusion_model(str(files["unet_name"]))
-            if "DualCLIPLoader" in loaders:
-                clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],
-                                          clip_type=comfy.sd.CLIPType[loaders["DualCLIPLoader"]["type"].upper()])
-            else:
-                clip = comfy.sd.load_clip([str(files["clip_name"])],
-                                          clip_type=comfy.sd.CLIPType[loaders["CLIPLoader"]["type"].upper()])
-            vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae_name"])))
-        loaded[family] = (model, clip, vae)
+        loaded[family] = tiny_dit_assets.load_family(files, family)
     return loaded
 
 

@@ -81,28 +81,16 @@ def tiny_files(tmp_path_factory):
 
 
 def _load(files: dict, family: str, fp8: bool):
-    tiny_dit_assets.import_tiny_configs()
-    import comfy.sd
-    import comfy.utils
     from bridge.comfy_adapter import ComfyAdapter
-    if family == "sd15":  # a checkpoint (CheckpointLoaderSimple), 4-D latents; fp8: UNET weights stored as fp8
+    options = {"dtype": torch.float8_e4m3fn} if fp8 else {}  # fp8: UNETLoader's weight_dtype fp8_e4m3fn
+    if family == "sd15":  # a checkpoint (CheckpointLoaderSimple), 4-D latents
+        import comfy.sd
         with torch.inference_mode():
             model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(
                 str(files["checkpoint"]), output_vae=True, output_clip=True, embedding_directory=None,
-                model_options={"dtype": torch.float8_e4m3fn} if fp8 else {})
+                model_options=options)
         return ComfyAdapter(model, clip, vae)
-    loaders = tiny_dit_assets.WORKFLOW[family]
-    with torch.inference_mode():
-        model = comfy.sd.load_diffusion_model(str(files["unet_name"]),
-                                              model_options={"dtype": torch.float8_e4m3fn} if fp8 else {})
-        if "DualCLIPLoader" in loaders:
-            clip = comfy.sd.load_clip([str(files["clip_name1"]), str(files["clip_name2"])],
-                                      clip_type=comfy.sd.CLIPType[loaders["DualCLIPLoader"]["type"].upper()])
-        else:
-            clip = comfy.sd.load_clip([str(files["clip_name"])],
-                                      clip_type=comfy.sd.CLIPType[loaders["CLIPLoader"]["type"].upper()])
-        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(files["vae_name"])))
-    return ComfyAdapter(model, clip, vae)
+    return ComfyAdapter(*tiny_dit_assets.load_family(files, family, options))
 
 
 @pytest.fixture(scope="module")

@@ -236,3 +236,32 @@ def test_comfyui_peer_passes_every_input_of_0_33s_node(monkeypatch):
                                                               "offloading": [False], "bucket_mode": [False],
                                                               "bypass_mode": [False]}
     assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def test_training_steps_and_probes_run_with_comfyuis_training_switch_on_and_leave_it_as_it_was(comfy_objects,
+                                                                                             monkeypatch, tmp_path):
+    """0.33's DiT attention takes comfy-kitchen's fused inference kernels, which have no backward, unless
+    comfy.model_management.in_training is set (ComfyUI's own trainer sets it around its loop): every training
+    forward and backward runs with it set, and the run leaves it as it found it. On 0.3.75, which has no such
+    switch, the attribute is put there for the test; the adapter only sets one that exists."""
+    import numpy as np
+    import tiny_assets as tiny_assets_lib
+    from bridge.comfy_adapter import ComfyAdapter
+    from trainer.dataset import scan_folder
+    from trainer.settings import LoraSettings, MemorySettings, TrainSettings
+    from trainer.train_lora import train_lora
+    monkeypatch.setattr(comfy.model_management, "in_training", False, raising=False)
+    adapter = ComfyAdapter(*comfy_objects)
+    seen = []
+    predict = adapter.predict
+
+    def spy(*args, **kwargs):
+        seen.append(comfy.model_management.in_training)
+        return predict(*args, **kwargs)
+    monkeypatch.setattr(adapter, "predict", spy)
+    dataset = scan_folder(tiny_assets_lib.build_tiny_dataset(tmp_path / "ds", n=2), 64)
+    outcome = train_lora(adapter, dataset, MemorySettings("no", True), LoraSettings(rank=4),
+                         TrainSettings(2, 1e-3, 0, "switch"), tmp_path, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses))
+    assert seen and all(seen), seen  # every training forward (and the checkpointed recompute inside backward)
+    assert comfy.model_management.in_training is False

@@ -94,3 +94,15 @@ def in_a_training_thread(work):
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def optimizer_state_tensor_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state tensors, each storage once, 0-dim step counters and RMS scalars left out (as
+    trainer.optimizers.optimizer_state_bytes counts them)."""
+    import torch
+    sizes = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                sizes[value.untyped_storage().data_ptr()] = value.numel() * value.element_size()
+    return sum(sizes.values())

@@ -12,21 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import optimizer_state_tensor_bytes
 from test_pure_torch_training import EAGER, TinyAdapter
 from trainer.optimizers import MIN_8BIT_SIZE, OPTIMIZERS
 from trainer.settings import LoraSettings, LoraWeights, TrainSettings
 from trainer.train_lora import train_lora
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the state tensors, each storage once, 0-dim step counters and RMS scalars left out (as
-    optimizer_state_bytes counts)."""
-    sizes = {}
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                sizes[value.untyped_storage().data_ptr()] = value.numel() * value.element_size()
-    return sum(sizes.values())
 
 
 def _run(dataset, tmp_path, monkeypatch, memory, lora=LoraSettings(rank=32, alpha=32.0)):
@@ -45,7 +35,7 @@ def _run(dataset, tmp_path, monkeypatch, memory, lora=LoraSettings(rank=32, alph
 
         def measured_step(*args, **kwargs):
             result = inner(*args, **kwargs)
-            seen["after_steps"].append(_state_bytes(optimizer))
+            seen["after_steps"].append(optimizer_state_tensor_bytes(optimizer))
             return result
         optimizer.step = measured_step
         return estimate, lines

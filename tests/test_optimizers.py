@@ -14,7 +14,7 @@ from trainer.optimizers import (MIN_8BIT_SIZE, OPTIMIZERS, build_optimizer, opti
 from trainer.step.precision import Precision
 from trainer.settings import LoraSettings
 
-from helpers import TinyNet, sd_targets
+from helpers import TinyNet, optimizer_state_tensor_bytes, sd_targets
 
 CPU = torch.device("cpu")
 # Per-optimizer learning rates: Lion's sign updates want a few times less than AdamW's.
@@ -46,14 +46,6 @@ def _train(name: str, steps: int = 60, flat: bool = False):
     return result.losses, optimizer, note, params
 
 
-def _measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the state tensors, each storage once, 0-dim step counters and RMS scalars left out."""
-    sizes = {}
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                sizes[value.untyped_storage().data_ptr()] = value.numel() * value.element_size()
-    return sum(sizes.values())
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,7 +79,7 @@ def test_each_optimizer_trains_the_tiny_lora_like_adamw(name, adamw_losses):
     assert last < 0.7 * first, (name, last, first)
     used = type(optimizer).__name__
     assert used == ("AdamW8bit" if name == "PagedAdamW8bit" else name) and (note is None) == (used == name)
-    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(used, stepped)
+    assert optimizer_state_tensor_bytes(optimizer) == optimizer_state_bytes(used, stepped)
 
 
 def test_without_bitsandbytes_the_8bit_choices_fall_back_with_a_note(monkeypatch):
@@ -146,7 +138,7 @@ def test_state_bytes_equal_the_real_optimizers_state(name):
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()
-    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(name, params)
+    assert optimizer_state_tensor_bytes(optimizer) == optimizer_state_bytes(name, params)
     assert optimizer_state_bytes(name, [p.shape for p in params]) == optimizer_state_bytes(name, params)
 
 
@@ -183,7 +175,7 @@ def test_flat_bitsandbytes_steps_train_like_per_tensor_steps(name):
         assert p.untyped_storage().data_ptr() == flat_param.untyped_storage().data_ptr()
         assert p.grad is not None and p.grad.untyped_storage().data_ptr() == flat_param.grad.untyped_storage().data_ptr()
     assert flat == per_tensor
-    assert _measured_state_bytes(optimizer) == optimizer_state_bytes(name, [flat_param])
+    assert optimizer_state_tensor_bytes(optimizer) == optimizer_state_bytes(name, [flat_param])
 
 
 def test_the_chosen_optimizer_is_built_once_on_the_tensors_it_steps(monkeypatch):

@@ -308,7 +308,6 @@ def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:
     never joins again."""
     moved = 0
     pin = torch.cuda.is_available()  # pinned pages let the host-to-device copies run asynchronously
-    memory = device_memory(next((p.device for p in module.parameters() if p.requires_grad), None))
     for layer in streamed_layers(module, share):
         if not isinstance(layer, _Fp8Compute):
             continue
@@ -317,20 +316,16 @@ def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:
             if tensor is None or tensor.requires_grad:
                 continue
             moved += tensor.numel() * tensor.element_size()
-            if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin) and not _on_card(memory, tensor):
-                continue
-            if memory is not None and tensor.device == memory.device:
+            memory = device_memory(tensor.device)  # a CPU test's simulated card holds CPU tensors too
+            if memory is not None and memory.holds(tensor):
                 host = memory.to_host(tensor.data, pinned=pin)
+            elif tensor.is_pinned() or not pin:
+                continue  # in host RAM as streaming wants it already
             else:
-                host = tensor.data.to("cpu").pin_memory() if pin else tensor.data.to("cpu")
+                host = tensor.data.pin_memory()
             setattr(layer, name, torch.nn.Parameter(host, requires_grad=False))
         layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
     return moved
-
-
-def _on_card(memory, tensor: torch.Tensor) -> bool:
-    """Whether a CPU tensor is on a CPU test's simulated card (memory/card.py) rather than in host RAM."""
-    return memory is not None and memory.simulated and memory.holds(tensor)
 
 
 def projected_weight_bytes(module: torch.nn.Module, compute_dtype: torch.dtype, base_weights: BaseWeights,

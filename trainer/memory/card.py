@@ -84,6 +84,10 @@ class CudaMemory:
     def set_fraction(self, fraction: float) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is in this device's memory."""
+        return tensor.is_cuda and (self.device.index is None or tensor.device.index == self.device.index)
+
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device)
 
@@ -288,6 +292,15 @@ def device_memory(device: torch.device | str | None) -> CudaMemory | SimulatedCa
         return CudaMemory(device)
     if device.type == "cpu" and _SIMULATED is not None:
         return _SIMULATED
+    return None
+
+
+def card_of(tensors) -> CudaMemory | SimulatedCard | None:
+    """The memory of the GPU (or simulated card) the first of `tensors` that is on one is on; None if none is."""
+    for tensor in tensors:
+        memory = device_memory(tensor.device)
+        if memory is not None and memory.holds(tensor):
+            return memory
     return None
 
 

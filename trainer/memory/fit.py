@@ -347,7 +347,8 @@ class CardBudget:
     @property
     def margin(self) -> int:
         """MARGIN on a real card; a CPU test's simulated card has no allocator rounding to keep room for."""
-        return device_memory(self.device).rounding_margin if device_memory(self.device).simulated else self.MARGIN
+        memory = device_memory(self.device)
+        return memory.rounding_margin if memory.simulated else self.MARGIN
 
     def usable(self) -> int:
         """Bytes training's own allocations (the estimate's total) may take now."""

@@ -12,7 +12,7 @@ import gc
 import torch
 
 from ..memory.allocator import compiled_kernels_blocked
-from ..memory.card import device_memory
+from ..memory.card import card_of, device_memory
 from ..errors import is_compile_error, is_out_of_memory, one_line
 from ..layout import is_channels_last
 
@@ -137,7 +137,7 @@ def frozen_weight_bytes(module: torch.nn.Module, device: torch.device | None = N
     """Bytes of frozen parameters and buffers (resident for the whole run), only those on `device` if given."""
     tensors = [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
     memory = device_memory(device)
-    if memory is not None and memory.simulated:  # on a CPU test's simulated card, host tensors are CPU tensors too
+    if memory is not None:  # on a CPU test's simulated card, host tensors are CPU tensors too: the card tells
         return sum(t.numel() * t.element_size() for t in tensors if memory.holds(t))
     return sum(t.numel() * t.element_size() for t in tensors if device is None or t.device == torch.device(device))
 
@@ -156,11 +156,10 @@ def park_frozen_on_cpu(module: torch.nn.Module) -> None:
     streams them; place_on_device then puts what stays back side by side. Converted in place on the GPU, each fp8
     copy landed between the freed fp16 blocks: under cudaMallocAsync ~0.6 GiB of the pool stayed reserved around
     SD1.5's scattered fp8 weights, too much for a CUDA graph's pool on a 3 GiB card (steps ran eagerly, 22x)."""
-    memory = device_memory(next((t.device for t in device_bound(module) if device_memory(t.device) is not None), None))
+    memory = card_of(device_bound(module))
     if memory is None:
         return
-    frozen = [t for t in device_bound(module) if not t.requires_grad and t.device == memory.device
-              and (not memory.simulated or memory.holds(t))]
+    frozen = [t for t in device_bound(module) if not t.requires_grad and memory.holds(t)]
     if not frozen:
         return
     for tensor in frozen:
@@ -177,21 +176,16 @@ def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
     tensors = sorted(device_bound(module), key=lambda t: not t.requires_grad)  # stable: module order otherwise
     memory = device_memory(device)
     for tensor in tensors:
-        if memory is not None and tensor.device == memory.device:
-            tensor.data = memory.place(tensor.data)  # a copy where the card's memory lies elsewhere; else itself
-        elif tensor.device != torch.device(device):
-            tensor.data = tensor.data.to(device)
+        # the card's own move (a simulated card copies and counts); what is there already stays as it is
+        tensor.data = memory.place(tensor.data) if memory is not None else tensor.data.to(device)
 
 
 def move_to_host(module: torch.nn.Module) -> None:
     """Every parameter and buffer of `module` that is on a GPU goes to host RAM (the training copy after the run:
     its LoRA is saved from there)."""
     tensors = [*module.parameters(), *module.buffers()]
-    memory = device_memory(next((t.device for t in tensors if device_memory(t.device) is not None), None))
+    memory = card_of(tensors)
     if memory is None:
-        return
-    if not memory.simulated:
-        module.to("cpu")
         return
     for tensor in tensors:
         if memory.holds(tensor):

@@ -89,6 +89,14 @@ def row(family: str, card: float | None, check: str = "speed", checks: bool = Fa
                   families="generic" if family == "generic" else None)
 
 
+def sampler_only(family: str, card: float) -> Server:
+    """One server on the card that samples the base MODEL with ComfyUI's KSampler and nothing else."""
+    start, _, _, _, sample = EST[family]
+    return Server(f"{family}_{card:g}_sampler_only", model_of(family),
+                  [Job("sampler_only", kind="sample", check="check", est_setup_s=sample * 3, timeout_s=300)],
+                  card_gib=card, est_start_s=start)
+
+
 def family_rows(family: str, fits: tuple = (), checks_on: tuple = (6,)) -> list[Server]:
     """The family on every card: speed rows, except the cards in `fits`; the checks on the cards in checks_on."""
     return [row(family, card, "fits" if card in fits else "speed", checks=card in checks_on) for card in CARDS]
@@ -146,6 +154,9 @@ def _groups() -> dict:
         "qwen_b": lambda: [row("qwen_image", 8, "fits"), row("qwen_image", 6, "fits")],
         "wan_a": lambda: [row("wan", 24, "fits"), row("wan", 12, "fits"), row("wan", 8, "fits")],
         "cuda_tests": None,
+        # ComfyUI's own KSampler alone (no Train before it) on the cards where it ran out of memory after Train on
+        # 6 Dec: tells ComfyUI's sampling on that card from anything Train left behind
+        "qwen_sampler": lambda: [sampler_only("qwen_image", 12), sampler_only("qwen_image", 8)],
     }
     for family in ("sd15", "sdxl"):
         groups.update(pack(family, family_rows(family)))

@@ -50,6 +50,9 @@ CLIP_L = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num
 T5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2)
 QWEN3_4B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
 QWEN25_7B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+# Qwen2.5-VL's vision tower (Qwen-Image-Edit reads its control images through it): 16-wide heads (tests/tiny_dit_configs
+# derives the heads from the width so)
+QWEN25_VL_VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2)
 UMT5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_size=32000)  # the pile tokenizer's
 
 # Diffusion models: what ComfyUI's detection (+ tests/tiny_dit_configs) derives from the files' shapes. Widths are
@@ -103,6 +106,11 @@ WORKFLOW = {
     "qwen_image": {
         "UNETLoader": {"unet_name": "leanlora_tiny_qwen_image.safetensors", "weight_dtype": "default"},
         "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_2.5_vl_7b.safetensors", "type": "qwen_image"},
+        "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},
+    },
+    "qwen_image_edit": {  # Qwen-Image-Edit 2509/2511: Qwen-Image's model; the text encoder with its vision tower
+        "UNETLoader": {"unet_name": "leanlora_tiny_qwen_image.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_2.5_vl_7b_vision.safetensors", "type": "qwen_image"},
         "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},
     },
     "wan": {
@@ -293,6 +301,22 @@ def build_qwen25_vl_7b(path: str | Path, seed: int = 0) -> Path:
     return _write(path, f"qwen25_7b-seed{seed}", make)
 
 
+def build_qwen25_vl_7b_vision(path: str | Path, seed: int = 0) -> Path:
+    """Qwen-Image-Edit's text encoder: Qwen2.5-VL-7B with its vision tower (visual.*, QWEN25_VL_VISION wide), which
+    reads the control images (TextEncodeQwenImageEdit(Plus)); loads with tests/tiny_dit_configs' narrow tower."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.llama
+            import comfy.text_encoders.qwen_vl
+            model = comfy.text_encoders.llama.Qwen25_7BVLI(dict(QWEN25_7B), torch.float32, "meta", ops)
+            model.visual = comfy.text_encoders.qwen_vl.Qwen2VLVisionTransformer(
+                output_hidden_size=QWEN25_7B["hidden_size"], device="meta", dtype=torch.float32, ops=ops,
+                **QWEN25_VL_VISION)
+            return model
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"qwen25_7b_vision-seed{seed}", make)
+
+
 def build_flux_ae(path: str | Path, seed: int = 0) -> Path:
     """The FLUX.1 / Z-Image VAE "ae" (AutoencoderKL, 16 latent channels) at its real, pinned size, bf16."""
     def make():
@@ -328,6 +352,7 @@ _BUILDERS = {
     "leanlora_tiny_clip_l.safetensors": build_clip_l,
     "leanlora_tiny_t5xxl.safetensors": build_t5xxl,
     "leanlora_tiny_qwen_2.5_vl_7b.safetensors": build_qwen25_vl_7b,
+    "leanlora_tiny_qwen_2.5_vl_7b_vision.safetensors": build_qwen25_vl_7b_vision,
     "leanlora_tiny_ae.safetensors": build_flux_ae,
     "leanlora_tiny_qwen_image_vae.safetensors": build_wan21_vae,
     "leanlora_tiny_wan2.1_t2v.safetensors": build_wan21_t2v_model,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from .cache_store import LatentTextStore, image_key, text_key
 from .captions import CaptionOptions, caption_variants, dropped_caption
-from .dataset import Dataset, UnusableImage, load_image, load_mask
+from .dataset import CONTROL_FOLDER, CONTROL_SUFFIX, Dataset, UnusableImage, load_image, load_mask
 from .errors import LeanLoRAError
 
 
@@ -34,6 +34,49 @@ MASK_KEY = "leanlora_loss_mask"  # collate's entry for the batch's masks; the se
 
 ImageEncoder = Callable[[torch.Tensor], torch.Tensor]              # [1, H, W, 3] 0..1 -> [1, C, h, w]
 TextEncoder = Callable[[str, int, int], dict[str, torch.Tensor]]   # (caption, width, height) -> cond kwargs
+
+# An edit pair's control latents in a sample's conditioning: CONTROL_KEY + "0", "1", ... in order (each [1, C, ...],
+# the model's latent space); the model's family hands them to the model as its sampling conditioning does
+CONTROL_KEY = "control_latent."
+
+
+class ControlEncoder(Protocol):
+    """How an edit model takes a pair's control images (ModelAdapter.control_encoder; ComfyUI's: bridge/edit_pairs.py).
+    The control is framed as its target (the same center crop of the same aspect) at `control_size`, what the model's
+    own conditioning node resizes it to, and encoded as that node encodes it."""
+    name: str                  # the edit model, for the report ("Qwen-Image-Edit 2509/2511")
+    preprocess: str            # the control's resize rule: part of its latent's cache key
+    text_sees_controls: bool   # the text encoder reads the control images too (Qwen-Image-Edit's vision-language)
+    max_controls: int
+
+    def control_size(self, width: int, height: int) -> tuple[int, int]: ...
+    def encode_control(self, pixels: torch.Tensor) -> torch.Tensor: ...  # [1, H, W, 3] -> the latent the model gets
+    def encode_text(self, caption: str, width: int, height: int,
+                    controls: list[torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+def control_encoder_for(adapter, dataset: Dataset) -> ControlEncoder | None:
+    """The adapter's encoder of the dataset's control images (None for a folder of plain images). The adapter refuses
+    what its model cannot train (an edit model given plain images, a plain model given pairs); one that knows no
+    control images refuses a folder of pairs here, naming both layouts."""
+    make = getattr(adapter, "control_encoder", None)
+    encoder = make(dataset) if make is not None else None
+    if dataset.pairs and encoder is None:
+        raise LeanLoRAError(pairs_refusal(adapter.describe(), dataset))
+    if encoder is not None:
+        most = max(len(sample.controls) for sample in dataset.samples)
+        if most > encoder.max_controls:
+            raise LeanLoRAError(f"{encoder.name} takes at most {encoder.max_controls} control image"
+                                f"{'s' if encoder.max_controls > 1 else ''} per target, and {dataset.folder} has "
+                                f"targets with {most}; keep {encoder.max_controls} per target")
+    return encoder
+
+
+def pairs_refusal(model: str, dataset: Dataset) -> str:
+    return (f"{dataset.folder} is a folder of edit pairs ({len(dataset.samples)} targets with control images), and "
+            f"this model takes no control image: {model}. Connect an edit model (Qwen-Image-Edit 2509/2511 or "
+            "FLUX.1 Kontext) to train an edit LoRA, or train on the targets alone: move the control images (the "
+            f"<name>{CONTROL_SUFFIX}.* files and the {CONTROL_FOLDER}/ folder) out of the folder")
 
 
 # What load_image does to an image's bytes besides the target size; part of every latent key, so a change to
@@ -112,7 +155,8 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
                 stats: CacheStats | None = None, preprocess: str = PREPROCESS,
                 captions: CaptionOptions = CaptionOptions(), seed: int = 0,
                 masked_loss: bool = False,
-                tokenize: Callable[[str], dict[str, torch.Tensor]] | None = None) -> list[CachedSample]:
+                tokenize: Callable[[str], dict[str, torch.Tensor]] | None = None,
+                controls: ControlEncoder | None = None) -> list[CachedSample]:
     """Encodes what the store does not hold yet (without a store: everything) and counts into `stats`. A hit
     skips decoding the image as well as the encoder, so a fully cached dataset never loads the VAE or CLIP.
     An image that has become unusable since the scan (deleted, truncated, undecodable, replaced by a link that
@@ -120,7 +164,12 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
     error. `captions`: caption variants to encode as well (captions.py), seeded by `seed`. `masked_loss`: each
     sample gets its loss mask (dataset.load_mask) at the latent's size, area-averaged as the VAE downsamples.
     `tokenize` (a trained text encoder's, text_encoder.py): each caption's conditioning also holds its tokens (never
-    stored: tokenizing is cheap, and the store's entries stay those of the encoder's output)."""
+    stored: tokenizing is cheap, and the store's entries stay those of the encoder's output).
+    `controls` (an edit model's, for a dataset of pairs): each control image is framed as its target, resized as the
+    model's node resizes it and encoded once (keyed by its bytes and that rule, like the targets), into the sample's
+    conditioning as CONTROL_KEY<i>; where the text encoder reads the controls too, a caption's key holds them."""
+    if dataset.pairs and controls is None:
+        raise LeanLoRAError(pairs_refusal("(a model without control images)", dataset))
     mask_sources: dict[str, int] = {}
     stats = stats if stats is not None else CacheStats()
     run_texts: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}  # a repeated caption is encoded once
@@ -143,14 +192,30 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
         _check_finite(latent, "VAE", f"encoding {sample.path.name}")
         stats.image_hits += hit
         stats.image_misses += not hit
+        control_latents, control_id, control_pixels = {}, "", None
+        if controls is not None:
+            try:
+                control_latents, control_id, control_pixels = _controls(sample, width, height, controls, store,
+                                                                        image_encoder_id, preprocess, stats)
+            except UnusableImage as unusable:
+                stats.skipped.append((sample.path.name, f"its control image {unusable.path.name}: {unusable.reason}"))
+                on_item(index + 1, total)
+                continue
+        sees_controls = controls is not None and controls.text_sees_controls
+
+        def encode_caption(caption: str) -> dict[str, torch.Tensor]:
+            if not sees_controls:
+                return encode_text(caption, width, height)
+            return controls.encode_text(caption, width, height, control_pixels())
 
         def text(caption: str) -> dict[str, torch.Tensor]:
-            text_id = (caption, width, height)
+            text_id = (caption, width, height, control_id if sees_controls else "")
             hit = text_id in run_texts
             if not hit:
+                keyed = f"{caption}\0controls {control_id}" if sees_controls else caption
                 run_texts[text_id], hit = _fetch(
-                    store, lambda: text_key(caption, width, height, text_encoder_id),
-                    lambda: {k: v.detach().to("cpu") for k, v in encode_text(caption, width, height).items()})
+                    store, lambda: text_key(keyed, width, height, text_encoder_id),
+                    lambda: {k: v.detach().to("cpu") for k, v in encode_caption(caption).items()})
                 _check_finite(run_texts[text_id], "text encoder (CLIP)", f"encoding the caption {caption[:60]!r}")
                 if tokenize is not None:
                     run_texts[text_id] = {**run_texts[text_id], **tokenize(caption)}
@@ -175,8 +240,20 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
             mask = torch.ones(1, 1, *size) if pixels is None else \
                 torch.nn.functional.interpolate(pixels[None, None], size=size, mode="area")
             mask_sources[where or "none"] = mask_sources.get(where or "none", 0) + 1
-        cached.append(CachedSample(latent["latent"], text(sample.caption), sample.path.name, variants, dropped, mask))
+        if control_latents:  # every caption variant goes with the pair's controls
+            variants = tuple({**cond, **control_latents} for cond in variants)
+            dropped = {**dropped, **control_latents} if dropped is not None else None
+        cached.append(CachedSample(latent["latent"], {**text(sample.caption), **control_latents}, sample.path.name,
+                                   variants, dropped, mask))
         on_item(index + 1, total)
+    if controls is not None and cached:
+        sizes = sorted({tuple(value.shape[-2:]) for sample in cached for key, value in sample.cond.items()
+                        if key.startswith(CONTROL_KEY)})
+        stats.notes.append(f"edit pairs for {controls.name}: each control image framed as its target, resized as "
+                           f"{controls.preprocess} (latents " + ", ".join(f"{w}x{h}" for h, w in sizes)
+                           + "), given to the model as reference latents"
+                           + ("; the instruction encoded with the control images" if controls.text_sees_controls
+                              else ""))
     if store is not None and store.disk_problem:
         stats.notes.append(store.disk_problem)
     if masked_loss:
@@ -199,6 +276,31 @@ def build_cache(dataset: Dataset, encode_image: ImageEncoder, encode_text: TextE
         raise LeanLoRAError(f"no image of {dataset.folder} could be used when caching ({details}); fix or replace "
                             "the files and run again")
     return cached
+
+
+def _controls(sample, width: int, height: int, encoder: ControlEncoder, store: LatentTextStore | None,
+              image_encoder_id: str, preprocess: str, stats: CacheStats):
+    """({CONTROL_KEY<i>: latent}, the controls' identity for the caption's key, a function giving their pixels) of
+    one pair. A latent is keyed by the control's bytes, the framing, the model's resize rule and the VAE; the pixels
+    are decoded only when something misses."""
+    size = encoder.control_size(width, height)
+    rule = f"control {encoder.preprocess} from {preprocess} {size[0]}x{size[1]} (target {width}x{height})"
+    loaded: list[torch.Tensor] = []
+
+    def pixels() -> list[torch.Tensor]:
+        if not loaded:
+            loaded.extend(load_image(path, size)[None] for path in sample.controls)
+        return loaded
+    latents, keys = {}, []
+    for i, path in enumerate(sample.controls):
+        keys.append(_image_key(path, rule, image_encoder_id))
+        entry, hit = _fetch(store, lambda: keys[-1],
+                            lambda: {"latent": encoder.encode_control(pixels()[i]).detach().to("cpu", torch.float32)})
+        _check_finite(entry, "VAE", f"encoding the control image {path.name}")
+        stats.image_hits += hit
+        stats.image_misses += not hit
+        latents[f"{CONTROL_KEY}{i}"] = entry["latent"]
+    return latents, " ".join(keys), pixels
 
 
 def _match_token_length(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

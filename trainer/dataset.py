@@ -10,6 +10,7 @@ import csv
 import hashlib
 import io
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,14 @@ from .errors import LeanLoRAError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MASK_SUFFIX = "_mask.png"  # <image stem>_mask.png: white = the loss counts there, black = it does not
+# Edit pairs (edit models: Qwen-Image-Edit, FLUX.1 Kontext): each target <stem>.<ext> has its control image(s) beside it
+# as <stem>_control.<ext> (or <stem>_control1.<ext>, <stem>_control2.<ext>, ... for several), or in a control/
+# subfolder under the target's own name (or the same _control<N> names)
+CONTROL_SUFFIX = "_control"
+CONTROL_FOLDER = "control"
+PAIRS_LAYOUT = (f"each target image <name>.png with its control image beside it as <name>{CONTROL_SUFFIX}.png (several: "
+                f"<name>{CONTROL_SUFFIX}1.png, <name>{CONTROL_SUFFIX}2.png) or as {CONTROL_FOLDER}/<name>.png, and the "
+                "instruction as its caption (<name>.txt or metadata.csv)")
 NOT_CANDIDATES = (".txt", ".csv", ".json", ".toml", ".yaml", ".npz", ".safetensors")  # captions and caches
 CAPTION_CSV = "metadata.csv"  # columns file_name,text (the lora-scripts / Hugging Face imagefolder layout)
 
@@ -54,6 +63,7 @@ class Sample:
     path: Path
     caption: str
     size: tuple[int, int] = (0, 0)  # original (width, height), read from the header
+    controls: tuple[Path, ...] = ()  # an edit pair's control image(s), in order (control1, control2, ...)
 
 
 def bucket_size(width: int, height: int, resolution: int) -> tuple[int, int]:
@@ -119,6 +129,7 @@ class Dataset:
     notes: tuple[tuple[str, str], ...] = field(default=())  # (file name or "metadata.csv line N", what was done)
     confinement: Confinement | None = None  # checked again when each image is read (cache.build_cache)
     trigger_word: str = ""  # first in every caption; caption options (captions.py) never move or drop it
+    pairs: bool = False  # edit pairs: every sample has its control image(s) (PAIRS_LAYOUT)
 
     def __post_init__(self):
         check_numbers(self.resolution, self.repeats)
@@ -130,7 +141,12 @@ class Dataset:
 
     def summary(self) -> str:
         shape = "aspect-ratio buckets up to" if self.buckets else "square crops of"
-        lines = [f"{len(self.samples)} images x {self.repeats} repeats from {self.folder}, {shape} {self.resolution}px"]
+        what = f"{len(self.samples)} images"
+        if self.pairs:
+            counts = sorted({len(sample.controls) for sample in self.samples})
+            what = (f"{len(self.samples)} edit pairs (target + "
+                    + "/".join(str(n) for n in counts) + f" control image{'s' if counts != [1] else ''})")
+        lines = [f"{what} x {self.repeats} repeats from {self.folder}, {shape} {self.resolution}px"]
         if self.buckets:
             sizes: dict[tuple[int, int], int] = {}
             for sample in self.samples:
@@ -206,27 +222,39 @@ def _resolve_folder(folder: str, input_dir: str | Path) -> Path:
 def folder_fingerprint(folder: Path, confinement: Confinement | None = None) -> str:
     """Changes whenever a scan of the folder could: a file added, removed, renamed or rewritten (name, size,
     modification time), and any change to a caption file's text even within the clock's resolution. A link
-    leading out of `confinement` counts by its own name and target, never by what it points to."""
+    leading out of `confinement` counts by its own name and target, never by what it points to. An edit-pairs
+    folder's control/ subfolder counts too."""
     digest = hashlib.sha256(str(folder).encode())
     try:
         with os.scandir(folder) as listing:
             entries = sorted(listing, key=lambda entry: entry.name)
     except OSError as error:
         return f"unreadable: {error}"  # scan_folder raises the clear error
+    _fingerprint_entries(digest, entries, confinement)
+    controls = Path(folder) / CONTROL_FOLDER
+    if controls.is_dir() and not (confinement is not None and confinement.leads_out(controls)):
+        try:
+            with os.scandir(controls) as listing:
+                _fingerprint_entries(digest, sorted(listing, key=lambda entry: entry.name), confinement, "control/")
+        except OSError as error:
+            digest.update(f"control/\0unreadable\0{error}".encode())
+    return digest.hexdigest()
+
+
+def _fingerprint_entries(digest, entries, confinement: Confinement | None, prefix: str = "") -> None:
     for entry in entries:
         try:
             if confinement is not None and entry.is_symlink() and confinement.leads_out(Path(entry.path)):
-                digest.update(f"{entry.name}\0link\0{os.readlink(entry.path)}\0".encode())
+                digest.update(f"{prefix}{entry.name}\0link\0{os.readlink(entry.path)}\0".encode())
                 continue
             if not entry.is_file():
                 continue
             stat = entry.stat()
-            digest.update(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            digest.update(f"{prefix}{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
             if Path(entry.name).suffix.lower() in (".txt", ".csv") and stat.st_size <= 1 << 20:
                 digest.update(Path(entry.path).read_bytes())
         except OSError:
-            digest.update(f"{entry.name}\0gone\0".encode())
-    return digest.hexdigest()
+            digest.update(f"{prefix}{entry.name}\0gone\0".encode())
 
 
 def _decode_text(data: bytes) -> tuple[str, str | None]:
@@ -424,6 +452,12 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
                        "image") for p in sorted(masks)]
     images = [p for p in images if p not in masks]
     files = [p for p in files if p not in masks]
+    controls, unmatched = _find_controls(folder, images, confinement)
+    pairs = bool(controls)
+    if pairs:  # control images are never targets; those of no target are listed
+        beside = {c for found in controls.values() for c in found} | {p for p, _ in unmatched}
+        images = [p for p in images if p not in beside]
+        files = [p for p in files if p not in beside]
     folded_image_count: dict[str, int] = {}
     for p in images:
         folded_image_count[p.name.casefold()] = folded_image_count.get(p.name.casefold(), 0) + 1
@@ -436,6 +470,7 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
 
     trigger = trigger_word.strip()
     samples, skipped = [], list(broken)
+    skipped += [(_control_name(folder, p), reason) for p, reason in unmatched]
     used_sidecars, used_rows = set(), set()
     own_sidecars, own_names = {f"{p.stem}.txt" for p in images}, {p.name for p in images}
     for path in files:
@@ -458,6 +493,16 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
             skipped.append((path.name, problem))
             continue
         notes += [(path.name, note) for note in image_notes]
+        own_controls = controls.get(path, ())
+        if pairs:
+            if not own_controls:
+                skipped.append((path.name, f"no control image ({path.stem}{CONTROL_SUFFIX}{path.suffix} beside it or "
+                                           f"{CONTROL_FOLDER}/{path.name}); in a folder of edit pairs every target "
+                                           "needs one"))
+                continue
+            if bad := next(((c, _check_image(c)[0]) for c in own_controls if _check_image(c)[0]), None):
+                skipped.append((path.name, f"its control image {_control_name(folder, bad[0])} is unusable: {bad[1]}"))
+                continue
         if sidecar is not None:
             try:
                 caption, note = _decode_text(sidecars[sidecar].read_bytes())
@@ -475,11 +520,15 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
         caption = caption.strip()
         if trigger:
             caption = f"{trigger}, {caption}" if caption else trigger
-        samples.append(Sample(path, caption, size))
+        samples.append(Sample(path, caption, size, own_controls))
     notes += [(name, "caption file matches no image; not used") for name in sidecars if name not in used_sidecars]
     notes += [(f"{CAPTION_CSV} line {row.line} ({name})", "file_name matches no image in the folder; not used")
               for name, row in csv_captions.items() if name not in used_rows]
 
+    if pairs and not samples:
+        details = "; ".join(f"{name}: {reason}" for name, reason in skipped[:5])
+        raise LeanLoRAError(f"dataset folder {folder} has control images but no usable edit pair ({details}); lay it "
+                            f"out as {PAIRS_LAYOUT}")
     if not samples:
         if not skipped:
             raise LeanLoRAError(f"dataset folder {folder} is empty; put images ({', '.join(IMAGE_EXTENSIONS)}) "
@@ -488,7 +537,57 @@ def scan_folder(folder: str | Path, resolution: int, repeats: int = 1, trigger_w
         raise LeanLoRAError(f"dataset folder {folder} has no usable images ({len(skipped)} files skipped: {details}); "
                             f"add images ({', '.join(IMAGE_EXTENSIONS)})")
     return Dataset(folder, tuple(samples), resolution, repeats, tuple(skipped), buckets, tuple(notes), confinement,
-                   trigger)
+                   trigger, pairs)
+
+
+_CONTROL_STEM = re.compile(rf"(.+){CONTROL_SUFFIX}(\d*)", re.IGNORECASE)
+
+
+def _control_name(folder: Path, path: Path) -> str:
+    return path.name if path.parent == folder else f"{CONTROL_FOLDER}/{path.name}"
+
+
+def _find_controls(folder: Path, images: list[Path], confinement: Confinement | None
+                   ) -> tuple[dict[Path, tuple[Path, ...]], list[tuple[Path, str]]]:
+    """({target: its control images in order}, [(control image of no target, why)]). A control is
+    <stem>_control[N].<ext> beside target <stem>.<ext>, or in control/ as <stem>.<ext> or <stem>_control[N].<ext>;
+    "_control" comes before "_control1". Empty unless at least one control has its target (a plain folder's
+    "x_control.png" without an "x.png" stays an ordinary image)."""
+    targets = {p.stem: p for p in images if not _CONTROL_STEM.fullmatch(p.stem)}
+    found: dict[Path, list[tuple[int, Path]]] = {}
+    unmatched: list[tuple[Path, str]] = []
+    candidates = [(p, False) for p in images if p.stem not in targets]
+    subfolder = folder / CONTROL_FOLDER
+    if subfolder.is_dir():
+        try:
+            entries = sorted(subfolder.iterdir())
+        except OSError as error:
+            raise LeanLoRAError(f"the control folder {subfolder} cannot be listed ({error.strerror or error}); fix "
+                                "its permissions") from error
+        if confinement is not None and (leaving := confinement.links_out(entries)):
+            raise LeanLoRAError(confinement.refusal(subfolder, leaving))
+        candidates += [(p, True) for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+    for path, inside in candidates:
+        match = _CONTROL_STEM.fullmatch(path.stem)
+        stem, order = (match[1], int(match[2] or 0)) if match else (path.stem, 0)
+        target = targets.get(stem)
+        if target is None:
+            unmatched.append((path, f"a control image whose target {stem}.<png/jpg/...> is not in the folder; not used"))
+            continue
+        found.setdefault(target, []).append((order, path))
+    controls = {}
+    for target, entries in found.items():
+        orders = [order for order, _ in entries]
+        if len(set(orders)) < len(orders):
+            twice = sorted(path.name for order, path in entries if orders.count(order) > 1)
+            unmatched += [(path, f"{target.name} has two control images of one place ({', '.join(twice)}); rename one "
+                                 f"{target.stem}{CONTROL_SUFFIX}1, {target.stem}{CONTROL_SUFFIX}2, ...")
+                          for order, path in entries]
+            continue
+        controls[target] = tuple(path for _, path in sorted(entries))
+    if not controls:
+        return {}, [(p, reason) for p, reason in unmatched if p.parent == subfolder]  # a control/ of no pairs
+    return controls, unmatched
 
 
 def load_image(path: Path, size: int | tuple[int, int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .cache import CacheStats, build_cache
+from .cache import CacheStats, build_cache, control_encoder_for
 from .cache_store import LatentTextStore
 from .dataset import Dataset
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory, one_line
@@ -140,7 +140,8 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                             image_encoder_id=adapter.image_encoder_id() if store else "",
                             text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats,
                             captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss,
-                            tokenize=adapter.text_encoder_tokens if lora.trains_text_encoder else None)
+                            tokenize=adapter.text_encoder_tokens if lora.trains_text_encoder else None,
+                            controls=control_encoder_for(adapter, dataset))  # edit pairs (or a refusal)
     except cancel_errors as cancel:
         raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
     report.append(stats.describe())

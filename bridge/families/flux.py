@@ -12,6 +12,7 @@ import comfy.model_base
 import comfy.model_sampling
 
 from .common import TransformerFamily, prediction_of
+from .edit import EditVariant
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
     from ...trainer.model import FamilyIdentity
@@ -88,6 +89,33 @@ class Flux(TransformerFamily):
 
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return [*unet.double_blocks, *unet.single_blocks]
+
+    def edit_variant(self, base):
+        """FLUX.1 Kontext: FLUX.1-dev's model class and weights, trained from a folder of pairs (schnell and the
+        families built on Flux's blocks have no edit variant)."""
+        dev = type(self) is Flux and type(base.model_config).__name__ != "FluxSchnell"
+        return FLUX_KONTEXT if dev else None
+
+
+class FluxKontext(EditVariant, Flux):
+    """FLUX.1 Kontext dev trained on pairs: each control image as FluxKontextImageScale + VAEEncode +
+    ReferenceLatent give it (bridge/edit_pairs.py); the caption and guidance as FLUX.1's."""
+    name = "FLUX.1 Kontext"
+
+    def identity(self, base, model_sampling) -> FamilyIdentity:
+        return FamilyIdentity("FLUX.1-Kontext-dev", "flux1", "flux-1-kontext-dev",
+                              "https://github.com/black-forest-labs/flux", prediction_of(model_sampling),
+                              recorded_as=("flux1", "flux-1", "flux.1", "flux"))
+
+    def describe(self, base) -> str:
+        return super().describe(base) + ", edit pairs: control images as reference latents"
+
+    def controls(self, adapter):
+        from ..edit_pairs import KontextControls
+        return KontextControls(adapter)
+
+
+FLUX_KONTEXT = FluxKontext()
 
 
 def _double_block_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,

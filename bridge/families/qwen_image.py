@@ -8,6 +8,7 @@ import torch
 import comfy.model_base
 
 from .common import TransformerFamily, prediction_of
+from .edit import EditVariant
 
 if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
     from ...trainer.model import FamilyIdentity
@@ -59,7 +60,33 @@ class QwenImage(TransformerFamily):
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return list(unet.transformer_blocks)
 
+    def edit_variant(self, base):
+        """Qwen-Image-Edit (2509/2511): the same model class and weights, trained from a folder of pairs."""
+        return QWEN_IMAGE_EDIT
+
     def diffusers_module_names(self, base) -> dict[str, str] | None:
         """ComfyUI's paths are diffusers' own: diffusers/peft files (`transformer.<path>`) name them as they are."""
         return {path: path for path, module in base.diffusion_model.named_modules()
                 if isinstance(getattr(module, "weight", None), torch.Tensor)}
+
+
+class QwenImageEdit(EditVariant, QwenImage):
+    """Qwen-Image-Edit 2509/2511 trained on pairs: each control image as TextEncodeQwenImageEditPlus takes it (a
+    reference latent, and an image the instruction is encoded with: bridge/edit_pairs.py)."""
+    name = "Qwen-Image-Edit"
+
+    def identity(self, base, model_sampling) -> FamilyIdentity:
+        return FamilyIdentity("Qwen-Image-Edit", "qwen_image_edit", "qwen-image-edit",
+                              "https://github.com/QwenLM/Qwen-Image", prediction_of(model_sampling),
+                              recorded_as=("qwen_image", "qwen-image", "qwenimage"))
+
+    def describe(self, base) -> str:
+        return super().describe(base).replace("Qwen-Image (", "Qwen-Image-Edit (", 1) + \
+            ", edit pairs: control images as reference latents"
+
+    def controls(self, adapter):
+        from ..edit_pairs import QwenImageEditControls
+        return QwenImageEditControls(adapter)
+
+
+QWEN_IMAGE_EDIT = QwenImageEdit()

@@ -43,9 +43,14 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    "clip_l_model_config" from that key for every CLIP-L file. ComfyUI's loaders, encoder classes, tokenizers and
    encode code are otherwise unchanged.
 
+5. comfy.text_encoders.qwen_vl.Qwen2VLVisionTransformer.__init__ is wrapped: while a text encoder file whose
+   vision tower (visual.*) is narrower than the real 1280 loads, the tower is built at the file's widths and depth
+   (16-wide heads), so Qwen-Image-Edit's control images go through a tiny tower (ComfyUI pins it in llama.py).
+
 Not shrinkable this way: llama.py's head_dim (a class attribute, 128, so Qwen files keep 128-wide heads; the
-Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128), and Qwen2.5-VL's vision tower, built at
-full size but never loaded or touched for text (its memory stays unallocated; ComfyUI logs its keys as missing).
+Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128). A file without a vision tower (Qwen-Image's
+tiny one) gets it built at full size but never loaded or touched for text (its memory stays unallocated; ComfyUI
+logs its keys as missing).
 """
 from __future__ import annotations
 
@@ -132,6 +137,19 @@ def _te_overrides(sd: dict) -> dict:
     return {}
 
 
+_VISION: dict = {}  # while a text encoder with a narrow Qwen2.5-VL vision tower loads: that tower's widths
+
+
+def _vision_overrides(sd: dict) -> dict:
+    """The widths of a Qwen2.5-VL vision tower narrower than the real one (1280), from its shapes: 16-wide heads."""
+    embed = sd.get("visual.patch_embed.proj.weight")
+    if embed is None or embed.shape[0] == 1280:
+        return {}
+    hidden = embed.shape[0]
+    return dict(hidden_size=hidden, intermediate_size=sd["visual.blocks.0.mlp.gate_proj.weight"].shape[0],
+                num_heads=max(1, hidden // 16), num_layers=_count(sd, r"visual\.blocks\.(\d+)\."))
+
+
 def _narrow_umt5(sd: dict) -> bool:
     """A umt5 encoder (every block has its own relative attention bias) narrower than umt5-xxl's 4096."""
     return ("shared.weight" in sd and "encoder.block.0.layer.1.DenseReluDense.wi_1.weight" in sd
@@ -176,8 +194,13 @@ def _install() -> None:
         if extra:
             _log.info("tiny_dit_configs: tiny text encoder config %s", extra)
             model_options = {**model_options, **extra}
-        return load_te(state_dicts, embedding_directory=embedding_directory, clip_type=clip_type,
-                       model_options=model_options, **kwargs)
+        vision = next((found for sd in state_dicts if (found := _vision_overrides(sd))), {})
+        _VISION.update(vision)
+        try:
+            return load_te(state_dicts, embedding_directory=embedding_directory, clip_type=clip_type,
+                           model_options=model_options, **kwargs)
+        finally:
+            _VISION.clear()
 
     @functools.wraps(detect_te)
     def detect_te_model(sd):
@@ -192,6 +215,14 @@ def _install() -> None:
             return comfy.sd.TEModel.T5_XXL
         return found
 
+    import comfy.text_encoders.qwen_vl as qwen_vl
+    vision_init = qwen_vl.Qwen2VLVisionTransformer.__init__
+
+    @functools.wraps(vision_init)
+    def narrow_vision_init(self, *args, **kwargs):
+        vision_init(self, *args, **{**kwargs, **_VISION})  # Qwen25_7BVLI passes hidden_size=1280 by keyword
+
+    qwen_vl.Qwen2VLVisionTransformer.__init__ = narrow_vision_init
     for f in (detect_unet_config, model_config_from_unet_config, load_text_encoder_state_dicts, detect_te_model):
         f._leanlora_tiny = True
     md.detect_unet_config = detect_unet_config

@@ -1,0 +1,207 @@
+"""Edit LoRAs from before/after pairs (issue 42 items 2 and 3): the folder layout of pairs, the control latents
+cached beside the targets, the edit variants of Qwen-Image (Qwen-Image-Edit 2509/2511) and FLUX.1 (Kontext) trained
+with the control latents as ComfyUI's own nodes give them to the model (checked number for number against
+TextEncodeQwenImageEditPlus and FluxKontextImageScale + VAEEncode + ReferenceLatent), and the refusals of a model
+and a folder that do not go together. Tiny models: scripts/tiny_dit_assets.py (qwen_image_edit: Qwen-Image's model,
+a text encoder with a narrow vision tower; flux_dev for Kontext)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import tiny_dit_assets
+from trainer.cache import CONTROL_KEY, build_cache
+from trainer.cache_store import LatentTextStore, RamCache
+from trainer.dataset import folder_fingerprint, load_image, scan_folder
+from trainer.errors import LeanLoRAError
+from trainer.settings import LoraSettings, MemorySettings, TrainSettings
+from trainer.train_lora import train_lora
+from trainer.training_state import STATE_SUFFIX
+
+FP32_CHECKPOINTED = MemorySettings("no", True)
+LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
+EDIT_SETS = {"qwen_image_edit": "QwenImageEdit", "flux_dev": "FluxKontext"}
+
+
+def _image(path: Path, size=(80, 64), seed=0) -> Path:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def make_pairs(folder: Path, n: int = 2, controls: int = 1, subfolder: bool = False, size=(80, 64)) -> Path:
+    """n targets with their instruction captions and `controls` control images each (beside them, or in control/)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        _image(folder / f"img{i}.png", size, seed=i)
+        (folder / f"img{i}.txt").write_text(f"make the shapes red, step {i}")
+        where = folder / "control" if subfolder else folder
+        where.mkdir(exist_ok=True)
+        names = [f"img{i}_control"] if controls == 1 and not subfolder else \
+            [f"img{i}"] if controls == 1 else [f"img{i}_control{k + 1}" for k in range(controls)]
+        for k, name in enumerate(names):
+            _image(where / f"{name}.png", size, seed=100 + 10 * i + k)
+    return folder
+
+
+# --- the folder ---------------------------------------------------------------------------------------------------
+
+def test_pairs_beside_in_a_subfolder_and_several_are_found_and_what_matches_nothing_is_listed(tmp_path):
+    folder = make_pairs(tmp_path / "beside")
+    _image(folder / "lonely.png")  # a target without its control
+    _image(folder / "ghost_control.png")  # a control without its target
+    dataset = scan_folder(folder, 64)
+    assert dataset.pairs and [(s.path.name, [c.name for c in s.controls]) for s in dataset.samples] == [
+        ("img0.png", ["img0_control.png"]), ("img1.png", ["img1_control.png"])]
+    assert dataset.samples[0].caption == "make the shapes red, step 0"
+    skipped = dict(dataset.skipped)
+    assert "no control image (lonely_control.png beside it or control/lonely.png)" in skipped["lonely.png"]
+    assert "a control image whose target ghost.<png/jpg/...> is not in the folder" in skipped["ghost_control.png"]
+    assert dataset.summary().startswith("2 edit pairs (target + 1 control image) x 1 repeats")
+
+    inside = scan_folder(make_pairs(tmp_path / "inside", subfolder=True), 64)
+    assert [[c.relative_to(tmp_path).as_posix() for c in s.controls] for s in inside.samples] == [
+        ["inside/control/img0.png"], ["inside/control/img1.png"]]
+    several = scan_folder(make_pairs(tmp_path / "several", controls=2), 64)
+    assert [[c.name for c in s.controls] for s in several.samples] == [
+        ["img0_control1.png", "img0_control2.png"], ["img1_control1.png", "img1_control2.png"]]
+    assert "target + 2 control images" in several.summary()
+
+
+def test_a_plain_folder_is_as_before_and_a_control_of_no_target_there_is_an_ordinary_image(tmp_path):
+    _image(tmp_path / "a.png")
+    _image(tmp_path / "b_control.png")
+    dataset = scan_folder(tmp_path, 64)
+    assert not dataset.pairs and [s.path.name for s in dataset.samples] == ["a.png", "b_control.png"]
+    assert all(s.controls == () for s in dataset.samples) and not dataset.skipped
+
+
+def test_an_unreadable_control_skips_its_pair_and_the_control_folder_changes_the_fingerprint(tmp_path):
+    folder = make_pairs(tmp_path / "d", n=3, subfolder=True)
+    (folder / "control" / "img2.png").write_bytes(b"not a png")
+    dataset = scan_folder(folder, 64)
+    assert [s.path.name for s in dataset.samples] == ["img0.png", "img1.png"]
+    assert "its control image control/img2.png is unusable: not a readable image" in dict(dataset.skipped)["img2.png"]
+    before = folder_fingerprint(folder)
+    _image(folder / "control" / "img1.png", seed=7)
+    assert folder_fingerprint(folder) != before
+
+
+# --- caching ------------------------------------------------------------------------------------------------------
+
+class _Controls:
+    """A ControlEncoder of plain torch: counts what it encodes."""
+    name, preprocess, max_controls = "test edit model", "half size", 3
+
+    def __init__(self, sees: bool):
+        self.text_sees_controls, self.encoded, self.texts = sees, 0, 0
+
+    def control_size(self, width, height):
+        return width // 2, height // 2
+
+    def encode_control(self, pixels):
+        self.encoded += 1
+        return pixels.movedim(-1, 1)[:, :, ::8, ::8].clone()
+
+    def encode_text(self, caption, width, height, controls):
+        self.texts += 1
+        return {"c_crossattn": torch.full((1, 2, 4), float(sum(c.sum() for c in controls)))}
+
+
+def test_control_latents_are_cached_by_content_beside_the_targets_in_the_same_buckets(tmp_path):
+    folder = make_pairs(tmp_path / "pairs", n=2, controls=2, size=(128, 96))
+    dataset = dataclasses.replace(scan_folder(folder, 64), buckets=True)
+    store = LatentTextStore(tmp_path / "cache", ram=RamCache(1 << 30))
+    encode_image = lambda pixels: pixels.movedim(-1, 1)[:, :, ::8, ::8].clone()  # noqa: E731
+    controls = _Controls(sees=True)
+    cache = build_cache(dataset, encode_image, lambda *a: {"c_crossattn": torch.zeros(1, 2, 4)}, store=store,
+                        controls=controls)
+    first = cache[0]
+    assert sorted(first.cond) == ["c_crossattn", f"{CONTROL_KEY}0", f"{CONTROL_KEY}1"]
+    width, height = dataset.target_size(dataset.samples[0])
+    assert first.latent.shape[-2:] == (height // 8, width // 8)
+    expected = load_image(dataset.samples[0].controls[1], (width // 2, height // 2))[None]
+    assert torch.equal(first.cond[f"{CONTROL_KEY}1"], expected.movedim(-1, 1)[:, :, ::8, ::8])
+    assert controls.encoded == 4 and controls.texts == 2
+    again = _Controls(sees=True)  # a second run: every control latent and caption from the store
+    build_cache(dataset, encode_image, lambda *a: {"c_crossattn": torch.zeros(1, 2, 4)}, store=store, controls=again)
+    assert again.encoded == 0 and again.texts == 0
+    _image(dataset.samples[0].controls[0], (128, 96), seed=99)  # a changed control: its latent and caption again
+    changed = _Controls(sees=True)
+    build_cache(dataset, encode_image, lambda *a: {"c_crossattn": torch.zeros(1, 2, 4)}, store=store, controls=changed)
+    assert changed.encoded == 1 and changed.texts == 1
+
+
+def test_a_pairs_folder_without_a_control_encoder_is_refused_before_any_encoding(tmp_path):
+    dataset = scan_folder(make_pairs(tmp_path / "p"), 64)
+    with pytest.raises(LeanLoRAError, match=r"is a folder of edit pairs \(2 targets with control images\), and this "
+                                            r"model takes no control image"):
+        build_cache(dataset, lambda p: pytest.fail("encoded"), lambda *a: pytest.fail("encoded"))
+
+
+# --- the edit models, tiny ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def edit_objects(comfy_base):
+    return {name: tiny_dit_assets.load_family(tiny_dit_assets.build_family(comfy_base, name), name)
+            for name in EDIT_SETS}
+
+
+def _adapter(objects):
+    from bridge.comfy_adapter import ComfyAdapter
+    return ComfyAdapter(*objects)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return scan_folder(make_pairs(tmp_path_factory.mktemp("edit_pairs"), n=2, size=(64, 64)), 64)
+
+
+STORE = LatentTextStore(ram=RamCache(1 << 30))  # the runs of one test encode once
+
+
+def _train(objects, dataset, folder, steps, name, **train):
+    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, LORA,
+                      TrainSettings(steps, 1e-3, 0, name, "cosine", 1, **train), folder,
+                      lambda **event: None, lambda: False, store=STORE)
+
+
+def _fingerprint(model) -> bytes:
+    with torch.inference_mode():
+        return b"".join(t.detach().float().contiguous().numpy().tobytes()
+                        for t in model.model.diffusion_model.state_dict().values())
+
+
+@pytest.mark.parametrize("name", EDIT_SETS)
+def test_an_edit_model_trains_on_pairs_resumes_exactly_loads_in_comfyui_and_leaves_the_model(
+        edit_objects, pairs, name, tmp_path, caplog):
+    import comfy.sd
+    model = edit_objects[name][0]
+    before = _fingerprint(model)
+    straight = _train(edit_objects[name], pairs, tmp_path / "straight", 4, name, save_every_steps=2)
+    assert len(straight.losses) == 4 and all(np.isfinite(straight.losses))
+    assert f"edit pairs for {'Qwen-Image-Edit' if name == 'qwen_image_edit' else 'FLUX.1 Kontext'}" in straight.report
+    resumed = _train(edit_objects[name], pairs, tmp_path / "resumed", 4, name,
+                     resume_from=tmp_path / "straight" / f"{name}_step2{STATE_SUFFIX}")
+    assert resumed.losses == straight.losses
+    assert resumed.lora_path.read_bytes() == straight.lora_path.read_bytes()
+    saved = load_file(str(straight.lora_path))
+    with safe_open(str(straight.lora_path), "pt") as file:
+        metadata = file.metadata()
+    architecture = {"qwen_image_edit": "qwen-image-edit", "flux_dev": "flux-1-kontext-dev"}[name]
+    assert metadata["modelspec.architecture"] == f"{architecture}/lora"
+    modules = {k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")}
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
+        assert "lora key not loaded" not in caplog.text
+    assert modules and len(patched.patches) == len(modules)
+    assert _fingerprint(model) == before

@@ -1,9 +1,12 @@
-"""The pack's HTTP route on ComfyUI's server: the Dataset node's preview (image and caption counts, a few
-thumbnails) while a folder is picked, before Queue. Registered only inside a running ComfyUI."""
+"""The pack's hooks on ComfyUI's server, registered only inside a running ComfyUI: the Dataset node's preview route
+(image and caption counts, a few thumbnails) while a folder is picked, before Queue; and a prompt hook that makes a
+Dataset folder that is not there refuse the whole prompt, not only the outputs that need it."""
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from ..bridge.folder_policy import ALLOW_ANY_FOLDER, folder_confinement
 from ..trainer.dataset import resolve_folder, scan_folder
@@ -42,7 +45,8 @@ def folder_preview(folder: str, input_dir: str | Path) -> tuple[int, dict]:
     if refused := links_problem(path, confined):  # a link in the folder leading out of input/
         return 403, {**answer, "error": refused}
     if problem := folder_problem(folder, input_dir):
-        return 404, {**answer, "error": problem}
+        # not there (yet): an answer, not a failed request (a 404 is a red console error on every template load)
+        return 200, {**answer, "exists": False, "error": problem}
     try:
         dataset = scan_folder(path, 64, confinement=confined)
     except LeanLoRAError as error:  # empty, no usable image: counts are 0, the reason is shown
@@ -52,13 +56,60 @@ def folder_preview(folder: str, input_dir: str | Path) -> tuple[int, dict]:
         subfolder = path.relative_to(input_dir).as_posix()
         thumbnails = [{"filename": s.path.name, "subfolder": subfolder, "type": "input"}
                       for s in dataset.samples[:THUMBNAILS]]
-    return 200, {**answer, "path": str(path), "images": len(dataset.samples),
+    return 200, {**answer, "exists": True, "path": str(path), "images": len(dataset.samples),
                  "captions": sum(1 for s in dataset.samples if s.caption), "skipped": len(dataset.skipped),
                  "thumbnails": thumbnails}
 
 
+def outputs_needing_a_missing_folder(request: dict, output_node: Callable[[str], bool]) -> list[str] | None:
+    """ComfyUI runs the outputs of a prompt that pass validation and drops the others: with a misspelt Dataset
+    folder the template's "base, no LoRA" branch would load the checkpoint and sample while nothing trains. For a
+    prompt (POST /prompt's body) with a Dataset node whose typed folder fails the node's own validation, the
+    outputs it would run that depend on that node (Train at least); None: nothing to change. Made the prompt's only
+    targets, they all fail validation, so ComfyUI refuses the prompt whole with its error dialog, before any model
+    loads. A prompt run for other outputs only (the frontend's partial execution) is left as it is."""
+    prompt = request.get("prompt")
+    if not isinstance(prompt, dict):
+        return None
+    import folder_paths
+    input_dir = folder_paths.get_input_directory()
+    missing = {key for key, node in prompt.items() if isinstance(node, dict)
+               and node.get("class_type") == "LeanLoRADataset" and isinstance(node.get("inputs"), dict)
+               and isinstance(node["inputs"].get("folder"), str) and folder_problem(node["inputs"]["folder"], input_dir)}
+    if not missing:
+        return None
+    after = missing  # every node fed (through any chain of links) by a failing Dataset node
+    while True:
+        grown = after | {key for key, node in prompt.items() if isinstance(node, dict) and any(
+            isinstance(value, list) and len(value) == 2 and str(value[0]) in after
+            for value in (node.get("inputs") or {}).values())}
+        if grown == after:
+            break
+        after = grown
+    targets = request.get("partial_execution_targets")
+    outputs = [key for key, node in prompt.items() if isinstance(node, dict) and output_node(node.get("class_type"))
+               and (targets is None or key in targets)]
+    needing = [key for key in outputs if key in after]
+    return needing if needing and len(needing) < len(outputs) else None
+
+
+def _output_node(class_type) -> bool:
+    import nodes
+    return getattr(nodes.NODE_CLASS_MAPPINGS.get(class_type), "OUTPUT_NODE", False) is True
+
+
+def refuse_prompts_with_a_missing_folder(request: dict) -> dict:
+    """ComfyUI's on_prompt hook (see outputs_needing_a_missing_folder); never fails a prompt by itself."""
+    try:
+        if isinstance(request, dict) and (needing := outputs_needing_a_missing_folder(request, _output_node)):
+            request["partial_execution_targets"] = needing
+    except Exception:  # a hook that raises is only logged by ComfyUI: validation still names the folder
+        logging.exception("LeanLoRA: checking the prompt's Dataset folders")
+    return request
+
+
 def register_routes() -> None:
-    """Adds the route to ComfyUI's server when one is running (main.py made it before loading packs); nothing in
+    """Adds the route and the prompt hook to ComfyUI's server when one is running (main.py made it before loading packs); nothing in
     tests and scripts that import the pack without a server."""
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
@@ -73,3 +124,5 @@ def register_routes() -> None:
         # the scan reads every image's header: off the event loop, which serves the queue and the websocket
         status, answer = await asyncio.to_thread(folder_preview, folder, folder_paths.get_input_directory())
         return web.json_response(answer, status=status)
+
+    instance.add_on_prompt_handler(refuse_prompts_with_a_missing_folder)

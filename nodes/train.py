@@ -34,7 +34,9 @@ _partial_runs = 0  # runs that ended with a partial LoRA: IS_CHANGED then makes 
 def _send(event: str, data: dict) -> None:
     try:
         from server import PromptServer
-        PromptServer.instance.send_sync(event, data, PromptServer.instance.client_id)
+        server = PromptServer.instance
+        # with the run (prompt) it belongs to: the browser panel keeps its state by run, not by node id
+        server.send_sync(event, {**data, "prompt_id": getattr(server, "last_prompt_id", None)}, server.client_id)
     except Exception:  # no server (CLI/tests): progress events are optional
         pass
 
@@ -51,9 +53,12 @@ def progress_line(event: dict) -> str:
 
 
 def device_vram(device) -> dict | None:
-    """{used_gib, total_gib} of the training device as the driver sees it (every process), None off CUDA."""
+    """{used_gib, total_gib} of the training device as the driver sees it (every process); {"device": "cpu"} on
+    the CPU (the panel says "no GPU"); None on other devices."""
     try:
         import torch
+        if device is not None and torch.device(device).type == "cpu":
+            return {"device": "cpu"}
         if device is None or torch.device(device).type != "cuda":
             return None
         free, total = torch.cuda.mem_get_info(device)

@@ -50,8 +50,10 @@ class Page:
 
     def __init__(self, page, url: str):
         self.page, self.url, self.console = page, url, []
+        self.load_errors, self.load_dialogs = [], []  # the last load_template's console errors and dialogs
         page.on("console", lambda message: self.console.append(f"{message.type}: {message.text}"))
         page.on("pageerror", lambda error: self.console.append(f"pageerror: {error}"))
+        page.on("requestfailed", lambda request: self.console.append(f"requestfailed: {request.url}"))
 
     def open(self, timeout_s: float = 180) -> None:
         self.page.goto(self.url)
@@ -68,12 +70,14 @@ class Page:
     def load_template(self, name: str) -> list[dict]:
         """Opens a shipped template as the template browser does (its JSON from the server) and returns every
         node's bounds on the canvas [x, y, width, height], title included, as the frontend sized it."""
+        before = len(self.console)
         self.evaluate("""async name => {
             const response = await fetch(`/api/workflow_templates/LeanLoRA/${name}.json`);
-            await app.loadGraphData(await response.json(), true, true, name);
+            await app.loadGraphData(await response.json(), true, true, name, {openSource: "template"});
         }""", name)
         self.page.wait_for_timeout(1500)
-        self.close_dialogs()
+        self.load_errors = [line for line in self.console[before:] if self.own_error(line)]
+        self.load_dialogs = self.close_dialogs()
         return self.nodes()
 
     def nodes(self) -> list[dict]:
@@ -81,17 +85,31 @@ class Page:
             id: n.id, type: n.type, title: n.title, bounds: [...n.boundingRect],
             registered: !!LiteGraph.registered_node_types[n.type], errors: !!n.has_errors}))""")
 
-    def close_dialogs(self) -> None:
-        """Dialogs over the canvas: "missing models" (a template names a checkpoint the user must pick) and the
-        template browser a fresh user gets."""
+    def own_error(self, line: str) -> bool:
+        """A console error of this server's page: not the frontend's calls to hosts this offline machine cannot
+        reach (its registry lookups of a node's pack, api.comfy.org), which fail before any answer."""
+        if line.startswith("requestfailed:"):
+            return line.removeprefix("requestfailed: ").startswith(self.url)
+        return line.startswith(("error:", "pageerror:")) and "net::ERR_NAME_NOT_RESOLVED" not in line
+
+    def dialogs(self) -> list[str]:
+        """The text of each dialog open over the canvas."""
+        return self.evaluate("() => [...document.querySelectorAll('.p-dialog')].map(d => d.innerText)")
+
+    def close_dialogs(self) -> list[str]:
+        """Closes the dialogs over the canvas (e.g. the template browser a fresh user gets); returns their text."""
+        seen = []
         for _ in range(3):
+            texts = self.dialogs()
             closed = self.evaluate("""() => { const buttons = [...document.querySelectorAll('.p-dialog')]
                 .map(d => d.querySelector('button[aria-label="Close"], .p-dialog-close-button')
                           ?? d.querySelector('i.pi-times')?.closest('button')).filter(Boolean);
                 buttons.forEach(b => b.click()); return buttons.length; }""")
             if not closed:
-                return
+                return seen
+            seen += texts
             self.page.wait_for_timeout(400)
+        return seen
 
     def view(self, x: float, y: float, scale: float = 1.0) -> None:
         """Canvas at `scale` with graph point (x, y) at the top left."""
@@ -111,15 +129,21 @@ class Page:
     def panel(self, node_id: str = TRAIN_ID) -> dict:
         """The Train node's panel: its state (from the messages) and the text it shows."""
         return self.evaluate("""id => {
-            const state = window.LeanLoRA.stateOf(id);
+            const state = window.LeanLoRA.shownState(id);
             const node = app.graph.getNodeById(id) ?? app.graph.getNodeById(Number(id));
             const root = node?.leanloraPanel?.root;
             const text = cls => root?.querySelector(cls)?.textContent ?? null;
             const gallery = [...(root?.querySelectorAll('.ll-gallery figure') ?? [])].map(f => ({
                 caption: f.querySelector('figcaption')?.textContent, title: f.querySelector('img')?.title,
                 loaded: (f.querySelector('img')?.naturalWidth ?? 0) > 0}));
+            const plan = root?.querySelector('.ll-plan');
+            const stop = root?.querySelector('.ll-stop');
             return {state, phase: text('.ll-phase'), stats: text('.ll-stats'), final: text('.ll-final'),
-                    plan: text('.ll-plan'), gallery}; }""", node_id)
+                    plan: text('.ll-plan'), gallery, stop: stop && !stop.hidden ? stop.textContent : null,
+                    // the plan line shown whole: no text cut at its right edge or below it
+                    plan_cut: !!plan && (plan.scrollWidth > plan.clientWidth + 1 || plan.scrollHeight > plan.clientHeight + 1
+                              || getComputedStyle(plan).textOverflow === 'ellipsis'),
+                    plan_lines: plan ? Math.round(plan.clientHeight / parseFloat(getComputedStyle(plan).lineHeight)) : 0}; }""", node_id)
 
     def wait_panel(self, predicate, timeout_s: float = 300, node_id: str = TRAIN_ID) -> dict:
         return self._wait(lambda: self.panel(node_id), predicate, timeout_s, "the panel never got there")
@@ -134,6 +158,33 @@ class Page:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{failure}: {json.dumps(shown)[:2000]}")
             self.page.wait_for_timeout(100)
+
+    def covered(self) -> list[tuple]:
+        """Nodes whose area on screen (title included) is under another node's DOM part (the Train panel, the
+        Dataset preview): the DOM is drawn above the canvas, so an overflowing panel hides its neighbours."""
+        return self.evaluate("""() => {
+            const rect = app.canvas.canvas.getBoundingClientRect(), found = [];
+            const screen = n => { const [x, y, w, h] = n.boundingRect;
+                const [left, top] = app.canvas.ds.convertOffsetToCanvas([x, y]);
+                return {left: rect.left + left, top: rect.top + top,
+                        right: rect.left + left + w * app.canvas.ds.scale, bottom: rect.top + top + h * app.canvas.ds.scale}; };
+            for (const owner of app.graph._nodes) {
+                for (const part of [owner.leanloraPanel?.root, owner.leanloraDataset?.root].filter(Boolean)) {
+                    const p = part.getBoundingClientRect();
+                    if (!p.width || !p.height) continue;
+                    for (const other of app.graph._nodes) {
+                        if (other === owner) continue;
+                        const o = screen(other);
+                        if (p.left < o.right && o.left < p.right && p.top < o.bottom && o.top < p.bottom)
+                            found.push([owner.id, owner.title, other.id, other.title]);
+                    }
+                }
+            }
+            return found; }""")
+
+    def stop_button(self, node_id: str = TRAIN_ID) -> None:
+        """A real mouse click on the panel's Stop button."""
+        self.page.locator(".leanlora-panel .ll-stop:not([hidden])").first.click()
 
     def chart_pixels(self, node_id: str = TRAIN_ID) -> int:
         """Pixels of the panel's chart in the smoothed loss line's blue: 0 when no line was drawn."""
@@ -216,12 +267,29 @@ def train_prompt(**train_inputs) -> dict:
     return prompt
 
 
+def whole_graph(page: Page, scale: float = 0.6) -> None:
+    """The canvas at `scale` with the graph's top left corner at the window's top left (below the menu)."""
+    x, y = page.evaluate("""() => [Math.min(...app.graph._nodes.map(n => n.boundingRect[0])),
+                                   Math.min(...app.graph._nodes.map(n => n.boundingRect[1]))]""")
+    page.view(x - 20 / scale, y - 60 / scale, scale)
+
+
+def reload(page: Page) -> None:
+    """The browser's reload: the frontend restores the open workflow."""
+    page.page.reload()
+    page.page.wait_for_function("window.app && window.app.graph && window.LeanLoRA", timeout=180_000)
+    page.page.wait_for_timeout(1000)
+    page.close_dialogs()
+
+
 def training_states(page: Page, out: Path | None, output_name: str = "browser_run") -> dict:
-    """One run to its end and one cancelled run on the template's Train node, screenshots of each state."""
+    """On the template's Train node: one run to its end, the same prompt again (served from ComfyUI's cache), the
+    template opened afresh, then a run reloaded mid-way and stopped with the panel's Stop; screenshots of each."""
     shots = {}
     page.load_template(PANEL_TEMPLATE)
     page.view(-80, 390)
-    page.queue(train_prompt(steps=30, output_name=output_name, warmup_steps=0, **SAMPLES))
+    prompt = train_prompt(steps=30, output_name=output_name, warmup_steps=0, **SAMPLES)
+    page.queue(prompt)
     training = page.wait_panel(lambda p: p["state"]["step"] >= 12)
     if out:
         page.screenshot(out / "train_panel_training.jpg")
@@ -231,18 +299,26 @@ def training_states(page: Page, out: Path | None, output_name: str = "browser_ru
         page.screenshot(out / "train_panel_saved.jpg")
     shots["training"], shots["done"], shots["chart_pixels"] = training, done, page.chart_pixels()
     shots["overlapping_after"] = overlapping(page.nodes())  # the gallery grew the panel: still inside its room
+    whole_graph(page)
+    shots["covered_after"] = page.covered()
+    # the same prompt again: ComfyUI serves Train from its cache and it does not run
+    page.queue(prompt)
+    shots["cached"] = page.wait_panel(lambda p: p["phase"] == page.evaluate("() => window.LeanLoRA.CACHED"), 60)
+    # a template opened afresh is a new graph: no earlier run on it
+    page.load_template(PANEL_TEMPLATE)
+    page.page.wait_for_timeout(500)
+    shots["fresh"] = page.panel()
     page.queue(train_prompt(steps=100000, output_name=f"{output_name}_cancel"))
     page.wait_panel(lambda p: p["state"]["step"] >= 3 and not p["final"])
-    page.interrupt()
+    # a page reloaded mid-run shows the run again, and the panel's own Stop stops it (ComfyUI's interrupt)
+    reload(page)
+    whole_graph(page)
+    shots["reloaded"] = page.wait_panel(lambda p: p["state"]["step"] >= 3 and p["stop"] == "Stop", 60)
+    page.stop_button()
     shots["cancelled"] = page.wait_panel(lambda p: bool(p["final"]))
     if out:
+        page.view(-80, 390)
         page.screenshot(out / "train_panel_stopped.jpg")
-    # a reloaded page draws the panel again from the last state (kept in the browser's localStorage)
-    page.page.reload()
-    page.page.wait_for_function("window.app && window.app.graph && window.LeanLoRA", timeout=180_000)
-    page.close_dialogs()
-    page.load_template(PANEL_TEMPLATE)
-    shots["reloaded"] = page.panel()
     return shots
 
 

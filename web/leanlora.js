@@ -18,9 +18,8 @@ const DATASET = "LeanLoRADataset";
 const TYPE_PATH = "type a folder path…"; // the folder list's last entry: opens a text prompt
 const PREVIEW_HEIGHT = 104;
 const OLD_FIRST_VALUES = ["bf16", "fp16", "no"]; // mixed_precision led Memory Settings before `card`
-const PANEL_HEIGHT = 270; // px at 100% zoom; a gallery adds GALLERY_HEIGHT
-const GALLERY_HEIGHT = 120;
-const STORE_KEY = "leanlora.panel.";
+const PANEL_HEIGHT = 270; // px at 100% zoom; samples take their room from the chart, so the node never grows
+const OLD_STORE_KEY = "leanlora.panel."; // the panel's state by node id, before runs (removed when seen)
 const SMOOTHING = 0.9; // exponential moving average of the loss, as the server's chart draws it
 
 // ---- Memory Settings -------------------------------------------------------------------------------------------
@@ -32,8 +31,23 @@ function setupMemoryNode(node) {
   const callback = card.callback;
   card.callback = function (value, ...rest) {
     if (value === "manual" && !node.showAdvanced) node.toggleAdvanced?.();
-    return callback?.apply(this, [value, ...rest]);
+    const result = callback?.apply(this, [value, ...rest]);
+    markCardOverrides(node);
+    return result;
   };
+  markCardOverrides(node);
+}
+
+function markCardOverrides(node) {
+  // a card other than manual sets auto_fit (nodes/labels.py memory_values): the widget says so and takes no edit
+  const card = node.widgets?.find((w) => w.name === "card");
+  const autoFit = node.widgets?.find((w) => w.name === "auto_fit");
+  if (!card || !autoFit) return;
+  const overridden = card.value !== "manual";
+  autoFit.label = overridden ? `auto_fit: set by card (${card.value})` : undefined;
+  autoFit.disabled = overridden;
+  if (autoFit.options) autoFit.options.disabled = overridden;
+  node.setDirtyCanvas?.(true, true);
 }
 
 function markAdvanced(node) {
@@ -74,35 +88,109 @@ function migrateMemoryValues(node, info) {
   node.showAdvanced = true; // manual: the widgets it set are its settings, so they stay in view
 }
 
-// ---- Train: the live panel -------------------------------------------------------------------------------------
+// ---- Train: the live panel, one state per run ---------------------------------------------------------------------
+// A run is one prompt's Train node, keyed `${prompt id}:${node id}`: the pack's messages carry both. A Train node on
+// the canvas shows the run queued from its graph (`${graph id}:${node id}` -> run key, kept with the runs), so a
+// template opened afresh (a new graph id) shows no earlier run, and a page reloaded mid-run (its graph restored,
+// the same id) shows it again.
 
-const panels = new Map(); // node id (string) -> state
+const runs = new Map(); // run key -> state
+const RUN_STORE = "leanlora.run."; // localStorage: one entry per run
+const SHOWN_STORE = "leanlora.shown"; // localStorage: {graph node key: run key}, newest last
+const KEEP_RUNS = 20;
+const CACHED = "nothing changed since the last run: ComfyUI reused its result";
+let shown = null; // graph node key -> run key
 
-function emptyState() {
-  return { phase: "idle: press Queue to train", phases: [], step: 0, total: 0, losses: [], validation: [], sPerStep: null,
-           etaS: null, vram: null, plan: [], samples: [], prompts: [], final: null, stopped: false, lastSave: null,
-           updated: Date.now() };
+function shownRuns() {
+  if (shown) return shown;
+  try { shown = new Map(Object.entries(JSON.parse(localStorage.getItem(SHOWN_STORE) ?? "{}"))); } catch { shown = new Map(); }
+  return shown;
 }
 
-function stateOf(id) {
-  id = String(id);
-  if (!panels.has(id)) {
+function emptyState() {
+  return { phase: "idle: press Run to train", phases: [], step: 0, total: 0, losses: [], validation: [], sPerStep: null,
+           etaS: null, vram: null, plan: [], samples: [], prompts: [], final: null, stopped: false, failed: false,
+           lastSave: null, started: false, cached: false, previous: null, promptId: null, updated: Date.now() };
+}
+
+function runState(key, create = false) {
+  if (!key) return null;
+  if (!runs.has(key)) {
     let state = null;
-    try { state = JSON.parse(localStorage.getItem(STORE_KEY + id) ?? "null"); } catch { state = null; }
-    panels.set(id, state ?? emptyState());
+    try { state = JSON.parse(localStorage.getItem(RUN_STORE + key) ?? "null"); } catch { state = null; }
+    if (!state && !create) return null;
+    if (!state) state = { ...emptyState(), phase: "queued", promptId: key.split(":")[0] };
+    runs.set(key, state);
   }
-  return panels.get(id);
+  return runs.get(key);
+}
+
+function graphKey(node) {
+  const graph = node.graph?.rootGraph ?? node.graph ?? app.graph;
+  return `${graph?.id ?? "graph"}:${node.id}`;
+}
+
+function runShownBy(node) {
+  return shownRuns().get(graphKey(node)) ?? null;
+}
+
+function show(node, key) {
+  // the node shows run `key` from now on; the run remembers what the node showed before (for a cached re-run)
+  const map = shownRuns(), where = graphKey(node), before = map.get(where) ?? null;
+  if (before === key) return;
+  const s = runState(key, true);
+  if (s.previous === null) s.previous = before;
+  map.delete(where);
+  map.set(where, key);
+  while (map.size > 200) map.delete(map.keys().next().value);
+  try { localStorage.setItem(SHOWN_STORE, JSON.stringify(Object.fromEntries(map))); } catch { /* full: skip */ }
+  persist(key, true);
+}
+
+function stateShownBy(node) {
+  // what the node's panel draws: its run, or for a cached re-run the run it repeats
+  const s = runState(runShownBy(node));
+  if (!s) return emptyState();
+  if (s.cached && !s.started) {
+    const earlier = runState(s.previous);
+    return { ...(earlier && earlier.started ? earlier : emptyState()), phase: CACHED, cachedView: true };
+  }
+  return s;
+}
+
+function trainNodes(id) {
+  // this tab's Train nodes with that id (the active graph's)
+  const node = app.graph?.getNodeById?.(id) ?? app.graph?.getNodeById?.(Number(id));
+  return node?.type === TRAIN ? [node] : [];
 }
 
 const saveTimers = new Map();
-function persist(id, now = false) {
-  // steps come many a second: kept at most every 500 ms; a start or an end at once
-  clearTimeout(saveTimers.get(id));
+function persist(key, now = false) {
+  // steps come many a second: kept at most every 500 ms; a start or an end at once; the newest KEEP_RUNS runs only
+  clearTimeout(saveTimers.get(key));
   const save = () => {
-    try { localStorage.setItem(STORE_KEY + id, JSON.stringify(stateOf(id))); } catch { /* storage full: skip */ }
+    try {
+      localStorage.setItem(RUN_STORE + key, JSON.stringify(runs.get(key)));
+      const order = JSON.parse(localStorage.getItem(RUN_STORE + "order") ?? "[]").filter((k) => k !== key);
+      order.push(key);
+      for (const old of order.splice(0, Math.max(0, order.length - KEEP_RUNS))) localStorage.removeItem(RUN_STORE + old);
+      localStorage.setItem(RUN_STORE + "order", JSON.stringify(order));
+    } catch { /* storage full: skip */ }
   };
   if (now) save();
-  else saveTimers.set(id, setTimeout(save, 500));
+  else saveTimers.set(key, setTimeout(save, 500));
+}
+
+function claimQueued(promptId, output) {
+  // a prompt queued from this tab: its Train nodes on the canvas show its runs from now on
+  if (!promptId || !output) return;
+  for (const [id, entry] of Object.entries(output)) {
+    if (entry?.class_type !== TRAIN) continue;
+    for (const node of trainNodes(id)) {
+      show(node, `${promptId}:${id}`);
+      render(node);
+    }
+  }
 }
 
 function duration(seconds) {
@@ -118,16 +206,22 @@ function smoothed(values) {
   return out;
 }
 
+function runKey(e) {
+  if (e.node === undefined || e.node === null) return null;
+  return `${e.prompt_id ?? "prompt"}:${e.node}`;
+}
+
 function onProgress(event) {
   const e = event.detail ?? {};
-  if (e.node === undefined || e.node === null) return;
-  const id = String(e.node);
-  let s = stateOf(id);
+  const key = runKey(e);
+  if (!key) return;
+  const s = runState(key, true);
   switch (e.kind) {
     case "start":
-      s = emptyState();
-      s.total = e.total; s.prompts = e.prompts ?? []; s.phase = "starting";
-      panels.set(id, s);
+      Object.assign(s, { ...emptyState(), previous: s.previous, promptId: e.prompt_id ?? null, started: true,
+                         total: e.total, prompts: e.prompts ?? [], phase: "starting" });
+      // queued another way (not through this tab's api.queuePrompt): the active graph's Train node of that id
+      if (![...shownRuns().values()].includes(key)) for (const node of trainNodes(e.node)) show(node, key);
       break;
     case "phase":
       s.phase = e.text;
@@ -159,22 +253,69 @@ function onProgress(event) {
       if (s.samples.length > 12) s.samples.shift();
       break;
   }
+  s.started = true;
   s.updated = Date.now();
-  redraw(id, e.kind === "start");
+  redraw(key, e.kind === "start");
 }
 
 function onFinished(stopped) {
   return (event) => {
     const e = event.detail ?? {};
-    if (e.node === undefined || e.node === null) return;
-    const s = stateOf(e.node);
+    const key = runKey(e);
+    if (!key) return;
+    const s = runState(key, true);
     s.final = e.text ?? (stopped ? `stopped; partial saved to ${e.shown ?? e.lora_name}; set resume to continue`
                                  : `Saved to ${e.shown ?? e.lora_name}`);
     s.stopped = stopped;
+    s.started = true;
     s.phase = stopped ? "stopped" : "done";
     s.updated = Date.now();
-    redraw(String(e.node), true);
+    redraw(key, true);
   };
+}
+
+function onCached(event) {
+  // ComfyUI served these nodes from its cache: a Train node among them did not train again
+  const e = event.detail ?? {};
+  for (const id of e.nodes ?? []) {
+    const key = `${e.prompt_id}:${id}`;
+    const s = runs.get(key) ?? (trainNodes(id).length ? runState(key, true) : null);
+    if (!s || s.started) continue;
+    s.cached = true;
+    redraw(key, true);
+  }
+}
+
+function onEnded(failed) {
+  // the prompt stopped at a node (an error, or Cancel before the Train node answered): a run left mid-way says so
+  return (event) => {
+    const e = event.detail ?? {};
+    for (const [key, s] of runs) {
+      if (!key.startsWith(`${e.prompt_id}:`) || s.final || s.cached) continue;
+      if (failed && String(e.node_id) !== key.slice(key.indexOf(":") + 1)) continue;
+      if (!failed && !s.started) { s.phase = "stopped before it started"; s.stopped = true; }
+      else if (failed) { s.final = `failed: ${e.exception_message ?? "see ComfyUI's error"}`; s.failed = true; }
+      else { s.phase = "stopped"; s.stopped = true; }
+      redraw(key, true);
+    }
+  };
+}
+
+async function stopRun(node) {
+  // the panel's Stop: ComfyUI's own interrupt of this run's prompt (and out of the queue if it waits there)
+  const s = runState(runShownBy(node));
+  const promptId = s?.promptId ?? runShownBy(node)?.split(":")[0];
+  if (!promptId) return;
+  node.leanloraPanel.parts.stop.disabled = true;
+  node.leanloraPanel.parts.stop.textContent = "stopping…";
+  const post = (route, body) => api.fetchApi(route, { method: "POST", headers: { "Content-Type": "application/json" },
+                                                      body: JSON.stringify(body) });
+  try {
+    await post("/queue", { delete: [promptId] });
+    await post("/interrupt", { prompt_id: promptId });
+  } catch (error) {
+    console.warn("LeanLoRA: stop", error);
+  }
 }
 
 function el(tag, className, parent) {
@@ -186,18 +327,26 @@ function el(tag, className, parent) {
 
 const STYLE = `
 .leanlora-panel { box-sizing: border-box; width: 100%; height: 100%; padding: 6px 8px; overflow: hidden;
+  display: flex; flex-direction: column; gap: 2px;
   font: 13px/1.35 system-ui, sans-serif; color: #ddd; background: #1b1b1f; border-radius: 6px; }
-.leanlora-panel .ll-phase { font-weight: 600; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
-.leanlora-panel .ll-bar { height: 6px; background: #333; border-radius: 3px; margin: 4px 0; }
+.leanlora-panel .ll-head { display: flex; gap: 8px; align-items: flex-start; flex: none; }
+.leanlora-panel .ll-phase { font-weight: 600; flex: 1; overflow-wrap: anywhere; }
+.leanlora-panel .ll-stop { flex: none; font: 600 12px system-ui, sans-serif; color: #fff; background: #a33;
+  border: 0; border-radius: 4px; padding: 2px 10px; cursor: pointer; }
+.leanlora-panel .ll-stop:disabled { background: #555; cursor: default; }
+.leanlora-panel .ll-bar { height: 6px; background: #333; border-radius: 3px; margin: 2px 0; flex: none; }
 .leanlora-panel .ll-bar > div { height: 100%; background: #4a9eff; border-radius: 3px; width: 0; }
-.leanlora-panel .ll-stats { color: #ccc; min-height: 2.7em; }
-.leanlora-panel canvas { width: 100%; height: 100px; display: block; margin-top: 4px; }
-.leanlora-panel .ll-plan { color: #aaa; font-size: 12px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
-.leanlora-panel .ll-final { font-weight: 600; color: #7fd37f; word-break: break-all; }
+.leanlora-panel .ll-stats { color: #ccc; flex: none; }
+.leanlora-panel .ll-chart { flex: 1 1 0; min-height: 36px; position: relative; }
+.leanlora-panel .ll-chart canvas { position: absolute; inset: 0; width: 100%; height: 100%; display: block; }
+.leanlora-panel .ll-plan { color: #aaa; font-size: 12px; flex: none; overflow-wrap: anywhere; }
+.leanlora-panel .ll-final { font-weight: 600; color: #7fd37f; word-break: break-all; flex: none; }
 .leanlora-panel .ll-final.stopped { color: #f0c060; }
-.leanlora-panel .ll-gallery { display: flex; gap: 6px; overflow-x: auto; margin-top: 4px; }
+.leanlora-panel .ll-final.failed { color: #f07070; }
+.leanlora-panel .ll-gallery { display: flex; gap: 6px; overflow-x: auto; flex: none; }
+.leanlora-panel .ll-gallery:empty { display: none; }
 .leanlora-panel .ll-gallery figure { margin: 0; flex: none; text-align: center; font-size: 11px; color: #aaa; }
-.leanlora-panel .ll-gallery img { height: 84px; display: block; border-radius: 3px; }
+.leanlora-panel .ll-gallery img { height: 72px; display: block; border-radius: 3px; }
 .leanlora-dataset { box-sizing: border-box; width: 100%; height: 100%; padding: 4px 6px; overflow: hidden;
   font: 13px/1.35 system-ui, sans-serif; color: #ddd; background: #1b1b1f; border-radius: 6px; }
 .leanlora-dataset .ll-counts { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
@@ -260,12 +409,26 @@ function viewUrl(image) {
   return api.apiURL(`/view?${query}`);
 }
 
+function vramText(vram) {
+  if (!vram) return null;
+  if (vram.device === "cpu") return "VRAM: no GPU";
+  return `VRAM ${vram.used_gib.toFixed(1)}/${vram.total_gib.toFixed(1)} GiB`;
+}
+
 function render(node) {
   const panel = node.leanloraPanel;
   if (!panel) return;
-  const s = stateOf(node.id);
+  const s = stateShownBy(node);
   const p = panel.parts;
-  p.phase.textContent = s.final ? (s.stopped ? "stopped" : "finished") : s.phase;
+  p.phase.textContent = s.cachedView ? CACHED : s.final ? (s.failed ? "failed" : s.stopped ? "stopped" : "finished")
+                                                        : s.phase;
+  const active = s.started !== undefined && runShownBy(node) !== null && !s.final && !s.stopped && !s.cachedView;
+  p.stop.hidden = !active;
+  if (active && p.stop.dataset.run !== runShownBy(node)) { // a new run: the button ready again
+    p.stop.dataset.run = runShownBy(node);
+    p.stop.disabled = false;
+    p.stop.textContent = "Stop";
+  }
   p.bar.style.width = s.total ? `${(100 * s.step) / s.total}%` : "0";
   const stats = [];
   if (s.step) {
@@ -276,15 +439,16 @@ function render(node) {
     if (s.prodigyD != null) stats.push(`Prodigy d ${s.prodigyD.toPrecision(3)}`);
     if (s.sPerStep) stats.push(`${s.sPerStep.toFixed(3)} s/step`, `${duration(s.etaS)} left`);
   }
-  if (s.vram) stats.push(`VRAM ${s.vram.used_gib.toFixed(1)}/${s.vram.total_gib.toFixed(1)} GiB`);
+  const vram = vramText(s.vram);
+  if (vram) stats.push(vram);
   p.stats.textContent = stats.join(" · ") || " ";
   p.plan.textContent = s.plan.length ? s.plan[s.plan.length - 1] : "";
   p.plan.title = s.plan.join("\n");
   p.final.textContent = s.final ?? "";
-  p.final.className = "ll-final" + (s.stopped ? " stopped" : "");
+  p.final.className = "ll-final" + (s.failed ? " failed" : s.stopped ? " stopped" : "");
   drawChart(p.chart, s);
-  const shown = p.gallery.dataset.count ?? "0";
-  if (String(s.samples.length) !== shown) {
+  const gallery = JSON.stringify(s.samples.map((sample) => sample.step));
+  if (gallery !== p.gallery.dataset.shown) { // the gallery takes its room from the chart: the node keeps its size
     p.gallery.replaceChildren();
     for (const sample of [...s.samples].reverse()) {
       sample.images.forEach((image, i) => {
@@ -297,32 +461,36 @@ function render(node) {
         el("figcaption", null, figure).textContent = `step ${sample.step} · ${prompt.slice(0, 24)}`;
       });
     }
-    p.gallery.dataset.count = String(s.samples.length);
-    const wanted = s.samples.length ? PANEL_HEIGHT + GALLERY_HEIGHT : PANEL_HEIGHT;
-    if (panel.height !== wanted) {
-      panel.height = wanted;
-      const size = node.computeSize();
-      node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
-    }
+    p.gallery.dataset.shown = gallery;
+    requestAnimationFrame(() => drawChart(p.chart, s)); // the chart's room changed
   }
   node.setDirtyCanvas(true, true);
 }
 
-function redraw(id, now = false) {
-  persist(id, now);
-  const node = app.graph?.getNodeById?.(id) ?? app.graph?.getNodeById?.(Number(id));
-  if (node?.leanloraPanel) render(node);
+function redraw(key, now = false) {
+  persist(key, now);
+  for (const node of app.graph?._nodes ?? []) if (node.leanloraPanel && runShownBy(node) === key) render(node);
+  // a cached run shows its previous run: redraw those too
+  for (const node of app.graph?._nodes ?? []) {
+    if (node.leanloraPanel && runState(runShownBy(node))?.previous === key) render(node);
+  }
 }
 
 function setupTrainNode(node) {
   ensureStyle();
   markAdvanced(node); // before the panel: it is no input widget
   const root = el("div", "leanlora-panel");
+  const head = el("div", "ll-head", root);
   const parts = {
-    phase: el("div", "ll-phase", root), bar: el("div", null, el("div", "ll-bar", root)),
-    stats: el("div", "ll-stats", root), chart: el("canvas", null, root), plan: el("div", "ll-plan", root),
+    phase: el("div", "ll-phase", head), stop: el("button", "ll-stop", head),
+    bar: el("div", null, el("div", "ll-bar", root)), stats: el("div", "ll-stats", root),
+    chart: el("canvas", null, el("div", "ll-chart", root)), plan: el("div", "ll-plan", root),
     final: el("div", "ll-final", root), gallery: el("div", "ll-gallery", root),
   };
+  parts.stop.textContent = "Stop";
+  parts.stop.title = "Stop this training (ComfyUI's interrupt): the LoRA learned so far is saved";
+  parts.stop.hidden = true;
+  parts.stop.addEventListener("click", (event) => { event.stopPropagation(); stopRun(node); });
   const panel = { root, parts, height: PANEL_HEIGHT };
   const widget = node.addDOMWidget("leanlora_panel", "leanlora_panel", root, {
     serialize: false, hideOnZoom: false, getValue: () => "", setValue: () => {},
@@ -467,8 +635,13 @@ async function previewDataset(node) {
   node.setDirtyCanvas(true, true);
 }
 
-// for the browser tests (tests/test_browser.py) and the console: the panels' states by node id
-window.LeanLoRA = { panels, stateOf, TYPE_PATH };
+// for the browser tests (tests/test_browser.py) and the console: the runs, and what a Train node of the active graph
+// shows (by node id)
+function shownState(id) {
+  const [node] = trainNodes(id);
+  return node ? { ...stateShownBy(node), run: runShownBy(node) } : null;
+}
+window.LeanLoRA = { runs, shownState, TYPE_PATH, CACHED };
 
 // Runs `extra(node, ...arguments)` after a node class's own `hook` (litegraph's onNodeCreated, onConfigure), keeping
 // its result: the frontend's and other packs' handlers still run first.
@@ -481,9 +654,48 @@ function after(nodeType, hook, extra) {
   };
 }
 
+// A workflow of this pack opens at its saved view: frontend 1.49.6 fits a template (or a view it finds empty) to the
+// window instead, where the templates' nodes are grey boxes at 32-39%.
+const READABLE_SCALE = 0.6;
+let savedView = null;
+
+function restoreSavedView() {
+  const view = savedView;
+  savedView = null;
+  if (!view) return;
+  const apply = () => {
+    const ds = app.canvas?.ds;
+    if (!ds || ds.scale >= READABLE_SCALE) return;
+    ds.scale = view.scale;
+    ds.offset = [...view.offset];
+    app.canvas.setDirty(true, true);
+  };
+  apply();
+  requestAnimationFrame(() => { apply(); requestAnimationFrame(apply); }); // after the frontend's own fit
+}
+
 app.registerExtension({
   name: "LeanLoRA.panel",
+  beforeConfigureGraph(graphData) {
+    const ds = graphData?.extra?.ds;
+    const ours = (graphData?.nodes ?? []).some((n) => String(n?.type ?? "").startsWith("LeanLoRA"));
+    savedView = ours && ds?.scale >= READABLE_SCALE && ds.offset?.length === 2
+      ? { scale: ds.scale, offset: [Number(ds.offset[0]), Number(ds.offset[1])] } : null;
+  },
+  afterConfigureGraph() {
+    restoreSavedView();
+  },
   async setup() {
+    for (const key of Object.keys(localStorage)) if (key.startsWith(OLD_STORE_KEY)) localStorage.removeItem(key);
+    const queuePrompt = api.queuePrompt;
+    api.queuePrompt = async function (number, data, ...rest) { // this tab's prompts: their Train nodes show them
+      const response = await queuePrompt.call(this, number, data, ...rest);
+      try { claimQueued(response?.prompt_id, data?.output); } catch (error) { console.warn("LeanLoRA:", error); }
+      return response;
+    };
+    api.addEventListener("execution_cached", onCached);
+    api.addEventListener("execution_error", onEnded(true));
+    api.addEventListener("execution_interrupted", onEnded(false));
     api.addEventListener("leanlora.progress", onProgress);
     api.addEventListener("leanlora.saved", onFinished(false));
     api.addEventListener("leanlora.partial_saved", onFinished(true));
@@ -495,7 +707,7 @@ app.registerExtension({
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === MEMORY) {
       after(nodeType, "onNodeCreated", (node) => setupMemoryNode(node));
-      after(nodeType, "onConfigure", (node, info) => migrateMemoryValues(node, info));
+      after(nodeType, "onConfigure", (node, info) => { migrateMemoryValues(node, info); markCardOverrides(node); });
     }
     if (nodeData.name === DATASET) {
       after(nodeType, "onNodeCreated", (node) => setupDatasetNode(node));

@@ -18,7 +18,7 @@ from ..step.precision import DTYPES
 from .allocator import memory_limit, trim_graph_memory
 from .card import device_memory
 from .estimate import GIB, PROBE_SIDES, MemoryEstimate
-from .ladder import next_rung
+from .ladder import next_rung, streaming_described, streams_more
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
 
 if TYPE_CHECKING:
@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
+# Before step 1 the streaming share is sized in hundredths of the fp8 weights (largest layers first), not the
+# ladder's fifths: on Qwen-Image at 8 GiB the fifths streamed every weight where 80% was 0.34 GiB over the budget,
+# and each streamed byte crosses PCIe twice a step. STREAM_SLACK: what a share sized from a probe keeps in hand for
+# the next probe's noise (allocator rounding, the graph pool's share of a slightly different step).
+STREAM_UNIT = 0.01
+STREAM_SLACK = 64 * 2 ** 20
 
 
 def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
@@ -65,7 +71,8 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
     """The next rung that can shrink weights, LoRA or optimizer state. Checkpointing and batch-split rungs trade
     activations only: skipped here, they stay for the probes and the planner (fit_to_card), so a card that needs fp8
     weights gets fp8 with as little checkpointing and as large a batch as its activations allow, not fp8 with every
-    block recomputed at batch 1."""
+    block recomputed at batch 1. Activation offload moves activations only: skipped too (on Qwen-Image at 24 GiB the
+    static plan took it, and its copies then shared PCIe with the streamed weights every step)."""
     walked = memory
     while True:
         rung = next_rung(walked, device)
@@ -74,7 +81,8 @@ def next_static_rung(memory: MemorySettings, device: torch.device) -> tuple[Memo
         walked, description = rung
         kept = replace(walked, gradient_checkpointing=memory.gradient_checkpointing,
                        checkpoint_share=memory.checkpoint_share, batch_size=memory.batch_size,
-                       gradient_accumulation=memory.gradient_accumulation)
+                       gradient_accumulation=memory.gradient_accumulation,
+                       activation_offload=memory.activation_offload)
         if kept != memory:
             return kept, description
 
@@ -87,6 +95,22 @@ def static_bytes(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, Ba
     lora = sum(p.numel() * 4 for p in params)
     return weight_bytes(dtype, memory.base_weights, memory.stream_share) + (3 if ema else 2) * lora + \
         optimizer_state_bytes(memory.optimizer, params)
+
+
+def smallest_stream_share(fits: Callable[[float], bool], above: float) -> float:
+    """The smallest streaming share, in STREAM_UNITs above `above` (a share known not to fit; 0: nothing streamed),
+    for which fits(share) holds; 1 where none does. Bisection: a larger share streams a superset of the layers
+    (cast_weights.streamed_layers), so what fits at one share fits at every larger one."""
+    low, high = round(above / STREAM_UNIT), round(1 / STREAM_UNIT)
+    if low >= high or not fits(1.0):
+        return 1.0
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle * STREAM_UNIT):
+            high = middle
+        else:
+            low = middle
+    return round(high * STREAM_UNIT, 2)
 
 
 def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
@@ -112,9 +136,16 @@ def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, Bas
                     f"{outside / GIB:.2f} GiB of the card is held outside training (CUDA context, libraries). The "
                     f"smallest card it trains on is about {smallest:.0f} GiB: raise auto_fit, or free VRAM")
             return memory, lines
-        memory = rung[0]
+        walked, description = rung
+        if streams_more(memory, walked):  # to the hundredth the budget needs, not the ladder's next fifth
+            before = memory.stream_share if memory.base_weights.streamed else None
+            share = smallest_stream_share(lambda share: static_bytes(replace(walked, stream_share=share), weight_bytes,
+                                                                     params, ema) <= budget * STATIC_SHARE,
+                                          before or 0.0)
+            walked, description = replace(walked, stream_share=share), streaming_described(before, share)
         lines.append(f"auto-fit: weights, LoRA and optimizer alone would take {static / GIB:.2f} GiB of the "
-                     f"{budget / GIB:.2f} GiB budget -> {rung[1]}")
+                     f"{budget / GIB:.2f} GiB budget -> {description}")
+        memory = walked
 
 
 class Probe:
@@ -258,9 +289,10 @@ def verify(session: TrainingSession, memory: MemorySettings,
             lines.append(f"auto-fit: the planner's choice probed {probe.why_not()} > the {probe.budget / GIB:.2f} "
                          "GiB budget even with every block recomputed; the ladder goes on")
             return None, lines
-        share = min(1.0, (memory.checkpoint_share if memory.gradient_checkpointing else 0.0) + 0.1)
+        unit = 1 / len(session.checkpoint_units(memory.checkpoint_depth))
+        share = min(1.0, (memory.checkpoint_share if memory.gradient_checkpointing else 0.0) + unit)
         lines.append(f"auto-fit: the planner's choice probed {probe.why_not()} > the {probe.budget / GIB:.2f} GiB "
-                     f"budget -> gradient checkpointing for {share:.0%} of the blocks")
+                     f"budget -> gradient checkpointing for {share:.0%} of the blocks (one unit more)")
         memory = replace(memory, gradient_checkpointing=True, checkpoint_share=share)
 
 
@@ -299,8 +331,25 @@ def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[Memor
             return estimate or session.estimate(), lines
         why = (f"estimated {total / GIB:.2f} GiB" + (f" + {extra / GIB:.2f} GiB for the CUDA graph" if extra else "")
                if total is not None else "the probe ran out of memory")
-        lines.append(f"auto-fit: {why} > budget -> {rung[1]}")
-        lines += configure_placed(session, rung[0])
+        memory, description = rung
+        if total is not None and streams_more(session.memory, memory):
+            memory, description = stream_enough(session, memory, total + extra - budget * FIT_HEADROOM)
+        lines.append(f"auto-fit: {why} > budget -> {description}")
+        lines += configure_placed(session, memory)
+
+
+def stream_enough(session: TrainingSession, rung: MemorySettings, overshoot: float) -> tuple[MemorySettings, str]:
+    """The streaming rung sized to the probe: the smallest share (in STREAM_UNITs, above the session's) whose
+    frozen weights take `overshoot` bytes (+ STREAM_SLACK) fewer on the device than the session's do. The
+    activations, workspace and graph pool the probe measured stay as they were: streaming moves weights only."""
+    memory, adapter, unet = session.memory, session.adapter, session.unet
+    dtype = DTYPES[memory.mixed_precision] or torch.float32
+    now = adapter.projected_weight_bytes(unet, dtype, memory.base_weights, memory.stream_share)
+    target = now - overshoot - STREAM_SLACK
+    before = memory.stream_share if memory.base_weights.streamed else None
+    share = smallest_stream_share(
+        lambda share: adapter.projected_weight_bytes(unet, dtype, rung.base_weights, share) <= target, before or 0.0)
+    return replace(rung, stream_share=share), streaming_described(before, share)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,9 @@ EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
 CHECKPOINT_SHARES = (0.2, 0.4, 0.6, 0.8, 1.0)
 # Streaming in steps of a fifth of the fp8 weights, largest layers first (bridge/cast_weights.py): each streamed
 # byte crosses PCIe twice per step (forward and recompute), so a card that needs only part of the weights off the
-# GPU pays only for that part (SDXL 1024² on an H200, every weight streamed: ~0.13 s of a 0.28 s step).
+# GPU pays only for that part (SDXL 1024² on an H200, every weight streamed: ~0.13 s of a 0.28 s step). These
+# fifths are the rungs of OOM recovery mid-run; before step 1 auto-fit sizes the share to the hundredth from the
+# static plan and the probes (memory/fit.py, STREAM_UNIT).
 STREAM_SHARES = (0.2, 0.4, 0.6, 0.8, 1.0)
 
 
@@ -80,11 +82,23 @@ def next_rung(memory: MemorySettings, device: torch.device) -> tuple[MemorySetti
     if memory.base_weights is BaseWeights.FP8 and is_gpu(device):
         share = STREAM_SHARES[0]
         return (replace(memory, base_weights=BaseWeights.FP8_STREAMED, stream_share=share),
-                f"frozen base weights streamed from CPU memory, layer by layer: the largest layers, {share:.0%} of "
-                "the weights")
+                streaming_described(None, share))
     if memory.base_weights.streamed and memory.stream_share < 1 and is_gpu(device):
         share = next(s for s in STREAM_SHARES if s > memory.stream_share)
-        return (replace(memory, stream_share=share),
-                f"frozen weights streamed from CPU memory {memory.stream_share:.0%} -> {share:.0%}"
-                if share < 1 else "every frozen weight streamed from CPU memory")
+        return replace(memory, stream_share=share), streaming_described(memory.stream_share, share)
     return None
+
+
+def streams_more(before: MemorySettings, after: MemorySettings) -> bool:
+    """Whether `after` is a rung that streams frozen weights where `before` streamed fewer (or none)."""
+    return after.base_weights.streamed and (not before.base_weights.streamed
+                                            or after.stream_share > before.stream_share)
+
+
+def streaming_described(before: float | None, share: float) -> str:
+    """The report's words for a streaming rung from `before` (None: nothing streamed yet) to `share`."""
+    if before is None:
+        return ("frozen base weights streamed from CPU memory, layer by layer: "
+                + (f"the largest layers, {share:.0%} of the weights" if share < 1 else "every weight"))
+    return (f"frozen weights streamed from CPU memory {before:.0%} -> {share:.0%}" if share < 1
+            else "every frozen weight streamed from CPU memory")

@@ -76,7 +76,7 @@ def profile(spec, preset: str, batch: int, steps: int, device: torch.device, gra
     session, _, _, _ = start_session(work, memory, warmup + steps)
 
     def run(n: int) -> None:  # the Train node's run, n more steps
-        session.run(lambda: False, until=session.steps_done + n)
+        session.run(until=session.steps_done + n)
 
     run(warmup)  # warm-up: lazy initialisation, cuDNN/cuBLAS heuristics and capture stay out
     cuda = device.type == "cuda"

@@ -241,7 +241,8 @@ def row_inductor_options(compile_variant: str | None) -> dict:
 def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, steps: int, count_flops: bool) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.loop import train_loop
+    from trainer.loop import StepParts, train_loop
+    from trainer.session import RunEvents
     from trainer.settings import AutoFit
     from trainer.train_lora import LOSS_READ_EVERY
 
@@ -258,12 +259,18 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
     notes = [*fit_lines, *session.notes, estimate.format()]
     initial = _flat_lora(params)
 
+    class Timed(RunEvents):  # the Train node's loss reads, each step's end marked on the clock
+        sync_every = LOSS_READ_EVERY
+
+        def after_step(self) -> None:
+            clock.mark()
+
     clock = StepClock(device)
     work.reset_peak()
     retries = alloc_retries(device)
     clock.mark()
     # the Train node's run: loss read every N steps, out-of-memory recovery, step count kept by the session
-    result = session.run(lambda: False, sync_every=LOSS_READ_EVERY, after_step=clock.mark)
+    result = session.run(Timed())
     retries = alloc_retries(device) - retries
     if retries:  # each one frees the allocator's cache and synchronizes: a run at its cap's edge
         notes.append(f"allocator: {retries} allocations retried after freeing cached memory during the timed steps")
@@ -278,8 +285,8 @@ def _run_ours(work: Workload, preset: str, cap_gib: float | None, warmup: int, s
         # eager: dynamo would give up on compiled blocks under the counter's dispatch mode, for the whole process
         with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
             # one eager step (a replayed graph dispatches nothing to count)
-            train_loop(params, session.loss, session.data, session.optimizer, session.precision, 1,
-                       session.memory.gradient_accumulation, lambda: False)
+            train_loop(StepParts(params, session.loss, session.optimizer, session.precision,
+                                 session.memory.gradient_accumulation), session.data, 1)
         out["flops"] = counter.get_total_flops()
         out["flops_include_recompute"] = session.memory.gradient_checkpointing
     offload = session.micro_step.offload

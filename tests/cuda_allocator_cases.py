@@ -18,7 +18,7 @@ from helpers import TinyNet, sd_targets  # noqa: E402
 from trainer.step.activation_offload import ActivationOffload  # noqa: E402
 from trainer.step.compiled_blocks import compile_blocks  # noqa: E402
 from trainer.step.micro_steps import BatchStep, EagerMicroStep, allocator_backend, build_micro_step  # noqa: E402
-from trainer.loop import train_loop  # noqa: E402
+from trainer.loop import StepParts, train_loop  # noqa: E402
 from trainer.step.checkpointing import checkpoint_blocks, uses_randomness  # noqa: E402
 from trainer.lora import inject_lora, seed_lora_dropout  # noqa: E402
 from trainer.optimizers import build_optimizer  # noqa: E402
@@ -147,8 +147,8 @@ def _train(graphed, shapes=((2, 8),), steps=4, offload=False, compiled_part=None
             p.grad = None
     optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=DEVICE)
     batches = _batches(shapes, steps * 4, dropout_seeds=dropout_seed is not None)
-    result = train_loop(params, BatchStep(lambda batch: batch, micro), batches, optimizer,
-                        precision, steps=steps, accumulation=1, should_stop=lambda: False)
+    result = train_loop(StepParts(params, BatchStep(lambda batch: batch, micro), optimizer, precision), batches,
+                        steps)
     weights = [p.detach().float().cpu().clone() for p in params]
     return result.losses, weights, micro
 

@@ -106,3 +106,11 @@ def optimizer_state_tensor_bytes(optimizer) -> int:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 sizes[value.untyped_storage().data_ptr()] = value.numel() * value.element_size()
     return sum(sizes.values())
+
+
+def loop_events(**hooks):
+    """A loop.LoopEvents with the given methods and settings (on_step=seen.append, sync_every=5, ...)."""
+    from trainer.loop import LoopEvents
+    events = LoopEvents()
+    events.__dict__.update(hooks)
+    return events

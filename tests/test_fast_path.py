@@ -5,7 +5,7 @@ import torch
 
 from helpers import TinyNet, sd_targets
 from trainer.step.micro_steps import BatchStep, EagerMicroStep, GraphedMicroStep, build_micro_step
-from trainer.loop import train_loop
+from trainer.loop import StepParts, train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import build_optimizer
 from trainer.step.precision import Precision
@@ -40,8 +40,8 @@ def _train(device, graphed: bool, precision_mode="no", optimizer_name="AdamW", a
     loss_of = lambda inputs: torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])  # noqa: E731
     micro = GraphedMicroStep(loss_of, precision, params) if graphed else EagerMicroStep(loss_of, precision)
     optimizer, _ = build_optimizer(optimizer_name, params, 1e-2, device=device, flat=flat, bf16_weights=bf16_weights)
-    result = train_loop(params, BatchStep(lambda batch: batch, micro), _data(device), optimizer, precision,
-                        steps=steps, accumulation=accumulation, should_stop=lambda: False)
+    result = train_loop(StepParts(params, BatchStep(lambda batch: batch, micro), optimizer, precision, accumulation),
+                        _data(device), steps)
     return result.losses, [p.detach().float().cpu().clone() for p in params], micro
 
 
@@ -397,8 +397,8 @@ def test_graphed_steps_with_activation_offload_train_like_eager_steps():
         micro = GraphedMicroStep(loss_of, precision, params, offload=offload) if graphed else \
             EagerMicroStep(loss_of, precision, offload)
         optimizer, _ = build_optimizer("AdamW", params, 1e-2, device=device)
-        result = train_loop(params, BatchStep(lambda batch: batch, micro), _data(device), optimizer, precision,
-                            steps=8, accumulation=2, should_stop=lambda: False)
+        result = train_loop(StepParts(params, BatchStep(lambda batch: batch, micro), optimizer, precision, 2),
+                            _data(device), 8)
         return result.losses, micro, offload
 
     eager_losses, _, offload = run(False)
@@ -556,8 +556,8 @@ def _typed_run(kind: str, graphed: bool, precision_mode: str, dropout: float):
         return torch.nn.functional.mse_loss(net(inputs["x"]).float(), inputs["y"])
     micro = GraphedMicroStep(loss_of, precision, params) if graphed else EagerMicroStep(loss_of, precision)
     optimizer, _ = build_optimizer("AdamW", params, 1e-2, device=device)
-    result = train_loop(params, BatchStep(lambda batch: batch, micro), iter(batches), optimizer, precision, steps=8,
-                        accumulation=2, should_stop=lambda: False)
+    result = train_loop(StepParts(params, BatchStep(lambda batch: batch, micro), optimizer, precision, 2),
+                        iter(batches), 8)
     return result.losses, [p.detach().float().cpu() for p in params], micro
 
 

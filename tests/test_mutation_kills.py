@@ -815,13 +815,14 @@ def _one_weight(value=1.0):
 
 
 def _loop(w, loss_fn, steps, **kwargs):
-    from trainer.loop import train_loop
+    from helpers import loop_events
+    from trainer.loop import StepParts, train_loop
     from trainer.step.precision import Precision
-    kwargs.setdefault("accumulation", 1)
-    kwargs.setdefault("should_stop", lambda: False)
     optimizer = kwargs.pop("optimizer", None) or torch.optim.SGD([w], lr=kwargs.pop("lr", 0.1))
-    return train_loop([w], loss_fn, kwargs.pop("batches", iter(range(1, 1000))), optimizer,
-                      Precision("no", CPU), steps, **kwargs)
+    parts = StepParts([w], loss_fn, optimizer, Precision("no", CPU), kwargs.pop("accumulation", 1),
+                      kwargs.pop("max_grad_norm", 1.0))
+    first_step = kwargs.pop("first_step", 0)
+    return train_loop(parts, kwargs.pop("batches", iter(range(1, 1000))), steps, loop_events(**kwargs), first_step)
 
 
 def test_each_step_is_reported_once_in_order_with_the_mean_micro_batch_loss_and_its_rate():
@@ -856,10 +857,10 @@ def test_a_continued_run_counts_from_its_first_step():
 
 def test_gradients_are_clipped_to_max_grad_norm_and_zero_means_no_clipping():
     w = _one_weight(0.0)
-    from trainer.loop import train_loop
+    from trainer.loop import StepParts, train_loop
     from trainer.step.precision import Precision
-    train_loop([w], lambda b: 10 * w.sum(), iter(range(9)), torch.optim.SGD([w], lr=1.0), Precision("no", CPU), 1,
-               1, lambda: False)  # the default clips at 1
+    train_loop(StepParts([w], lambda b: 10 * w.sum(), torch.optim.SGD([w], lr=1.0), Precision("no", CPU)),
+               iter(range(9)), 1)  # the default clips at 1
     assert w.item() == pytest_approx(-1.0)
     for max_norm, moved in ((1.0, 1.0), (None, 10.0), (0.0, 10.0), (20.0, 10.0)):
         w = _one_weight(0.0)
@@ -1099,7 +1100,7 @@ def test_a_micro_step_object_is_called_with_the_accumulation_and_zeroes_its_own_
 
 
 def test_fp16_clips_the_unscaled_gradient_and_leaves_overflowed_steps_to_the_scaler():
-    from trainer.loop import train_loop
+    from trainer.loop import StepParts, train_loop
     from trainer.step.precision import Precision
     w = _one_weight(0.0)
     fp16 = Precision("fp16", CPU, initial_scale=1024.0)
@@ -1107,7 +1108,7 @@ def test_fp16_clips_the_unscaled_gradient_and_leaves_overflowed_steps_to_the_sca
 
     def loss_fn(b):
         return torch.sqrt(w - w).sum() if grads[b] is None else grads[b] * w.sum()  # step 2: a NaN gradient
-    result = train_loop([w], loss_fn, iter([1, 2, 3]), torch.optim.SGD([w], lr=1.0), fp16, 3, 1, lambda: False)
+    result = train_loop(StepParts([w], loss_fn, torch.optim.SGD([w], lr=1.0), fp16), iter([1, 2, 3]), 3)
     assert result.diverged_at is None and result.steps_done == 3 and fp16.skipped_steps == 1
     assert w.item() == pytest_approx(-2.0)  # steps 1 and 3 moved by the clipped 1.0; step 2 was skipped
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.errors import LeanLoRAError
-from trainer.loop import train_loop
+from trainer.loop import StepParts, train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import (MIN_8BIT_SIZE, OPTIMIZERS, build_optimizer, optimizer_state_bytes,
                                 optimizer_state_bytes_per_param)
@@ -41,8 +41,8 @@ def _train(name: str, steps: int = 60, flat: bool = False):
             idx = torch.randint(0, 64, (8,), generator=g)
             yield x[idx], y[idx]
     optimizer, note = build_optimizer(name, params, LEARNING_RATES[name], device=CPU, flat=flat)
-    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data(), optimizer,
-                        Precision("no", CPU), steps=steps, accumulation=1, should_stop=lambda: False)
+    result = train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), optimizer,
+                                  Precision("no", CPU)), data(), steps)
     return result.losses, optimizer, note, params
 
 
@@ -246,8 +246,8 @@ def test_bf16_lora_weights_halve_their_bytes_and_train_like_fp32(name, chunk, mo
             y = _net()(x)
         g = torch.Generator().manual_seed(0)
         data = ((x[i], y[i]) for i in iter(lambda: torch.randint(0, 64, (8,), generator=g), None))
-        result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
-                            optimizer, Precision("bf16", CPU), steps=60, accumulation=1, should_stop=lambda: False)
+        result = train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]),
+                                      optimizer, Precision("bf16", CPU)), data, 60)
         held = sum(2 * p.numel() * p.element_size() for p in params)  # weight + its gradient, same dtype
         return result.losses, held, params, optimizer
 

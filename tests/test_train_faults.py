@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 import trainer.files as files
 from trainer.errors import LeanLoRAError
 from trainer.files import non_finite_tensors, sanitize_name, save_safetensors_atomic, save_with_fallback
-from trainer.loop import train_loop
+from trainer.loop import StepParts, train_loop
 from trainer.lora import inject_lora
 from trainer.optimizers import build_lr_schedule
 from trainer.step.precision import Precision
 from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 
-from helpers import regression_problem
+from helpers import loop_events, regression_problem
 
 CPU = torch.device("cpu")
 
@@ -57,8 +57,8 @@ def test_a_nan_loss_stops_the_run_at_that_step_with_the_last_finite_weights(sync
 
     def on_step(info):  # with sync_every 4, steps 1-4 are reported together, right after step 4
         after_step[info.step] = [p.detach().clone() for p in params]
-    result = train_loop(params, loss_fn, data, torch.optim.AdamW(params, lr=1e-2), Precision("no", CPU), steps=20,
-                        accumulation=1, should_stop=lambda: False, on_step=on_step, sync_every=sync_every)
+    result = train_loop(StepParts(params, loss_fn, torch.optim.AdamW(params, lr=1e-2), Precision("no", CPU)), data,
+                        20, loop_events(on_step=on_step, sync_every=sync_every))
     assert result.diverged_at == 6 and len(calls) <= 8  # stopped at the first read after the NaN
     assert result.steps_done == kept  # the last step whose weights were checked (and copied) finite
     assert all(torch.isfinite(p).all() for p in params)
@@ -74,8 +74,8 @@ def test_a_finite_loss_with_an_infinite_gradient_is_divergence_outside_fp16():
         calls.append(1)
         out = net(batch[0])
         return torch.nn.functional.mse_loss(_InfiniteGradient.apply(out) if len(calls) == 3 else out, batch[1])
-    result = train_loop(params, loss_fn, data, torch.optim.AdamW(params, lr=1e-2), Precision("no", CPU), steps=10,
-                        accumulation=1, should_stop=lambda: False)
+    result = train_loop(StepParts(params, loss_fn, torch.optim.AdamW(params, lr=1e-2), Precision("no", CPU)), data,
+                        10)
     assert result.diverged_at == 3 and result.steps_done == 2
     assert all(torch.isfinite(p).all() for p in params)
 
@@ -85,12 +85,10 @@ def test_fp16_overflowed_steps_are_skipped_unchanged_and_are_not_divergence():
     precision = Precision("fp16", CPU, initial_scale=2.0 ** 40)  # the first steps overflow fp16 gradients
     optimizer = torch.optim.AdamW(params, lr=1e-2)  # weight decay would move the weights on an applied step
     before = [p.detach().clone() for p in params]
-    first = train_loop(params, _mse(net), data, optimizer, precision, steps=1, accumulation=1,
-                       should_stop=lambda: False)
+    first = train_loop(StepParts(params, _mse(net), optimizer, precision), data, 1)
     assert precision.skipped_steps == 1 and first.diverged_at is None
     assert all(torch.equal(a, b) for a, b in zip(before, params))  # a skipped step leaves the weights alone
-    result = train_loop(params, _mse(net), data, optimizer, precision, steps=40, accumulation=1,
-                        should_stop=lambda: False, first_step=1)
+    result = train_loop(StepParts(params, _mse(net), optimizer, precision), data, 40, first_step=1)
     assert precision.skipped_steps > 1 and result.diverged_at is None and result.steps_done == 40
     assert all(torch.isfinite(p).all() for p in params)
     assert any(not torch.equal(a, b) for a, b in zip(before, params))  # later steps did apply
@@ -108,8 +106,8 @@ def test_the_loss_is_divided_by_the_accumulation_count():
             def step(self, closure=None):
                 grads.append([p.grad.clone() for p in params])
                 return super().step(closure)
-        result = train_loop(params, _mse(net), data, Recording(params, lr=0.0), Precision("no", CPU), steps=1,
-                            accumulation=accumulation, should_stop=lambda: False, max_grad_norm=None)
+        result = train_loop(StepParts(params, _mse(net), Recording(params, lr=0.0), Precision("no", CPU),
+                                      accumulation, max_grad_norm=None), data, 1)
         losses.append(result.losses[0])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for whole, accumulated in zip(*grads):
@@ -120,9 +118,9 @@ def test_constant_schedule_warms_up():
     net, params, data, _ = regression_problem()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     seen = []
-    train_loop(params, _mse(net), data, optimizer, Precision("no", CPU), steps=8, accumulation=1,
-               should_stop=lambda: False, on_step=seen.append,
-               lr_schedule=build_lr_schedule(optimizer, "constant", warmup_steps=4, total_steps=8))
+    train_loop(StepParts(params, _mse(net), optimizer, Precision("no", CPU),
+                         lr_schedule=build_lr_schedule(optimizer, "constant", warmup_steps=4, total_steps=8)),
+               data, 8, loop_events(on_step=seen.append))
     assert [info.lr for info in seen] == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2, 1e-2])
 
 

@@ -12,11 +12,11 @@ from trainer.errors import LeanLoRAError
 from trainer.files import sanitize_name, save_safetensors_atomic, unused_path
 from helpers import node_module, sd_targets
 from trainer.lora import inject_lora, kohya_state_dict
-from trainer.loop import train_loop
+from trainer.loop import StepParts, train_loop
 from trainer.step.precision import Precision
 from trainer.settings import BaseWeights, LoraSettings, MemorySettings, TrainSettings
 
-from helpers import TinyNet, regression_problem
+from helpers import TinyNet, loop_events, regression_problem
 
 
 def test_sanitize_name_blocks_traversal_and_junk():
@@ -361,8 +361,8 @@ def test_loop_reduces_loss_in_every_precision(mode):
     net, params, data, _ = regression_problem()
     precision = Precision(mode, torch.device("cpu"))
     optimizer = torch.optim.AdamW(params, lr=1e-2)
-    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
-                        optimizer, precision, steps=60, accumulation=2, should_stop=lambda: False)
+    result = train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), optimizer,
+                                  precision, 2), data, 60)
     assert result.steps_done == 60 and len(result.losses) == 60
     assert sum(result.losses[-10:]) < 0.8 * sum(result.losses[:10])
 
@@ -372,8 +372,8 @@ def test_fp16_loss_scaling_skips_and_counts_overflowed_steps():
     precision = Precision("fp16", torch.device("cpu"), initial_scale=2.0 ** 40)  # overflows fp16 at first
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     before = [p.clone() for p in params]
-    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), data,
-                        optimizer, precision, steps=40, accumulation=1, should_stop=lambda: False)
+    result = train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]).float(), b[1]), optimizer,
+                                  precision), data, 40)
     assert precision.skipped_steps >= 1
     assert precision.scaler.get_scale() < 2.0 ** 40
     assert result.steps_done == 40
@@ -383,9 +383,9 @@ def test_fp16_loss_scaling_skips_and_counts_overflowed_steps():
 def test_loop_stops_when_asked():
     net, params, data, _ = regression_problem()
     calls = []
-    result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data,
-                        torch.optim.AdamW(params), Precision("no", torch.device("cpu")), steps=100,
-                        accumulation=1, should_stop=lambda: len(calls) >= 5, on_step=calls.append)
+    result = train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]),
+                                  torch.optim.AdamW(params), Precision("no", torch.device("cpu"))), data, 100,
+                        loop_events(should_stop=lambda: len(calls) >= 5, on_step=calls.append))
     assert result.cancelled and result.steps_done == 5
 
 
@@ -453,8 +453,8 @@ def test_cancel_raised_inside_a_step_ends_the_run_like_a_cancel():
         if len(calls) == 3:
             raise TrainingCancelled()
         return torch.nn.functional.mse_loss(net(batch[0]), batch[1])
-    result = train_loop(params, loss_fn, data, torch.optim.AdamW(params), Precision("no", torch.device("cpu")),
-                        steps=100, accumulation=1, should_stop=lambda: False, on_step=calls.append)
+    result = train_loop(StepParts(params, loss_fn, torch.optim.AdamW(params), Precision("no", torch.device("cpu"))),
+                        data, 100, loop_events(on_step=calls.append))
     assert result.cancelled and result.steps_done == 3
     assert all(p.grad is None for p in params)
 
@@ -525,9 +525,9 @@ def test_reading_losses_every_n_steps_changes_nothing_but_the_syncs():
     for sync_every in (1, 4):
         net, params, data, _ = regression_problem()
         seen = []
-        result = train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data,
-                            torch.optim.AdamW(params, lr=1e-2), Precision("no", torch.device("cpu")), steps=10,
-                            accumulation=2, should_stop=lambda: False, on_step=seen.append, sync_every=sync_every)
+        result = train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]),
+                                      torch.optim.AdamW(params, lr=1e-2), Precision("no", torch.device("cpu")), 2),
+                            data, 10, loop_events(on_step=seen.append, sync_every=sync_every))
         assert [info.step for info in seen] == list(range(1, 11)) and result.steps_done == 10
         runs.append((result.losses, [p.detach().clone() for p in params]))
     assert runs[0][0] == runs[1][0]
@@ -544,8 +544,8 @@ def test_an_error_mid_run_still_reports_every_applied_step():
             raise torch.OutOfMemoryError("simulated")
         return torch.nn.functional.mse_loss(net(batch[0]), batch[1])
     with pytest.raises(torch.OutOfMemoryError):
-        train_loop(params, loss_fn, data, torch.optim.AdamW(params), Precision("no", torch.device("cpu")), steps=20,
-                   accumulation=1, should_stop=lambda: False, on_step=seen.append, sync_every=5)
+        train_loop(StepParts(params, loss_fn, torch.optim.AdamW(params), Precision("no", torch.device("cpu"))), data,
+                   20, loop_events(on_step=seen.append, sync_every=5))
     assert [info.step for info in seen] == [1, 2, 3, 4, 5, 6]  # step 7 failed; 6 was applied and is reported
 
 
@@ -555,9 +555,9 @@ def test_lr_schedule_follows_diffusers_and_survives_an_optimizer_rebuild():
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     schedule = build_lr_schedule(optimizer, "cosine", warmup_steps=2, total_steps=10)
     seen = []
-    train_loop(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), data, optimizer,
-               Precision("no", torch.device("cpu")), steps=10, accumulation=1, should_stop=lambda: False,
-               on_step=seen.append, lr_schedule=schedule)
+    train_loop(StepParts(params, lambda b: torch.nn.functional.mse_loss(net(b[0]), b[1]), optimizer,
+                         Precision("no", torch.device("cpu")), lr_schedule=schedule), data, 10,
+               loop_events(on_step=seen.append))
     rates = [info.lr for info in seen]
     assert rates[0] == 0.0 and rates[1] == pytest.approx(5e-3) and rates[2] == pytest.approx(1e-2)  # warm-up
     assert rates[3] > rates[6] > rates[9] > 0  # cosine decay

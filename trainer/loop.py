@@ -63,32 +63,67 @@ class StepInfo:
     seconds: float
 
 
-def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
-               batches: Iterator, optimizer: torch.optim.Optimizer, precision: Precision,
-               steps: int, accumulation: int, should_stop: Callable[[], bool],
-               on_step: Callable[[StepInfo], None] = lambda info: None,
-               max_grad_norm: float | None = 1.0, first_step: int = 0,
-               cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1,
-               lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
-               after_step: Callable[[], None] = lambda: None, save_every: int = 0,
-               on_save: Callable[[int], None] = lambda step: None,
-               on_step_start: Callable[[int], None] = lambda done: None, evaluate_every: int = 0,
-               on_evaluate: Callable[[int], None] = lambda step: None) -> LoopResult:
-    """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery).
+@dataclass
+class StepParts:
+    """What one optimizer step is made of: the weights it trains, the micro-step, the optimizer and precision.
     `step_fn` is a loss function (batch -> loss, run eagerly here) or a micro-step (micro_steps.BatchStep: called
-    with (batch, accumulation) it runs forward + backward and returns the detached loss; it also zeroes grads).
+    with (batch, accumulation) it runs forward + backward and returns the detached loss; it also zeroes grads)."""
+    params: list[torch.nn.Parameter]
+    step_fn: Callable
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    accumulation: int = 1
+    max_grad_norm: float | None = 1.0
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None
+
+
+class LoopEvents:
+    """What the loop tells its caller and asks it, as one object (a run implements it: train_lora.Run). Each
+    method does nothing here; the attributes say how often the loop stops for them.
     TrainingCancelled or one of `cancel_errors` raised inside a step ends the run like a cancel between steps.
-    Losses stay on the device and are read (one host sync) every `sync_every` steps; on_step then reports each
-    of those steps in order (also when an exception ends the loop, so applied steps are never repeated).
+    Losses stay on the device and are read (one host sync) every `sync_every` steps; `on_step` then reports each of
+    those steps in order (also when an exception ends the loop, so applied steps are never repeated).
+    Every `save_every` steps (the last one excepted: the caller saves the end) the pending losses are read and,
+    with the weights finite, `on_save(step)` runs with everything at that step. Every `evaluate_every` steps (the
+    last one excepted, as for saves) `on_evaluate(step)` runs the same way, before that step's save (so a state
+    written there holds its evaluation); a Cancel inside it ends the run."""
+
+    cancel_errors: tuple[type[BaseException], ...] = ()
+    sync_every = 1
+    save_every = 0
+    evaluate_every = 0
+
+    def should_stop(self) -> bool:
+        return False
+
+    def on_step_start(self, done: int) -> None:
+        """Before a step draws its batches (`done` steps applied so far)."""
+
+    def after_step(self) -> None:
+        """Right after each optimizer step, without waiting for the device (e.g. to record a CUDA event)."""
+
+    def on_step(self, info: StepInfo) -> None:
+        """A step's loss, once read (in order; see sync_every)."""
+
+    def on_evaluate(self, step: int) -> None:
+        """Every evaluate_every steps (validation)."""
+
+    def on_save(self, step: int) -> None:
+        """Every save_every steps, with the weights, optimizer and RNG at that step."""
+
+
+def train_loop(parts: StepParts, batches: Iterator, steps: int, events: LoopEvents | None = None,
+               first_step: int = 0) -> LoopResult:
+    """Runs steps first_step..steps-1 (first_step > 0 continues a run, e.g. after an OOM recovery), telling `events`
+    (see LoopEvents: when it is called and what a Cancel inside a step does).
     Divergence: the first step with a NaN/inf loss (or gradient norm, outside fp16, whose loss scaler skips such
     steps itself) ends the run; the weights go back to their last copy checked finite (see LastFiniteWeights)
-    and `diverged_at` names the step.
-    `after_step` runs right after each optimizer step, without waiting for the device (e.g. to record a CUDA
-    event for timing). Every `save_every` steps (the last one excepted: the caller saves the end) the pending
-    losses are read and, with the weights finite, `on_save(step)` runs with everything at that step.
-    `on_step_start(done)` runs before each step draws its batches (`done` steps applied so far).
-    Every `evaluate_every` steps (the last one excepted, as for saves) `on_evaluate(step)` runs the same way,
-    before that step's save (so a state written there holds its evaluation); a Cancel inside it ends the run."""
+    and `diverged_at` names the step."""
+    events = events if events is not None else LoopEvents()
+    params, step_fn, optimizer, precision = parts.params, parts.step_fn, parts.optimizer, parts.precision
+    accumulation, max_grad_norm, lr_schedule = parts.accumulation, parts.max_grad_norm, parts.lr_schedule
+    cancel_errors, sync_every = events.cancel_errors, events.sync_every
+    save_every, evaluate_every = events.save_every, events.evaluate_every
     micro_step = step_fn if isinstance(step_fn, MicroStep) else EagerMicroStep(step_fn, precision)  # a bare loss fn
     result = LoopResult(steps_done=first_step)
     start = time.perf_counter()
@@ -109,7 +144,7 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                 break
             result.losses.append(value)
             result.steps_done = step
-            on_step(StepInfo(step, steps, value, lr, elapsed))
+            events.on_step(StepInfo(step, steps, value, lr, elapsed))
         else:
             if weights_finite:
                 last_finite.keep(pending[-1][0])
@@ -119,10 +154,10 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
 
     try:
         for step in range(first_step, steps):
-            if should_stop():
+            if events.should_stop():
                 result.cancelled = True
                 break
-            on_step_start(step)
+            events.on_step_start(step)
             step_loss = None
             try:
                 for _ in range(accumulation):
@@ -144,7 +179,7 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
             micro_step.zero_grad(optimizer)
             if lr_schedule is not None:
                 lr_schedule.step()
-            after_step()
+            events.after_step()
             pending.append((step + 1, step_loss, finite, lr))
             save_now = save_every and (step + 1) % save_every == 0 and step + 1 < steps
             evaluate_now = evaluate_every and (step + 1) % evaluate_every == 0 and step + 1 < steps
@@ -152,12 +187,12 @@ def train_loop(params: list[torch.nn.Parameter], step_fn: Callable,
                 report()
             if evaluate_now and result.diverged_at is None:
                 try:
-                    on_evaluate(step + 1)
+                    events.on_evaluate(step + 1)
                 except (TrainingCancelled, *cancel_errors):
                     result.cancelled = True
                     break
             if save_now and result.diverged_at is None:
-                on_save(step + 1)
+                events.on_save(step + 1)
             if result.diverged_at is not None:
                 break
     finally:  # an OOM or error still reports the steps that were applied

@@ -7,14 +7,13 @@ import contextlib
 import copy
 import gc
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
 from .cache import MASK_KEY, CachedSample, batches, collate
 from .ema import LoraEMA
 from .errors import is_out_of_memory
-from .loop import LoopResult, StepInfo, train_loop
+from .loop import LoopEvents, LoopResult, StepInfo, StepParts, train_loop
 from .lora import seed_lora_dropout
 from .memory.allocator import apply_allocator_settings, trim_graph_memory, trim_host_memory
 from .memory.card import device_memory, is_gpu
@@ -378,39 +377,19 @@ class TrainingSession:
         finally:
             self.unet.train(was_training)
 
-    def run(self, should_stop: Callable[[], bool], on_step: Callable[[StepInfo], None] = lambda info: None,
-            cancel_errors: tuple[type[BaseException], ...] = (), sync_every: int = 1, save_every: int = 0,
-            on_save: Callable[[int], None] = lambda step: None,
-            on_recovery: Callable[[Recovery], None] = lambda recovery: None,
-            after_step: Callable[[], None] = lambda: None,
-            until: int | None = None, evaluate_every: int = 0,
-            on_evaluate: Callable[[int], None] = lambda step: None) -> LoopResult:
-        """Steps from steps_done to `until` (the run's total by default). An out-of-memory inside a step (or, under
-        auto-fit, a first CUDA graph too big for the card) frees memory, moves one rung down the memory ladder and
-        repeats that step (self.recoveries says where).
-        `on_save(step)` runs every `save_every` steps, with the weights, optimizer and RNG at that step (see
-        training_state); `on_evaluate(step)` every `evaluate_every` steps, before the save (validation);
-        `after_step` right after each optimizer step (the bench's clock)."""
-        def counted(info: StepInfo) -> None:
-            self.steps_done = info.step
-            on_step(info)
-
-        def stepped() -> None:
-            if self.ema is not None:
-                self.ema.update()
-            after_step()
-
+    def run(self, events: RunEvents | None = None, until: int | None = None) -> LoopResult:
+        """Steps from steps_done to `until` (the run's total by default), telling `events` (loop.LoopEvents, and
+        `on_recovery`). An out-of-memory inside a step (or, under auto-fit, a first CUDA graph too big for the card)
+        frees memory, moves one rung down the memory ladder and repeats that step (self.recoveries says where)."""
+        events = events if events is not None else RunEvents()
         memory = device_memory(self.adapter.device)
         while True:
             try:
                 with memory.computing() if memory is not None else contextlib.nullcontext(), self.training_kernels():
-                    result = train_loop(self.params, self.step, self.data, self.optimizer, self.precision,
-                                        until or self.train.steps,
-                                        self.memory.gradient_accumulation, should_stop, counted,
-                                        first_step=self.steps_done, cancel_errors=cancel_errors, sync_every=sync_every,
-                                        lr_schedule=self.lr_schedule, save_every=save_every, on_save=on_save,
-                                        on_step_start=self._mark_step_start, after_step=stepped,
-                                        evaluate_every=evaluate_every, on_evaluate=on_evaluate)
+                    parts = StepParts(self.params, self.step, self.optimizer, self.precision,
+                                      self.memory.gradient_accumulation, lr_schedule=self.lr_schedule)
+                    result = train_loop(parts, self.data, until or self.train.steps, _Counted(self, events),
+                                        first_step=self.steps_done)
                 if result.diverged_at is not None:  # the weights went back to the last step checked finite
                     self.steps_done = result.steps_done
                 return result
@@ -421,7 +400,7 @@ class TrainingSession:
                 cause = "the CUDA graph would not fit the card" if graph_too_big else "out of memory"
                 rung = recover(self, error, self.adapter.device)
                 self.recoveries.append(Recovery(self.steps_done + 1, rung, cause))
-                on_recovery(self.recoveries[-1])
+                events.on_recovery(self.recoveries[-1])
 
     def _mark_step_start(self, done: int) -> None:
         # A step stopped part-way (Cancel, out of memory) has drawn batches and noise already: a state written
@@ -461,3 +440,41 @@ class TrainingSession:
             torch.cuda.empty_cache()  # the native allocator's cache; under cudaMallocAsync the pool is trimmed
             trim_graph_memory(self.adapter.device)  # and the driver's graph pool (uncounted by PyTorch)
         trim_host_memory()
+
+
+class RunEvents(LoopEvents):
+    """What TrainingSession.run tells its caller: the loop's events, and each memory recovery."""
+
+    def on_recovery(self, recovery: Recovery) -> None:
+        """After an out-of-memory moved the run one rung down the ladder (the step is repeated)."""
+
+
+class _Counted(LoopEvents):
+    """The caller's events, with what the session keeps at each: the step count, the EMA, where a step began."""
+
+    def __init__(self, session: TrainingSession, events: LoopEvents):
+        self.session, self.events = session, events
+        self.cancel_errors, self.sync_every = events.cancel_errors, events.sync_every
+        self.save_every, self.evaluate_every = events.save_every, events.evaluate_every
+
+    def should_stop(self) -> bool:
+        return self.events.should_stop()
+
+    def on_step_start(self, done: int) -> None:
+        self.session._mark_step_start(done)
+        self.events.on_step_start(done)
+
+    def after_step(self) -> None:
+        if self.session.ema is not None:
+            self.session.ema.update()
+        self.events.after_step()
+
+    def on_step(self, info: StepInfo) -> None:
+        self.session.steps_done = info.step
+        self.events.on_step(info)
+
+    def on_evaluate(self, step: int) -> None:
+        self.events.on_evaluate(step)
+
+    def on_save(self, step: int) -> None:
+        self.events.on_save(step)

@@ -5,6 +5,7 @@ encoders, a training copy of the diffusion model, its noise schedule and forward
 An out-of-memory inside a step frees memory, moves one rung down the memory ladder and repeats that step."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -30,7 +31,7 @@ from .memory.fit import room_for_sampling
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
-from .session import TrainingSession
+from .session import RunEvents, TrainingSession
 from .settings import AdapterKind, LoraSettings, LoraTargets, LoraWeights, MemorySettings, TrainSettings
 from .training_state import (Resume, capture_state, check_base_weights, dataset_fingerprint, lora_fingerprint,
                              model_fingerprint, save_training_state, state_path)
@@ -94,384 +95,445 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     files: every `sample_every` steps between optimizer steps, and after the final save; a failure is reported, never
     fatal. A TimeoutError from it (a sampler step estimated or measured past StepPace.sampler_step_allowed) skips
     this and every later sample of the run, with a note."""
-    timeline = timeline if timeline is not None else Timeline()
-    device = adapter.device
-    loras_dir = Path(loras_dir)
-    check_writable(loras_dir, 0, "loras folder")  # before any encoding or training
-    if store is not None and store.folder is not None:
+    run = Run(adapter, dataset, memory, lora, train, Path(loras_dir), emit, should_stop, store, fallback_dir,
+              timeline if timeline is not None else Timeline(), sample_every if on_sample is not None else 0, on_sample)
+    run.check()  # everything that can be refused, before any encoding
+    run.cache()
+    with run.training_copy():  # freed when the block ends, whatever happened
+        with run.stopping():  # Cancel or a failure ends the steps; what was learned is saved before it is reported
+            run.start()
+            run.steps()
+        run.save()
+    return run.finish()
+
+
+class Run(RunEvents):
+    """One training run: its stages in order (check, cache, training_copy, start, steps, save, finish) and the
+    loop's events between steps (on_step, on_evaluate, on_save, should_stop, on_recovery). Resume is
+    training_state.Resume: read and checked in check(), checked against the LoRA in training_copy(), put back in
+    start()."""
+
+    def __init__(self, adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings,
+                 train: TrainSettings, loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
+                 store: LatentTextStore | None, fallback_dir: Path | None, timeline: Timeline, sample_every: int,
+                 on_sample: Callable[[int, dict[str, torch.Tensor], StepPace | None], list[Path]] | None):
+        """As train_lora's arguments (`sample_every` 0 without `on_sample`); `memory` is resolved for the device
+        by check()."""
+        self.adapter, self.dataset, self.requested, self.lora, self.train = adapter, dataset, memory, lora, train
+        self.loras_dir, self.emit, self.stop_asked, self.timeline = loras_dir, emit, should_stop, timeline
+        self.store, self.fallback_dir, self.sample_every, self.on_sample = store, fallback_dir, sample_every, on_sample
+        self.save_every = math.gcd(train.save_every_steps, sample_every)  # the loop's stops for on_save
+        self.device = adapter.device
+        self.cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
+        self.sync_every = LOSS_READ_EVERY if self.device.type == "cuda" else 1
+        self.report: list[str] = []  # for people, in order
+        self.unet = self.text_encoder = self.continued = self.session = self.validation = None
+        self.pace, self.samples = Pace(), SampleLog()
+        self.step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes)
+        self.estimate = self.failure = self.diverged_at = None
+        self.cancelled = self.from_start = self.released = False
+
+    def phase(self, text: str) -> None:
+        self.emit(kind="phase", text=text)
+
+    def warn(self, text: str) -> None:
+        """A line for the report that the panel shows as it happens."""
+        self.report.append(text)
+        self.phase(text)
+
+    # --- stages ---------------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The folders, the memory settings on this device, the objective, optimizer, text encoder and resume state:
+        each refused here, before any encoding. Starts the report."""
+        adapter, lora, train, store = self.adapter, self.lora, self.train, self.store
+        check_writable(self.loras_dir, 0, "loras folder")
+        if store is not None and store.folder is not None:
+            try:
+                check_writable(store.folder, 0, "latent cache folder")
+            except LeanLoRAError as error:  # the disk layer is optional: warn and cache in RAM only
+                store.disk_problem, store.folder = str(error), None
+        self.record = RunReport(requested=self.requested)
+        self.memory, device_notes = resolve_for_device(self.requested, self.device)
+        memory = self.memory
+        # an unusable attention backend fails here, before any encoding
+        attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
+        device_notes += [attention_note] if attention_note else []
+        report = self.report
+        report += [f"LeanLoRA {__version__} on {self.device}: {adapter.describe()}", self.dataset.summary(),
+                   f"{adapter_type(lora).label} rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets "
+                   f"{lora.targets.value}" + (f", factor {lora.factor}" if lora.type is AdapterKind.LOKR else ""),
+                   f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps}"
+                   " steps", memory.describe(), *device_notes]
+        if train.min_snr_gamma:  # refused for flow models here
+            LossFunction.of(train.loss, train.huber_c, train.min_snr_gamma, adapter.identity().prediction)
+        if train.objective_changes():
+            report.append("timesteps and loss: " + ", ".join(f"{key} {value}"
+                                                              for key, value in train.objective_changes().items()))
+        check_optimizer(memory.optimizer, train)
+        if lora.trains_text_encoder:  # a model whose text encoder cannot be trained is refused
+            check_text_encoder(adapter, lora, memory)
+            report.append(f"text encoder trained too: LoRA on the CLIP text encoder(s) at learning rate "
+                          f"{lora.text_encoder_lr:g} (text_encoder_lr)")
+        if train.option_changes():
+            report.append("training options: " + ", ".join(f"{key} {value}"
+                                                           for key, value in train.option_changes().items()))
+        held_out_count(train.validation_fraction, len(self.dataset.samples))  # too few images
+        self.dataset_id = dataset_fingerprint(self.dataset)
+        self.resume = Resume.of(train.resume_from, self.dataset_id, len(self.dataset.samples), train.steps)
+        self.first_step, self.losses, self.started_at = self.resume.beginning(time.time())
+
+    def cache(self) -> None:
+        """Latents and text embeddings, once (and from the store where it has them); the encoders go after; the
+        held-out split comes off (validation)."""
+        adapter, dataset, train, store = self.adapter, self.dataset, self.train, self.store
+        self.phase("caching latents and text embeddings")
+        stats = CacheStats()
         try:
-            check_writable(store.folder, 0, "latent cache folder")
-        except LeanLoRAError as error:  # the disk layer is optional: warn and cache in RAM only
-            store.disk_problem, store.folder = str(error), None
-    run = RunReport(requested=memory)
-    memory, device_notes = resolve_for_device(memory, device)
-    # an unusable attention backend fails here, before any encoding
-    attention_note = adapter.set_attention(memory.attention, compiled=memory.compile)
-    device_notes += [attention_note] if attention_note else []
-    report = [f"LeanLoRA {__version__} on {device}: {adapter.describe()}", dataset.summary(),
-              f"{adapter_type(lora).label} rank {lora.rank}, alpha {lora.alpha}, dropout {lora.dropout}, targets "
-              f"{lora.targets.value}" + (f", factor {lora.factor}" if lora.type is AdapterKind.LOKR else ""),
-              f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps} steps",
-              memory.describe(), *device_notes]
-    if train.min_snr_gamma:  # refused for flow models here, before any encoding
-        LossFunction.of(train.loss, train.huber_c, train.min_snr_gamma, adapter.identity().prediction)
-    if train.objective_changes():
-        report.append("timesteps and loss: " + ", ".join(f"{key} {value}"
-                                                          for key, value in train.objective_changes().items()))
-    check_optimizer(memory.optimizer, train)  # before any encoding
-    if lora.trains_text_encoder:  # a model whose text encoder cannot be trained: refused before any encoding
-        check_text_encoder(adapter, lora, memory)
-        report.append(f"text encoder trained too: LoRA on the CLIP text encoder(s) at learning rate "
-                      f"{lora.text_encoder_lr:g} (text_encoder_lr)")
-    if train.option_changes():
-        report.append("training options: " + ", ".join(f"{key} {value}"
-                                                       for key, value in train.option_changes().items()))
+            cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
+                                on_item=lambda done, total: self.emit(kind="cache", done=done, total=total),
+                                store=store, image_encoder_id=adapter.image_encoder_id() if store else "",
+                                text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats,
+                                captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss,
+                                tokenize=adapter.text_encoder_tokens if self.lora.trains_text_encoder else None,
+                                controls=control_encoder_for(adapter, dataset))  # edit pairs (or a refusal)
+        except self.cancel_errors as cancel:
+            raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
+        self.report.append(stats.describe())
+        if store is not None and store.disk_problem:  # the disk layer is optional: training goes on from RAM
+            self.warn(f"WARNING: latent cache on disk off for this run: {store.disk_problem}; cached in RAM only")
+        adapter.release_encoders()
+        if self.stop_asked():
+            raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved")
+        self.all_cached, self.cached_images = cache, len(cache)
+        self.cached, self.held_out = split_validation(cache, train.validation_fraction, train.seed)  # RNG of its own
 
-    held_out_count(train.validation_fraction, len(dataset.samples))  # too few images: said before any encoding
-    dataset_id = dataset_fingerprint(dataset)
-    resume = Resume.of(train.resume_from, dataset_id, len(dataset.samples), train.steps)  # before any encoding
-    cancel_errors = (TrainingCancelled, *adapter.cancel_errors)
-    started_at = resume.started_at(time.time())
-    emit(kind="phase", text="caching latents and text embeddings")
-    stats = CacheStats()
-    try:
-        cache = build_cache(dataset, adapter.encode_image, adapter.encode_text,
-                            on_item=lambda done, total: emit(kind="cache", done=done, total=total), store=store,
-                            image_encoder_id=adapter.image_encoder_id() if store else "",
-                            text_encoder_id=adapter.text_encoder_id() if store else "", stats=stats,
-                            captions=train.caption_options(), seed=train.seed, masked_loss=train.masked_loss,
-                            tokenize=adapter.text_encoder_tokens if lora.trains_text_encoder else None,
-                            controls=control_encoder_for(adapter, dataset))  # edit pairs (or a refusal)
-    except cancel_errors as cancel:
-        raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved") from cancel
-    report.append(stats.describe())
-    if store is not None and store.disk_problem:  # the disk layer is optional: training goes on from RAM
-        note = f"WARNING: latent cache on disk off for this run: {store.disk_problem}; cached in RAM only"
-        report.append(note)
-        emit(kind="phase", text=note)
-    adapter.release_encoders()
-    if should_stop():
-        raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved")
-    all_cached, cached_images = cache, len(cache)
-    cache, held_out = split_validation(cache, train.validation_fraction, train.seed)  # RNG of its own
-
-    emit(kind="phase", text="preparing the training copy")
-    unet = adapter.training_unet()
-    try:
-        check_base_weights(unet)
-    except LeanLoRAError:
-        adapter.free(unet)
-        raise
-    fingerprints = {"dataset": dataset_id, "model": model_fingerprint(unet)}
-    presets = {targets: adapter.lora_targets(unet, targets) for targets in LoraTargets}  # before LoRA wraps layers
-    params = inject_lora(unet, lora, train.seed, presets[lora.targets])
-    text_encoder = None
-    if lora.trains_text_encoder:  # its LoRA weights come after the UNet's: one list for clipping, EMA and state
+    @contextlib.contextmanager
+    def training_copy(self):
+        """The training copy with its LoRA (and the text encoder's), continued from a file where asked, checked
+        against the resume state, in a session, for the block; freed when the block ends, whatever happened (the
+        final samples and the KSampler after Train find the card as it was before the run)."""
+        self.phase("preparing the training copy")
+        self.unet = self.adapter.training_unet()
         try:
-            text_encoder = adapter.training_text_encoder(lora, train.seed)
-        except LeanLoRAError:
-            adapter.free(unet)
-            raise
-        params = params + text_encoder.params
-        fingerprints["text_encoder"] = text_encoder.fingerprint()
-        report.append(text_encoder.describe())
-    continued = None
-    if lora.continue_from:
-        try:
-            continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.identity(),
-                                           presets, text_encoder)
-        except LeanLoRAError:
-            adapter.free(unet)
-            raise
-        report.append(continued.describe())
-    fingerprints["lora"] = lora_fingerprint(lora, params, adapter_type(lora).fingerprint(lora)
-                                            + (("text_encoder_lr on",) if text_encoder is not None else ()))
-    if held_out:
-        fingerprints["validation"] = split_fingerprint(cached_images, held_out)
-    try:
-        resume.check(fingerprints, params, lora.type.value)
-    except LeanLoRAError:
-        adapter.free(unet)
-        raise
-    unet.train()
-    report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
-    check_writable(loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16 file: 2 bytes per weight
-    session = TrainingSession(adapter, unet, params, cache, dataset.repeats, train, text_encoder=text_encoder,
-                              text_encoder_lr=lora.text_encoder_lr)
-    run.recoveries = session.recoveries
-    validation = None
-    if held_out:
-        validation = ValidationSet.build([all_cached[i] for i in held_out], train.validation_every_steps,
-                                         session.sampling_on_cpu, train.seed,
-                                         sampling=adapter.timestep_sampling)
-        validation.losses[:] = resume.validation_losses
-        names = [sample.name for sample in validation.samples]
-        report.append(validation.describe(cached_images) + f": {', '.join(names[:5])}"
-                      + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
-        run.validation_losses = validation.losses
-
-    losses, first_step = resume.losses, resume.step
-
-    pace = Pace()
-
-    def on_step(info: StepInfo):
-        losses.append(info.loss)
-        timeline.record(info.step, device)
-        s_per_step = pace.seconds_per_step(info.step, info.seconds / max(1, info.step - first_step))
-        emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds,
-             first_step=first_step, s_per_step=s_per_step, d=adapted_step(session.optimizer),
-             eta_s=None if s_per_step is None else s_per_step * (info.total - info.step))
-
-    def on_evaluate(step: int) -> None:
-        """The validation loss at this step's weights; out of memory skips it (training goes on)."""
-        try:
-            with session.evaluation_weights():
-                value = validation.evaluate(session.forward_loss, step)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            error.__traceback__ = None  # its frames hold the forward's tensors
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            report.append(f"WARNING: the validation loss at step {step} ran out of GPU memory and was skipped; "
-                          "training went on")
-            emit(kind="phase", text=report[-1])
-            return
-        emit(kind="validation", step=step, loss=value, first_step=first_step)
-
-    state_settings = {"started_at": repr(started_at), "memory": "", "seed": str(train.seed),
-                      "lora_type": lora.type.value,  # a resume refuses another type by name (check_resumable)
-                      "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
-                      "warmup_steps": str(train.warmup_steps),
-                      # a resume checks it is on or off as the state trained (check_resumable)
-                      **({"text_encoder_lr": repr(lora.text_encoder_lr)} if lora.trains_text_encoder else {}),
-                      **train.objective_values(), **train.option_values()}
-    exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], dataset, train, started_at, continued,
-                            len(held_out), text_encoder)
-    step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes them)
-
-    def write_state(lora_path: Path) -> None:
-        """The training state beside `lora_path`: what a resume goes on from (training_state.py)."""
-        state_settings["memory"] = session.memory.describe()
-        save_training_state(state_path(lora_path), capture_state(session, losses, fingerprints, state_settings,
-                                                                     run.validation_losses))
-
-    def on_save(step: int) -> None:
-        """A complete LoRA file and its training state at this step; a file that cannot be written is said and
-        training goes on (the final save still comes)."""
-        stem = f"{exporter.stem}_step{step}"
-        try:
-            with session.evaluation_weights():
-                state_dict, metadata = exporter.contents(step, partial=False, stem=stem)
-            path, _ = save_with_fallback(state_dict, loras_dir, stem, metadata, None)  # no fallback mid-run
-            write_state(path)
-        except (LeanLoRAError, *SAVE_ERRORS) as error:
-            report.append(f"WARNING: the save at step {step} failed ({error}); training went on")
-            emit(kind="phase", text=report[-1])
-            return
-        step_files.append(path)
-        emit(kind="saved", step=step, path=str(path))
-        if train.keep_last_saves:
-            for old in step_files[:-train.keep_last_saves]:
-                for stale in (old, state_path(old)):
-                    stale.unlink(missing_ok=True)
-            del step_files[:-train.keep_last_saves]
-
-    samples = SampleLog()
-
-    def sample(step: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Images from the LoRA at this step. A failure (out of memory while sampling, a file that cannot be
-        written) is said and training goes on; Cancel while sampling stops the run like Cancel in a step."""
-        if samples.too_slow:
-            return
-        emit(kind="phase", text=f"rendering samples at step {step}")
-        started_sampling = time.perf_counter()
-        images = batch_used(cache, dataset.repeats, session.memory.batch_size) * session.memory.gradient_accumulation
-        area = sum(sample.latent.shape[-2] * sample.latent.shape[-1] for sample in cache) / len(cache)
-        step_pace = StepPace(pace.latest, round(images * area)) if pace.latest else None
-        try:
-            if state_dict is None:
-                with session.evaluation_weights():
-                    tensors = exporter.tensors()
-            else:
-                tensors = state_dict
-            if state_dict is None:  # mid-run: the training copy is on the device
-                with room_for_sampling(session) as made_room:
-                    paths = on_sample(step, tensors, step_pace)
-                samples.made_room += made_room
-            else:  # the final samples: the run was released before them
-                paths = on_sample(step, tensors, step_pace)
-        except cancel_errors:
-            raise
-        except TimeoutError as slow:
-            samples.too_slow = (f"WARNING: samples skipped from step {step} on: {slow}; the LoRA is not affected")
-            report.append(samples.too_slow)
-            emit(kind="phase", text=samples.too_slow)
-            return
-        except Exception as error:  # noqa: BLE001 - a sample never loses the run
-            report.append(f"WARNING: the samples at step {step} failed ({one_line(error)}); training went on")
-            emit(kind="phase", text=report[-1])
-            samples.failed.append(step)
-            return
+            self._prepare()
+            yield
         finally:
-            samples.seconds += time.perf_counter() - started_sampling
-            pace.exclude(time.perf_counter() - started_sampling)
-        samples.paths += paths
-        emit(kind="sample", step=step, paths=[str(path) for path in paths])
+            self.release()
 
-    sample_every = sample_every if on_sample is not None else 0
+    def _prepare(self) -> None:
+        adapter, lora, train, unet, report = self.adapter, self.lora, self.train, self.unet, self.report
+        check_base_weights(unet)
+        fingerprints = {"dataset": self.dataset_id, "model": model_fingerprint(unet)}
+        presets = {targets: adapter.lora_targets(unet, targets) for targets in LoraTargets}  # before LoRA wraps layers
+        params = inject_lora(unet, lora, train.seed, presets[lora.targets])
+        if lora.trains_text_encoder:  # its LoRA weights come after the UNet's: one list for clipping, EMA and state
+            self.text_encoder = adapter.training_text_encoder(lora, train.seed)
+            params = params + self.text_encoder.params
+            fingerprints["text_encoder"] = self.text_encoder.fingerprint()
+            report.append(self.text_encoder.describe())
+        if lora.continue_from:
+            self.continued = continue_from_file(unet, lora, adapter.diffusers_module_names(), adapter.identity(),
+                                                presets, self.text_encoder)
+            report.append(self.continued.describe())
+        fingerprints["lora"] = lora_fingerprint(lora, params, adapter_type(lora).fingerprint(lora)
+                                                + (("text_encoder_lr on",) if self.text_encoder is not None else ()))
+        if self.held_out:
+            fingerprints["validation"] = split_fingerprint(self.cached_images, self.held_out)
+        self.resume.check(fingerprints, params, lora.type.value)
+        self.fingerprints = fingerprints
+        unet.train()
+        report.append(f"trainable LoRA parameters: {sum(p.numel() for p in params):,}")
+        check_writable(self.loras_dir, 2 * sum(p.numel() for p in params), "loras folder")  # fp16: 2 bytes a weight
+        self.session = session = TrainingSession(adapter, unet, params, self.cached, self.dataset.repeats, train,
+                                                 text_encoder=self.text_encoder, text_encoder_lr=lora.text_encoder_lr)
+        self.record.recoveries = session.recoveries
+        if self.held_out:
+            self.validation = ValidationSet.build([self.all_cached[i] for i in self.held_out],
+                                                  train.validation_every_steps, session.sampling_on_cpu, train.seed,
+                                                  sampling=adapter.timestep_sampling)
+            self.evaluate_every = self.validation.every
+            names = [sample.name for sample in self.validation.samples]
+            report.append(self.validation.describe(self.cached_images) + f": {', '.join(names[:5])}"
+                          + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+            self.record.validation_losses = self.validation.losses
+        self.state_settings = {
+            "started_at": repr(self.started_at), "memory": "", "seed": str(train.seed),
+            "lora_type": lora.type.value,  # a resume refuses another type by name (check_resumable)
+            "learning_rate": repr(train.learning_rate), "lr_schedule": train.lr_schedule,
+            "warmup_steps": str(train.warmup_steps),
+            # a resume checks it is on or off as the state trained (check_resumable)
+            **({"text_encoder_lr": repr(lora.text_encoder_lr)} if lora.trains_text_encoder else {}),
+            **train.objective_values(), **train.option_values()}
+        self.exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], self.dataset, train, self.started_at,
+                                     self.continued, len(self.held_out), self.text_encoder)
 
-    def between_steps(step: int) -> None:
-        if train.save_every_steps and step % train.save_every_steps == 0:
-            on_save(step)
-        if sample_every and step % sample_every == 0:
-            sample(step)
+    @contextlib.contextmanager
+    def stopping(self):
+        """Around start and steps: Cancel or a failure ends them and is kept (save reports it once what was learned
+        is saved); then the session closes and the run's record is complete."""
+        self.timeline.reset()
+        self.started = time.perf_counter()  # reset by steps(), once the estimate's probe steps are done
+        self.device_peak = DevicePeak(self.device).__enter__()  # the whole card (NVML), probes included
+        try:
+            yield
+        except self.cancel_errors:  # Cancel while measuring memory, before the first step
+            self.cancelled = True
+        except Exception as error:  # keep what was learned before the failure, then report it
+            self.failure = error
+        self.seconds = time.perf_counter() - self.started - self.samples.seconds  # sampling is reported on its own
+        self.device_peak.__exit__(None, None, None)
+        session, record = self.session, self.record
+        session.close()  # the session's notes are complete from here (report.run_notes)
+        self.steps_done = session.steps_done  # after a divergence: the last step checked finite
+        record.notes, record.used = session.notes, session.memory
+        record.steps_done, record.cancelled, record.diverged_at = self.steps_done, self.cancelled, self.diverged_at
+        record.seconds = self.seconds
+        self.report += record.notes
+        self.partial = self.cancelled or self.failure is not None or self.diverged_at is not None
 
-    timeline.reset()
-    recoveries = session.recoveries
-    failure: BaseException | None = None
-    cancelled = from_start = False
-    diverged_at: int | None = None
-    started = time.perf_counter()  # reset below, once the estimate's probe steps are done
-    estimate = None
-    device_peak = DevicePeak(device).__enter__()  # the whole card (NVML), probes included
-    try:
+    def start(self) -> None:
+        """The session on the device: auto-fit or the memory probe, the estimate, the seed, and the resume state
+        put back."""
+        session, train, memory = self.session, self.train, self.memory
         # compiling is silent and long the first time (H200 machines: SDXL 33-62 s, SD1.5 with fp8 weights 83 s)
-        emit(kind="phase", text="compiling the diffusion model (torch.compile: about a minute the first time), "
-             "then measuring memory" if memory.compile else "measuring memory before step 1")
+        self.phase("compiling the diffusion model (torch.compile: about a minute the first time), then measuring "
+                   "memory" if memory.compile else "measuring memory before step 1")
         estimate, fit_lines = session.start(memory)
-        run.estimate, run.before_step_one = estimate, fit_lines
+        self.estimate = self.record.estimate = estimate
+        self.record.before_step_one = fit_lines
         for line in fit_lines:
-            report.append(line)
-            emit(kind="phase", text=line)
-        report.append(estimate.format())
+            self.warn(line)
+        self.report.append(estimate.format())
         if session.ema is not None:
-            report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): "
-                          f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, in the estimate's LoRA parameters "
-                          "(and as much again for a moment at each update, after the optimizer step)")
-        emit(kind="estimate", text=estimate.format(), total=estimate.total)
-        reset_peak(device)  # the run's peak, not the probes'
-        used = batch_used(cache, dataset.repeats, session.memory.batch_size)
+            self.report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): "
+                               f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, in the estimate's LoRA "
+                               "parameters (and as much again for a moment at each update, after the optimizer step)")
+        self.emit(kind="estimate", text=estimate.format(), total=estimate.total)
+        reset_peak(self.device)  # the run's peak, not the probes'
+        cache, repeats = self.cached, self.dataset.repeats
+        used = batch_used(cache, repeats, session.memory.batch_size)
         if used < session.memory.batch_size:
-            report.append(f"batch used: {used} images per step, not the {session.memory.batch_size} requested: an "
-                          f"epoch holds {len(cache)} images x {dataset.repeats} repeats"
-                          + (" and batches hold one image size" if len({s.latent.shape for s in cache}) > 1 else "")
-                          + f" (effective batch {used * session.memory.gradient_accumulation})")
+            self.report.append(
+                f"batch used: {used} images per step, not the {session.memory.batch_size} requested: an epoch holds "
+                f"{len(cache)} images x {repeats} repeats"
+                + (" and batches hold one image size" if len({s.latent.shape for s in cache}) > 1 else "")
+                + f" (effective batch {used * session.memory.gradient_accumulation})")
         # torch's process-wide generators, seeded here after the probes, so that anything in the model drawing
         # from them gives the same run for a seed (a resume puts the state's generators back instead); LoRA
         # dropout draws from the run's own generator (lora.StepSeededDropout)
         torch.manual_seed(train.seed)
-        for text in resume.restore(session, state_settings):
-            report.append(text)
-            emit(kind="phase", text=text)
-        started = time.perf_counter()
-        result = session.run(should_stop, on_step, cancel_errors,
-                             sync_every=LOSS_READ_EVERY if device.type == "cuda" else 1,
-                             save_every=math.gcd(train.save_every_steps, sample_every), on_save=between_steps,
-                             on_recovery=lambda recovery: emit(kind="phase",
-                                                               text=f"recovered ({recovery.cause}): {recovery.rung}"),
-                             evaluate_every=validation.every if validation else 0, on_evaluate=on_evaluate)
-        cancelled, diverged_at = result.cancelled, result.diverged_at
+        for text in self.resume.restore(session, self.state_settings, self.validation):
+            self.warn(text)
+
+    def steps(self) -> None:
+        """The steps to the end (or Cancel, divergence), then the finished LoRA's validation loss."""
+        session, validation = self.session, self.validation
+        self.started = time.perf_counter()
+        result = session.run(self)
+        self.cancelled, self.diverged_at = result.cancelled, result.diverged_at
         # a NaN/inf loss at the run's first step came from the model as loaded, before any update of this run
-        from_start = diverged_at == first_step + 1 and result.loss_diverged
-        if validation is not None and not cancelled and diverged_at is None and session.steps_done > first_step \
+        self.from_start = self.diverged_at == self.first_step + 1 and result.loss_diverged
+        if validation is not None and not self.cancelled and self.diverged_at is None \
+                and session.steps_done > self.first_step \
                 and (not validation.losses or validation.losses[-1][0] != session.steps_done):
             try:
-                on_evaluate(session.steps_done)  # the end: the finished LoRA's validation loss
-            except cancel_errors:
-                report.append("validation loss at the end skipped: cancelled (the training had finished)")
-    except cancel_errors:  # Cancel while measuring memory, before the first step
-        cancelled = True
-    except Exception as error:  # keep what was learned before the failure, then report it
-        failure = error
-    seconds = time.perf_counter() - started - samples.seconds  # training time: sampling is reported on its own
-    device_peak.__exit__(None, None, None)
-    session.close()  # the session's notes are complete from here (report.run_notes)
-    steps_done = session.steps_done  # after a divergence: the last step checked finite (later losses were reported)
-    run.notes, run.used = session.notes, session.memory
-    run.steps_done, run.cancelled, run.diverged_at, run.seconds = steps_done, cancelled, diverged_at, seconds
-    report += run.notes
+                self.on_evaluate(session.steps_done)  # the end: the finished LoRA's validation loss
+            except self.cancel_errors:
+                self.report.append("validation loss at the end skipped: cancelled (the training had finished)")
 
-    partial = cancelled or failure is not None or diverged_at is not None
-
-    def release_training() -> None:
-        """The training copy off the device, then everything the session holds: the final samples and the
-        KSampler after Train find the card as it was before the run."""
-        adapter.free(unet)
-        if text_encoder is not None:
-            text_encoder.to("cpu")
-        session.release()
-    if steps_done == first_step:
-        release_training()
-        if diverged_at is not None:
-            raise _diverged(diverged_at, None, lora, train, session.memory, from_start=from_start)
-        if failure is not None:
-            raise _explain(failure, None, before_first_step=not recoveries, memory=memory) from failure
-        raise TrainingCancelled("cancelled before the first step; no LoRA was saved" + resume.unchanged())
-
-    stem = f"{exporter.stem}_partial_step{steps_done}" if partial else exporter.stem
-    try:
+    def save(self) -> None:
+        """The LoRA file (partial where the steps stopped early) and, where it can be resumed, its state. Before the
+        first step nothing is saved: the Cancel, divergence or failure is raised here."""
+        session, steps_done = self.session, self.steps_done
+        if steps_done == self.first_step:  # (training_copy frees the copy as this raises)
+            if self.diverged_at is not None:
+                raise _diverged(self.diverged_at, None, self.lora, self.train, session.memory,
+                                from_start=self.from_start)
+            if self.failure is not None:
+                raise _explain(self.failure, None, before_first_step=not session.recoveries,
+                               memory=self.memory) from self.failure
+            raise TrainingCancelled("cancelled before the first step; no LoRA was saved" + self.resume.unchanged())
+        stem = f"{self.exporter.stem}_partial_step{steps_done}" if self.partial else self.exporter.stem
         with session.evaluation_weights():  # the saved LoRA: schedule-free's average or the EMA where on
-            state_dict, metadata = exporter.contents(steps_done, partial, stem)
-    except LeanLoRAError:
-        release_training()
-        raise
-    try:
-        path, save_note = save_with_fallback(state_dict, loras_dir, stem, metadata, fallback_dir)
-        if partial or train.save_every_steps:  # resumable: a stopped run always, a finished one when saving steps
+            self.state_dict, metadata = self.exporter.contents(steps_done, self.partial, stem)
+        self.path, self.save_note = save_with_fallback(self.state_dict, self.loras_dir, stem, metadata,
+                                                       self.fallback_dir)
+        if self.partial or self.train.save_every_steps:  # resumable: a stopped run always, a finished one when saving
             try:
-                write_state(path)
-                report.append(f"training state for resume: {state_path(path)}")
+                self.write_state(self.path)
+                self.report.append(f"training state for resume: {state_path(self.path)}")
             except SAVE_ERRORS as error:
-                report.append(f"WARNING: the training state could not be written beside {path} ({error}); the "
-                              "LoRA is saved, but this run cannot be resumed exactly")
-    finally:
-        release_training()
-    if save_note:
-        emit(kind="phase", text=save_note)
-    if sample_every and not partial and steps_done % sample_every == 0:  # the final LoRA's samples, once it is saved
-        try:
-            sample(steps_done, state_dict)
-        except cancel_errors:  # the LoRA is saved complete: only these samples are skipped
-            report.append(f"the samples at step {steps_done} were cancelled; the LoRA is saved complete")
+                self.report.append(f"WARNING: the training state could not be written beside {self.path} ({error}); "
+                                   "the LoRA is saved, but this run cannot be resumed exactly")
 
-    if diverged_at is not None:
-        raise _diverged(diverged_at, path, lora, train, session.memory, save_note, from_start)
-    if failure is not None:
-        raise _explain(failure, path, note=save_note) from failure
-    trained = steps_done - first_step
-    report.append(f"trained {trained}/{train.steps - first_step} steps"
-                  + (f" (steps {first_step + 1}-{steps_done} of {train.steps})" if first_step else "")
-                  + f" in {seconds:.1f} s ({seconds / trained:.3f} s/step)")
-    ram_peak = process_ram_peak_gib()
-    if ram_peak is not None:
-        report.append(f"host RAM: this process's peak since it started {ram_peak:.2f} GiB")
-    if recoveries:
-        report.append(f"memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
-        report += [f"  {recovery.describe()}" for recovery in recoveries]
-    if session.precision.skipped_steps:
-        report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")
-    if losses:
-        head, tail = losses[first_step:first_step + 10], losses[-10:]
-        report.append(f"loss: first {len(head)} steps mean {sum(head) / len(head):.4f}, "
-                      f"last {len(tail)} mean {sum(tail) / len(tail):.4f}")
-    if validation is not None and validation.summary():
-        report.append(validation.summary())
-    peak = device_memory_gib(device)
-    if peak:
-        report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB reserved"
-                      + (f"; whole card (NVML, CUDA context included) {device_peak.peak / GIB:.2f} GiB"
-                         if device_peak.peak else "")
-                      + ("; sampling included (the estimate is for training alone)" if samples.paths else ""))
-        if estimate is not None and not recoveries and not samples.paths:
-            report.append(estimate_error(estimate, int(peak["peak_allocated"] * GIB)))
-    if sample_every:
-        report.append(samples.describe(sample_every))
-    if save_note:
-        report.append(save_note)
-    report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
-                   if cancelled else "saved ") + str(path))
-    return TrainOutcome(path, state_dict, losses, partial, "\n".join(report), run, save_note, timeline)
+    def release(self) -> None:
+        """The training copy off the device, then everything the session holds (once)."""
+        if self.released or self.unet is None:
+            return
+        self.released = True
+        self.adapter.free(self.unet)
+        if self.text_encoder is not None:
+            self.text_encoder.to("cpu")
+        if self.session is not None:
+            self.session.release()
+
+    def finish(self) -> TrainOutcome:
+        """After the training copy is freed: the final samples, the error a stopped run ends with, or the report."""
+        session, train, report, steps_done, first_step = self.session, self.train, self.report, self.steps_done, \
+            self.first_step
+        path, save_note, samples, recoveries = self.path, self.save_note, self.samples, session.recoveries
+        if save_note:
+            self.phase(save_note)
+        if self.sample_every and not self.partial and steps_done % self.sample_every == 0:  # once the LoRA is saved
+            try:
+                self.sample(steps_done, self.state_dict)
+            except self.cancel_errors:  # the LoRA is saved complete: only these samples are skipped
+                report.append(f"the samples at step {steps_done} were cancelled; the LoRA is saved complete")
+        if self.diverged_at is not None:
+            raise _diverged(self.diverged_at, path, self.lora, train, session.memory, save_note, self.from_start)
+        if self.failure is not None:
+            raise _explain(self.failure, path, note=save_note) from self.failure
+        trained, seconds = steps_done - first_step, self.seconds
+        report.append(f"trained {trained}/{train.steps - first_step} steps"
+                      + (f" (steps {first_step + 1}-{steps_done} of {train.steps})" if first_step else "")
+                      + f" in {seconds:.1f} s ({seconds / trained:.3f} s/step)")
+        ram_peak = process_ram_peak_gib()
+        if ram_peak is not None:
+            report.append(f"host RAM: this process's peak since it started {ram_peak:.2f} GiB")
+        if recoveries:
+            report.append(f"memory recoveries ({len(recoveries)}), finished with: {session.memory.describe()}")
+            report += [f"  {recovery.describe()}" for recovery in recoveries]
+        if session.precision.skipped_steps:
+            report.append(f"fp16 loss scaling skipped {session.precision.skipped_steps} overflowed steps")
+        losses = self.losses
+        if losses:
+            head, tail = losses[first_step:first_step + 10], losses[-10:]
+            report.append(f"loss: first {len(head)} steps mean {sum(head) / len(head):.4f}, "
+                          f"last {len(tail)} mean {sum(tail) / len(tail):.4f}")
+        if self.validation is not None and self.validation.summary():
+            report.append(self.validation.summary())
+        peak = device_memory_gib(self.device)
+        if peak:
+            report.append(f"peak VRAM: {peak['peak_allocated']:.2f} GiB allocated, {peak['peak_reserved']:.2f} GiB "
+                          "reserved" + (f"; whole card (NVML, CUDA context included) {self.device_peak.peak / GIB:.2f}"
+                                        " GiB" if self.device_peak.peak else "")
+                          + ("; sampling included (the estimate is for training alone)" if samples.paths else ""))
+            if self.estimate is not None and not recoveries and not samples.paths:
+                report.append(estimate_error(self.estimate, int(peak["peak_allocated"] * GIB)))
+        if self.sample_every:
+            report.append(samples.describe(self.sample_every))
+        if save_note:
+            report.append(save_note)
+        report.append((f"CANCELLED after step {steps_done}: partial LoRA (what was learned so far) saved to "
+                       if self.cancelled else "saved ") + str(path))
+        return TrainOutcome(path, self.state_dict, losses, self.partial, "\n".join(report), self.record, save_note,
+                            self.timeline)
+
+    # --- the loop's events (loop.LoopEvents, session.RunEvents) --------------------------------------------------
+
+    def should_stop(self) -> bool:
+        return self.stop_asked()
+
+    def on_recovery(self, recovery) -> None:
+        self.phase(f"recovered ({recovery.cause}): {recovery.rung}")
+
+    def on_step(self, info: StepInfo) -> None:
+        self.losses.append(info.loss)
+        self.timeline.record(info.step, self.device)
+        s_per_step = self.pace.seconds_per_step(info.step, info.seconds / max(1, info.step - self.first_step))
+        self.emit(kind="step", step=info.step, total=info.total, loss=info.loss, seconds=info.seconds,
+                  first_step=self.first_step, s_per_step=s_per_step, d=adapted_step(self.session.optimizer),
+                  eta_s=None if s_per_step is None else s_per_step * (info.total - info.step))
+
+    def on_evaluate(self, step: int) -> None:
+        """The validation loss at this step's weights; out of memory skips it (training goes on)."""
+        session = self.session
+        try:
+            with session.evaluation_weights():
+                value = self.validation.evaluate(session.forward_loss, step)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            error.__traceback__ = None  # its frames hold the forward's tensors
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.warn(f"WARNING: the validation loss at step {step} ran out of GPU memory and was skipped; "
+                      "training went on")
+            return
+        self.emit(kind="validation", step=step, loss=value, first_step=self.first_step)
+
+    def on_save(self, step: int) -> None:
+        """Between steps, every `save_every`: a LoRA file every save_every_steps, samples every sample_every."""
+        if self.train.save_every_steps and step % self.train.save_every_steps == 0:
+            self.save_step(step)
+        if self.sample_every and step % self.sample_every == 0:
+            self.sample(step)
+
+    def write_state(self, lora_path: Path) -> None:
+        """The training state beside `lora_path`: what a resume goes on from (training_state.py)."""
+        self.state_settings["memory"] = self.session.memory.describe()
+        state = capture_state(self.session, self.losses, self.fingerprints, self.state_settings,
+                              self.record.validation_losses)
+        save_training_state(state_path(lora_path), state)
+
+    def save_step(self, step: int) -> None:
+        """A complete LoRA file and its training state at this step; a file that cannot be written is said and
+        training goes on (the final save still comes)."""
+        stem = f"{self.exporter.stem}_step{step}"
+        try:
+            with self.session.evaluation_weights():
+                state_dict, metadata = self.exporter.contents(step, partial=False, stem=stem)
+            path, _ = save_with_fallback(state_dict, self.loras_dir, stem, metadata, None)  # no fallback mid-run
+            self.write_state(path)
+        except (LeanLoRAError, *SAVE_ERRORS) as error:
+            self.warn(f"WARNING: the save at step {step} failed ({error}); training went on")
+            return
+        self.step_files.append(path)
+        self.emit(kind="saved", step=step, path=str(path))
+        keep = self.train.keep_last_saves
+        if keep:
+            for old in self.step_files[:-keep]:
+                for stale in (old, state_path(old)):
+                    stale.unlink(missing_ok=True)
+            del self.step_files[:-keep]
+
+    def sample(self, step: int, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Images from the LoRA at this step. A failure (out of memory while sampling, a file that cannot be
+        written) is said and training goes on; Cancel while sampling stops the run like Cancel in a step."""
+        samples, session, cache = self.samples, self.session, self.cached
+        if samples.too_slow:
+            return
+        self.phase(f"rendering samples at step {step}")
+        started_sampling = time.perf_counter()
+        images = batch_used(cache, self.dataset.repeats, session.memory.batch_size) \
+            * session.memory.gradient_accumulation
+        area = sum(sample.latent.shape[-2] * sample.latent.shape[-1] for sample in cache) / len(cache)
+        step_pace = StepPace(self.pace.latest, round(images * area)) if self.pace.latest else None
+        try:
+            if state_dict is None:  # mid-run: the training copy is on the device
+                with session.evaluation_weights():
+                    tensors = self.exporter.tensors()
+                with room_for_sampling(session) as made_room:
+                    paths = self.on_sample(step, tensors, step_pace)
+                samples.made_room += made_room
+            else:  # the final samples: the run was released before them
+                paths = self.on_sample(step, state_dict, step_pace)
+        except self.cancel_errors:
+            raise
+        except TimeoutError as slow:
+            samples.too_slow = f"WARNING: samples skipped from step {step} on: {slow}; the LoRA is not affected"
+            self.warn(samples.too_slow)
+            return
+        except Exception as error:  # noqa: BLE001 - a sample never loses the run
+            self.warn(f"WARNING: the samples at step {step} failed ({one_line(error)}); training went on")
+            samples.failed.append(step)
+            return
+        finally:
+            samples.seconds += time.perf_counter() - started_sampling
+            self.pace.exclude(time.perf_counter() - started_sampling)
+        samples.paths += paths
+        self.emit(kind="sample", step=step, paths=[str(path) for path in paths])
 
 
 class Pace:

@@ -432,16 +432,23 @@ class Resume:
         """Wall clock, for the file's metadata: a resumed run's file says when its training began."""
         return float(self.state.settings.get("started_at", now)) if self.state else now
 
+    def beginning(self, now: float) -> tuple[int, list[float], float]:
+        """Where the run begins: the steps done, their losses and when its training began (`now` for a new run)."""
+        return self.step, self.losses, self.started_at(now)
+
     def check(self, fingerprints: dict[str, str], params: list[torch.nn.Parameter], lora_type: str) -> None:
         if self.state is not None:
             check_resumable(self.state, self.path, fingerprints, self.total_steps,
                             lora_shapes=[tuple(p.shape) for p in params], lora_type=lora_type)
 
-    def restore(self, session, settings: dict[str, str]) -> list[str]:
-        """Puts the session where the state stopped; returns what the report says: where from, what changed since
-        the state (`settings`: this run's, which it trains with) and what could not carry over."""
+    def restore(self, session, settings: dict[str, str], validation=None) -> list[str]:
+        """Puts the session (and the validation curve) where the state stopped; returns what the report says: where
+        from, what changed since the state (`settings`: this run's, which it trains with) and what could not carry
+        over."""
         if self.state is None:
             return []
+        if validation is not None:  # a resumed run's curve is the uninterrupted run's
+            validation.losses[:] = self.validation_losses
         notes = restore_state(session, self.state)
         trained = self.state.settings.get("memory") or "the same settings"
         before = {**OBJECTIVE_DEFAULTS, **OPTION_DEFAULTS, **self.state.settings}

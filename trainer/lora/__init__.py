@@ -1,7 +1,8 @@
 """Adapters on the diffusion model, one file per type behind an ordered list (ComfyUI's comfy/weight_adapter/ idea):
 plain.py (LoRA through peft, and DoRA, its variant), loha.py, lokr.py, oft.py. Each type owns its injection, its trainable
 parameters (by name prefix), its file keys (kohya / LyCORIS) for export and continue_from, its metadata and its part
-of the resume fingerprint. A file module is read by the first type in ADAPTER_TYPES whose parts it holds.
+of the resume fingerprint. registry.py holds ADAPTER_TYPES, the ordered list (a file module is read by the first type
+whose parts it holds).
 
 dropout.py: the step-seeded LoRA dropout every type uses; file.py: the file's keys and metadata;
 continue_from.py: reading a file back into the injected layers."""
@@ -11,19 +12,8 @@ import torch
 
 from ..settings import LoraSettings
 from .dropout import ADAPTER, DropoutSeed, StepSeededDropout, seed_lora_dropout
-from .loha import LOHA
-from .lokr import LOKR
-from .oft import OFT
-from .plain import DORA, PLAIN
-
-# Most specific first: a DoRA module also holds lora_down/lora_up, so DoRA is asked before plain LoRA (LoHa, LoKr
-# and OFT have parts of their own).
-ADAPTER_TYPES = [LOHA, LOKR, OFT, DORA, PLAIN]
-
-
-def adapter_type(settings: LoraSettings):
-    """The type LoRA Config asks for."""
-    return next(kind for kind in ADAPTER_TYPES if kind.kind is settings.type)
+from .file import UNET_PREFIX, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes
+from .registry import ADAPTER_TYPES, adapter_type
 
 
 def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int,
@@ -40,9 +30,6 @@ def inject_lora(module: torch.nn.Module, settings: LoraSettings, seed: int,
         p.data = p.data.float()  # master weights stay fp32 whatever the base dtype
         p.requires_grad_(True)
     return params
-
-
-from .file import UNET_PREFIX, kohya_state_dict, lora_metadata, tag_frequency, with_file_hashes  # noqa: E402
 
 __all__ = ["ADAPTER", "ADAPTER_TYPES", "DropoutSeed", "StepSeededDropout", "UNET_PREFIX", "adapter_type",
            "inject_lora", "kohya_state_dict", "lora_metadata", "seed_lora_dropout", "tag_frequency",

@@ -1,4 +1,4 @@
-"""What every adapter type shares: the contract trainer/lora/__init__.py's ordered list holds them to, and the
+"""What every adapter type shares: the contract registry.py's ordered list holds them to, and the
 wrapper layer of the types LeanLoRA builds itself (LoHa, LoKr, DoRA).
 
 Those wrap each target Linear (`base_layer`, never changed in place, as peft does) instead of using peft's LoHa/LoKr
@@ -25,6 +25,10 @@ class AdapterType(ABC):
     prefixes: tuple[str, ...]  # a part of each of its trainable parameters' dotted names starts with one of these
     file_parts: tuple[str, ...]  # a file module holding one of these parts is this type's (the list's order decides)
     required_parts: tuple[str, ...]  # what each file module of this type must hold (`down`/`up`: lora_down/lora_up)
+    # Its file keys after the module name (continue_from's pattern is built from every type's): parts written
+    # `<module>.<part>` as LyCORIS names them, and regex spellings of lora_down/lora_up (a group `down|up` or `A|B`)
+    key_parts: tuple[str, ...] = ()
+    key_spellings: tuple[str, ...] = ()
     network_module = "networks.lora"  # kohya's ss_network_module
 
     @abstractmethod

@@ -1,5 +1,5 @@
 """Continue training from an existing LoRA file (kohya's prev_lora_ckpt): read it (safetensors only, never pickle),
-recognise its naming and its adapter type (the first of ADAPTER_TYPES whose parts its modules hold: LoHa, LoKr,
+recognise its naming and its adapter type (the first of registry.ADAPTER_TYPES whose parts its modules hold: LoHa, LoKr,
 OFT, DoRA, plain LoRA), match its modules to the adapter layers injected into the training copy and copy its weights
 in. The file fixes type, rank, alpha and targets: a LoRA Config that says otherwise, or a file made for another
 model, is an error naming both sides and the file.
@@ -24,20 +24,22 @@ from safetensors import safe_open
 from ..errors import LeanLoRAError
 from ..model import FamilyIdentity
 from ..settings import LoraSettings, LoraTargets
-from . import ADAPTER_TYPES, adapter_type
+from .registry import ADAPTER_TYPES, adapter_type
 from .dropout import ADAPTER
 from .file import UNET_PREFIX
 
-# One LoRA tensor per key: `<module><part>`. The module part is matched against the model's spellings below.
-_LORA_KEY = re.compile(
-    r"^(?P<module>.+?)(?:"
-    r"\.lora_(?P<kohya>down|up)\.weight"            # kohya, ComfyUI (its trainer and LoRA extraction)
-    r"|\.lora_(?P<peft>A|B)(?:\.[^.]+)?\.weight"    # peft / diffusers (optionally with peft's adapter name)
-    r"|\.lora\.(?P<compatible>down|up)\.weight"     # diffusers' LoRACompatibleLinear
-    r"|_lora\.(?P<processor>down|up)\.weight"       # diffusers' attention processors (to_q_lora.down)
-    r"|\.(?P<alpha>alpha)"
-    r"|\.(?P<lycoris>hada_w[12]_[ab]|lokr_w[12](?:_[ab])?|dora_scale|oft_blocks)"  # LyCORIS: LoHa, LoKr, DoRA, OFT
-    r")$")
+
+
+def _key_pattern() -> re.Pattern:
+    """One LoRA tensor per key, `<module><part>`: each adapter type's own parts and spellings (AdapterType.key_parts,
+    key_spellings), and alpha. The module part is matched against the model's spellings below."""
+    spellings = dict.fromkeys(spelling for kind in ADAPTER_TYPES for spelling in kind.key_spellings)
+    parts = dict.fromkeys(part for kind in ADAPTER_TYPES for part in kind.key_parts)
+    named = r"\.(?P<part>" + "|".join(map(re.escape, parts)) + ")"
+    return re.compile(r"^(?P<module>.+?)(?:" + "|".join([*spellings, r"\.(?P<alpha>alpha)", named]) + ")$")
+
+
+_LORA_KEY = _key_pattern()
 # Weights of adapter forms LeanLoRA does not train (peft's DoRA with its magnitude per output, Tucker convs, OFT's
 # learned rescale)
 # and ComfyUI trainer's full bias/norm differences: continuing would silently drop what they learned.
@@ -255,7 +257,7 @@ def _lora_modules(keys: list[str], name: str) -> tuple[dict[str, dict[str, str]]
         if match["module"].startswith(_TEXT_ENCODER_PREFIXES):
             text_encoder_keys += 1
             continue
-        part = "alpha" if match["alpha"] else match["lycoris"] or next(
+        part = "alpha" if match["alpha"] else match["part"] or next(
             {"A": "down", "B": "up"}.get(value, value) for value in
             (match["kohya"], match["peft"], match["compatible"], match["processor"]) if value)
         modules.setdefault(match["module"], {})[part] = key

@@ -15,7 +15,7 @@ import torch
 from ..errors import LeanLoRAError
 from ..model import FamilyIdentity
 from ..settings import LoraSettings
-from . import adapter_type
+from .registry import adapter_type
 
 UNET_PREFIX = "lora_unet_"  # kohya's prefix; its text encoder ones (lora_te_, lora_te1_/lora_te2_): see
 #                             text_encoder_state_dict

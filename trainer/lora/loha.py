@@ -49,7 +49,7 @@ class LohaLinear(AdapterLinear):
 class Loha(AdapterType):
     kind, label = AdapterKind.LOHA, "LoHa"
     prefixes = ("hada_",)
-    file_parts = required_parts = PARTS
+    file_parts = required_parts = key_parts = PARTS
     network_module = "lycoris.kohya"
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:

@@ -67,6 +67,7 @@ class Lokr(AdapterType):
     prefixes = ("lokr_",)
     file_parts = ("lokr_w1", "lokr_w2", "lokr_w2_a", "lokr_w1_a")
     required_parts = ("lokr_w1",)  # and w2 in one of its forms: Lokr.load names the one it needs
+    key_parts = ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b")
     network_module = "lycoris.kohya"
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:

@@ -91,7 +91,7 @@ def _computed_bias(base: torch.nn.Linear, out: torch.Tensor) -> torch.Tensor | N
 class Oft(AdapterType):
     kind, label = AdapterKind.OFT, "OFT"
     prefixes = ("oft_",)
-    file_parts = required_parts = ("oft_blocks",)
+    file_parts = required_parts = key_parts = ("oft_blocks",)
     network_module = "lycoris.kohya"
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:

@@ -12,11 +12,19 @@ from .base import AdapterLinear, AdapterType, _in_compute_dtype, adapter_layers,
     kaiming, wrap_targets
 from .dropout import ADAPTER, step_seeded_peft_dropout
 
+# lora_down / lora_up as the tools spell them after the module name; each group's name is the style
+DOWN_UP_SPELLINGS = (
+    r"\.lora_(?P<kohya>down|up)\.weight",          # kohya, ComfyUI (its trainer and LoRA extraction)
+    r"\.lora_(?P<peft>A|B)(?:\.[^.]+)?\.weight",  # peft / diffusers (optionally with peft's adapter name)
+    r"\.lora\.(?P<compatible>down|up)\.weight",   # diffusers' LoRACompatibleLinear
+    r"_lora\.(?P<processor>down|up)\.weight")      # diffusers' attention processors (to_q_lora.down)
+
 
 class PlainLora(AdapterType):
     kind, label = AdapterKind.LORA, "LoRA"
     prefixes = ("lora_",)
     file_parts = required_parts = ("down", "up")
+    key_spellings = DOWN_UP_SPELLINGS
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:
         if not target_modules:
@@ -94,8 +102,9 @@ class DoraLinear(AdapterLinear):
 class Dora(AdapterType):
     kind, label = AdapterKind.DORA, "DoRA"
     prefixes = ("lora_", "dora_scale")
-    file_parts = ("dora_scale",)
+    file_parts = key_parts = ("dora_scale",)
     required_parts = ("down", "up", "dora_scale")
+    key_spellings = DOWN_UP_SPELLINGS
 
     def inject(self, module: torch.nn.Module, settings: LoraSettings, target_modules: tuple[str, ...]) -> None:
         wrap_targets(module, settings, target_modules, self.label,

@@ -13,18 +13,8 @@ from __future__ import annotations
 
 import torch
 
-if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
-    from ..trainer.step.weight_prefetch import fetch_streamed
-    from ..trainer.layer_patch import mix_into
-    from ..trainer.settings import BaseWeights
-    from ..trainer.memory.card import device_memory
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.step.frozen_weights import FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, dequantize
-    from trainer.step.weight_prefetch import fetch_streamed
-    from trainer.layer_patch import mix_into
-    from trainer.settings import BaseWeights
-    from trainer.memory.card import device_memory
+from .trainer_api import (FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, BaseWeights, dequantize, device_memory,
+                          fetch_streamed, mix_into)
 
 
 class _Rescale:

@@ -22,19 +22,8 @@ from . import cast_weights
 from .families import family_for
 from .families.common import empty_latent
 from .text_encoder import ComfyTextEncoderLora, caption_tokens, text_encoder_support
-
-if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.errors import LeanLoRAError
-    from ..trainer.step.frozen_weights import cast_frozen_weights, move_to_host
-    from ..trainer.model import FamilyIdentity
-    from ..trainer.memory.vram import GIB, available_ram_bytes
-    from ..trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraTargets
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.errors import LeanLoRAError
-    from trainer.step.frozen_weights import cast_frozen_weights, move_to_host
-    from trainer.model import FamilyIdentity
-    from trainer.memory.vram import GIB, available_ram_bytes
-    from trainer.settings import Attention, BaseWeights, CheckpointDepth, LoraSettings, LoraTargets
+from .trainer_api import (GIB, Attention, BaseWeights, CheckpointDepth, FamilyIdentity, LeanLoRAError, LoraSettings,
+                          LoraTargets, available_ram_bytes, cast_frozen_weights, move_to_host)
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:

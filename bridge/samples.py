@@ -25,15 +25,7 @@ import comfy.sample
 
 from .comfy_adapter import apply_lora
 from .families import family_for
-
-if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.files import new_folder, write_atomic
-    from ..trainer.settings import SampleSettings
-    from ..trainer.train_lora import StepPace
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.files import new_folder, write_atomic
-    from trainer.settings import SampleSettings
-    from trainer.train_lora import StepPace
+from .trainer_api import SampleSettings, StepPace, new_folder, write_atomic
 
 
 class SampleRenderer:

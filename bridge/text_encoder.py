@@ -20,24 +20,8 @@ import comfy.lora
 import comfy.model_base
 import comfy.model_management
 
-if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.errors import LeanLoRAError
-    from ..trainer.lora import adapter_type, inject_lora
-    from ..trainer.lora.file import text_encoder_state_dict
-    from ..trainer.memory.vram import GIB, available_ram_bytes
-    from ..trainer.settings import LoraSettings
-    from ..trainer.step.frozen_weights import frozen_weight_bytes
-    from ..trainer.text_encoder import TOKEN_KEY
-    from ..trainer.training_state import model_fingerprint
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.errors import LeanLoRAError
-    from trainer.lora import adapter_type, inject_lora
-    from trainer.lora.file import text_encoder_state_dict
-    from trainer.memory.vram import GIB, available_ram_bytes
-    from trainer.settings import LoraSettings
-    from trainer.step.frozen_weights import frozen_weight_bytes
-    from trainer.text_encoder import TOKEN_KEY
-    from trainer.training_state import model_fingerprint
+from .trainer_api import (GIB, TOKEN_KEY, LeanLoRAError, LoraSettings, adapter_type, available_ram_bytes,
+                          frozen_weight_bytes, inject_lora, model_fingerprint, text_encoder_state_dict)
 
 # kohya's networks/lora.py TEXT_ENCODER_TARGET_REPLACE_MODULE = ["CLIPAttention", "CLIPSdpaAttention", "CLIPMLP"]:
 # every Linear inside them, which in ComfyUI's CLIP (comfy/clip_model.py) are these

@@ -9,11 +9,7 @@ from .qwen_image import QwenImage
 from .sd_unet import SdUnet
 from .wan import Wan
 from .z_image import ZImage
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.errors import LeanLoRAError
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.errors import LeanLoRAError
+from ..trainer_api import LeanLoRAError
 
 FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), Generic()]
 

@@ -11,13 +11,7 @@ import comfy.model_base
 
 from .common import prediction_of
 from .flux import Flux
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.model import FamilyIdentity
-    from ...trainer.settings import SampleLimits
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.model import FamilyIdentity
-    from trainer.settings import SampleLimits
+from ..trainer_api import FamilyIdentity, SampleLimits
 
 
 class Chroma(Flux):

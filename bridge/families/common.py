@@ -7,16 +7,7 @@ import torch
 
 import comfy.model_sampling
 
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.step.checkpointing import most_memory_per_flop_first
-    from ...trainer.model import SampleDefaults
-    from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import CheckpointDepth, LoraTargets
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.step.checkpointing import most_memory_per_flop_first
-    from trainer.model import SampleDefaults
-    from trainer.objective import TimestepSampling
-    from trainer.settings import CheckpointDepth, LoraTargets
+from ..trainer_api import CheckpointDepth, LoraTargets, SampleDefaults, TimestepSampling, most_memory_per_flop_first
 
 
 def prediction_of(model_sampling) -> str:

@@ -13,13 +13,7 @@ import comfy.model_sampling
 
 from .common import TransformerFamily, prediction_of
 from .edit import EditVariant
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.model import FamilyIdentity
-    from ...trainer.settings import LoraTargets, SampleLimits
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.model import FamilyIdentity
-    from trainer.settings import LoraTargets, SampleLimits
+from ..trainer_api import FamilyIdentity, LoraTargets, SampleLimits
 
 
 # (image tokens, mu) at both ends of FLUX.1-dev's resolution-dependent shift (ComfyUI's ModelSamplingFlux node)

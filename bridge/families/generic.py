@@ -8,17 +8,8 @@ import re
 import torch
 
 from .common import call_diffusion_model, empty_latent, linear_cost, linear_paths, prediction_of, repeated_blocks
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.step.checkpointing import most_memory_per_flop_first
-    from ...trainer.model import FamilyIdentity, SampleDefaults
-    from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.step.checkpointing import most_memory_per_flop_first
-    from trainer.model import FamilyIdentity, SampleDefaults
-    from trainer.objective import TimestepSampling
-    from trainer.settings import SampleLimits, CheckpointDepth, LoraTargets
+from ..trainer_api import (CheckpointDepth, FamilyIdentity, LoraTargets, SampleDefaults, SampleLimits,
+                           TimestepSampling, most_memory_per_flop_first)
 
 # Linear layers named like attention's projections in the common transformer codebases (ComfyUI's, diffusers')
 _ATTENTION = re.compile(r"(^|\.)(attn\w*|attention\w*|self_attn|cross_attn)\.|(^|\.)(to_[qkv]|to_out|qkv|q_proj|k_proj"

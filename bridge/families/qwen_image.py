@@ -9,13 +9,7 @@ import comfy.model_base
 
 from .common import TransformerFamily, prediction_of
 from .edit import EditVariant
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.model import FamilyIdentity
-    from ...trainer.settings import LoraTargets, SampleLimits
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.model import FamilyIdentity
-    from trainer.settings import LoraTargets, SampleLimits
+from ..trainer_api import FamilyIdentity, LoraTargets, SampleLimits
 
 _ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
               "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")

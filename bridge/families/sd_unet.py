@@ -12,19 +12,8 @@ import comfy.utils
 from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample, ResBlock, TimestepBlock, Upsample
 
 from .common import call_diffusion_model, prediction_of
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.step.checkpointing import most_memory_per_flop_first
-    from ...trainer.layout import store_frozen_convs_channels_last
-    from ...trainer.model import FamilyIdentity, SampleDefaults
-    from ...trainer.objective import TimestepSampling
-    from ...trainer.settings import SD_SAMPLE_LIMITS, CheckpointDepth, LoraTargets
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.step.checkpointing import most_memory_per_flop_first
-    from trainer.layout import store_frozen_convs_channels_last
-    from trainer.model import FamilyIdentity, SampleDefaults
-    from trainer.objective import TimestepSampling
-    from trainer.settings import SD_SAMPLE_LIMITS, CheckpointDepth, LoraTargets
+from ..trainer_api import (SD_SAMPLE_LIMITS, CheckpointDepth, FamilyIdentity, LoraTargets, SampleDefaults,
+                           TimestepSampling, most_memory_per_flop_first, store_frozen_convs_channels_last)
 
 # Module-name suffixes inside ComfyUI's (ldm) UNet; peft matches them against full module paths.
 LORA_TARGETS = {

@@ -14,15 +14,8 @@ import torch
 import comfy.model_base
 
 from .common import TransformerFamily, linear_cost, prediction_of
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.step.checkpointing import most_memory_per_flop_first
-    from ...trainer.model import FamilyIdentity, SampleDefaults
-    from ...trainer.settings import CheckpointDepth, LoraTargets, SampleLimits
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.step.checkpointing import most_memory_per_flop_first
-    from trainer.model import FamilyIdentity, SampleDefaults
-    from trainer.settings import CheckpointDepth, LoraTargets, SampleLimits
+from ..trainer_api import (CheckpointDepth, FamilyIdentity, LoraTargets, SampleDefaults, SampleLimits,
+                           most_memory_per_flop_first)
 
 # module-name suffixes in ComfyUI's WanAttentionBlock, the official Wan code's and musubi-tuner's names
 _ATTENTION = tuple(f"{attn}.{p}" for attn in ("self_attn", "cross_attn") for p in "qkvo")

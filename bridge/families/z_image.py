@@ -8,13 +8,7 @@ import torch
 import comfy.model_base
 
 from .common import TransformerFamily, prediction_of
-
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.model import FamilyIdentity
-    from ...trainer.settings import LoraTargets, SampleLimits
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.model import FamilyIdentity
-    from trainer.settings import LoraTargets, SampleLimits
+from ..trainer_api import FamilyIdentity, LoraTargets, SampleLimits
 
 
 class ZImage(TransformerFamily):

@@ -42,10 +42,10 @@ KONTEXT_RESOLUTIONS = (  # FluxKontextImageScale's PREFERED_KONTEXT_RESOLUTIONS
     (1568, 672))
 
 
-def qwen_edit_size(width: int, height: int, total: int = QWEN_EDIT_REFERENCE_PIXELS, multiple: int = 8
-                   ) -> tuple[int, int]:
-    """TextEncodeQwenImageEditPlus's size for an image of (width, height): its area scaled to `total`."""
-    scale = math.sqrt(total / (width * height))
+def qwen_edit_size(width: int, height: int, total: int | None = None, multiple: int = 8) -> tuple[int, int]:
+    """TextEncodeQwenImageEditPlus's size for an image of (width, height): its area scaled to `total` (the
+    reference image's, QWEN_EDIT_REFERENCE_PIXELS, by default)."""
+    scale = math.sqrt((QWEN_EDIT_REFERENCE_PIXELS if total is None else total) / (width * height))
     if multiple == 1:
         return round(width * scale), round(height * scale)
     return round(width * scale / multiple) * multiple, round(height * scale / multiple) * multiple

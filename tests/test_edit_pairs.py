@@ -182,7 +182,7 @@ def _fingerprint(model) -> bytes:
 
 @pytest.mark.parametrize("name", EDIT_SETS)
 def test_an_edit_model_trains_on_pairs_resumes_exactly_loads_in_comfyui_and_leaves_the_model(
-        edit_objects, pairs, name, tmp_path, caplog):
+        edit_objects, pairs, name, tmp_path, caplog, small_references):
     import comfy.sd
     model = edit_objects[name][0]
     before = _fingerprint(model)
@@ -205,3 +205,113 @@ def test_an_edit_model_trains_on_pairs_resumes_exactly_loads_in_comfyui_and_leav
         assert "lora key not loaded" not in caplog.text
     assert modules and len(patched.patches) == len(modules)
     assert _fingerprint(model) == before
+
+
+@pytest.fixture()
+def small_references(monkeypatch):
+    """The nodes' reference sizes made small (128 px) for the training tests: the rules are the nodes' (checked
+    against them in test_the_control_reaches_the_model_as_comfyuis_own_nodes_give_it), the sizes only cost CPU time."""
+    import bridge.edit_pairs as edit_pairs
+    monkeypatch.setattr(edit_pairs, "QWEN_EDIT_REFERENCE_PIXELS", 128 * 128)
+    monkeypatch.setattr(edit_pairs, "KONTEXT_RESOLUTIONS", ((128, 128), (144, 112), (112, 144)))
+
+
+def _sampler_inputs(base, conditioning, noise):
+    """What ComfyUI's sampler hands the diffusion model for a CONDITIONING (comfy.samplers.convert_cond and
+    encode_model_conds, then BaseModel.extra_conds): {name: value}."""
+    [[cross_attn, extra]] = conditioning
+    conds = base.extra_conds(**{**extra, "cross_attn": cross_attn}, device=torch.device("cpu"), noise=noise,
+                             width=noise.shape[-1] * 8, height=noise.shape[-2] * 8, prompt_type="positive")
+    return {name: value.cond for name, value in conds.items()}
+
+
+def _diffusion_output(base, inputs, noise, sigma):
+    """The diffusion model's own output when ComfyUI's BaseModel.apply_model runs it with `inputs`."""
+    seen = []
+    handle = base.diffusion_model.register_forward_hook(lambda module, args, output: seen.append(output.clone()))
+    try:
+        with torch.inference_mode():
+            base.apply_model(noise, sigma, **inputs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", EDIT_SETS)
+def test_the_control_reaches_the_model_as_comfyuis_own_nodes_give_it(edit_objects, pairs, name):
+    """Number for number: the cached pair (control latents, the instruction's conditioning) handed to the model by the
+    edit family equals what ComfyUI's own nodes make of the same control pixels at sampling: Qwen-Image-Edit's
+    TextEncodeQwenImageEditPlus (with the VAE), FLUX.1 Kontext's FluxKontextImageScale + VAEEncode + CLIPTextEncode +
+    ReferenceLatent (+ FluxGuidance at the training's 1.0); the same diffusion model output, bit for bit."""
+    import comfy_extras.nodes_edit_model as nodes_edit_model
+    import comfy_extras.nodes_flux as nodes_flux
+    import comfy_extras.nodes_qwen as nodes_qwen
+    import node_helpers
+    model, clip, vae = edit_objects[name]
+    adapter = _adapter(edit_objects[name])
+    controls = adapter.control_encoder(pairs)
+    assert type(adapter.family).__name__ == EDIT_SETS[name]
+    one = dataclasses.replace(pairs, samples=pairs.samples[:1])
+    [cached] = build_cache(one, adapter.encode_image, adapter.encode_text, controls=controls)
+    sample = one.samples[0]
+    pixels = load_image(sample.controls[0], controls.control_size(64, 64))[None]  # what the dataset reads
+    with torch.inference_mode():
+        if name == "qwen_image_edit":
+            conditioning = nodes_qwen.TextEncodeQwenImageEditPlus.execute(clip, sample.caption, vae, pixels).result[0]
+        else:
+            scaled = nodes_flux.FluxKontextImageScale.execute(pixels).result[0]
+            latent = vae.encode(scaled[:, :, :, :3])
+            conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(sample.caption))
+            conditioning = nodes_edit_model.ReferenceLatent.execute(conditioning, {"samples": latent}).result[0]
+            conditioning = node_helpers.conditioning_set_values(conditioning, {"guidance": 1.0})
+    noise = torch.randn(cached.latent.shape, generator=torch.Generator().manual_seed(5))
+    theirs = _sampler_inputs(model.model, conditioning, noise)
+    [reference] = theirs["ref_latents"]
+    assert torch.equal(cached.cond[f"{CONTROL_KEY}0"], reference.float())
+    assert set(theirs) == {*(k for k in cached.cond if not k.startswith(CONTROL_KEY)), "ref_latents"}
+    for key, value in theirs.items():
+        if key != "ref_latents":
+            assert torch.equal(cached.cond[key].to(value.dtype), value), key
+    sigma = torch.tensor([0.7])
+    expected = _diffusion_output(model.model, theirs, noise, sigma)
+    timestep = model.model.model_sampling.timestep(sigma).float()
+    with torch.inference_mode():
+        ours = adapter.family.predict(model.model.diffusion_model, noise, timestep, cached.cond, {})
+    assert torch.equal(ours, expected)
+
+
+# --- refusals -----------------------------------------------------------------------------------------------------
+
+def test_an_edit_only_model_given_plain_images_is_refused_naming_the_layout_of_pairs(edit_objects, tmp_path,
+                                                                                       monkeypatch):
+    """Qwen-Image-Edit-2511 (ComfyUI 0.33 builds it with default_ref_method index_timestep_zero) is an edit model
+    whatever the folder; a folder without control images is refused before anything is encoded."""
+    model = edit_objects["qwen_image_edit"][0]
+    monkeypatch.setattr(model.model.diffusion_model, "default_ref_method", "index_timestep_zero", raising=False)
+    _image(tmp_path / "a.png")
+    plain = scan_folder(tmp_path, 64)
+    with pytest.raises(LeanLoRAError, match=r"this model is an edit model .* learns from before/after pairs, and .* "
+                                            r"holds plain images \(no control images\)\. Lay the folder out as each "
+                                            r"target image <name>\.png with its control image beside it as "
+                                            r"<name>_control\.png"):
+        _train(edit_objects["qwen_image_edit"], plain, tmp_path / "out", 2, "refused")
+
+
+def test_a_model_without_an_edit_variant_given_pairs_is_refused_naming_both_ways_out(edit_objects, pairs, tmp_path,
+                                                                                      monkeypatch):
+    """A plain family (here the generic path, as for SD, Z-Image, Chroma, Wan or FLUX.1 schnell) given a folder of
+    pairs: training on the targets alone would ignore the controls the user prepared, so it is refused before any
+    encoding, saying how to train an edit LoRA and how to train on the targets. Decided so: a LoRA silently trained
+    without its controls costs the whole run."""
+    import bridge.families as families
+    monkeypatch.setattr(families, "FAMILIES", [families.Generic()])
+    with pytest.raises(LeanLoRAError, match=r"is a folder of edit pairs \(2 targets with control images\), and this "
+                                            r"model takes no control image: .*generic path.*Connect an edit model "
+                                            r"\(Qwen-Image-Edit 2509/2511 or FLUX.1 Kontext\).*move the control images"):
+        _train(edit_objects["qwen_image_edit"], pairs, tmp_path / "out", 2, "refused")
+
+
+def test_more_controls_than_the_model_takes_are_refused(edit_objects, tmp_path):
+    dataset = scan_folder(make_pairs(tmp_path / "four", n=1, controls=4), 64)
+    with pytest.raises(LeanLoRAError, match=r"Qwen-Image-Edit 2509/2511 takes at most 3 control images per target"):
+        _train(edit_objects["qwen_image_edit"], dataset, tmp_path / "out", 2, "refused")

@@ -21,13 +21,7 @@ import torch
 import comfy.utils
 
 from .families.common import empty_latent
-
-if __package__ and "." in __package__:  # inside the pack, as ComfyUI imports it
-    from ..trainer.dataset import PAIRS_LAYOUT
-    from ..trainer.errors import LeanLoRAError
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.dataset import PAIRS_LAYOUT
-    from trainer.errors import LeanLoRAError
+from .trainer_api import PAIRS_LAYOUT, LeanLoRAError
 
 QWEN_EDIT_REFERENCE_PIXELS = 1024 * 1024  # TextEncodeQwenImageEditPlus: the VAE's reference image
 QWEN_EDIT_VISION_PIXELS = 384 * 384       # ... and the vision-language encoder's

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import torch
 
-if __package__ and __package__.count(".") >= 2:  # inside the pack, as ComfyUI imports it
-    from ...trainer.cache import CONTROL_KEY
-else:  # `bridge` beside `trainer` on sys.path (tests, bench)
-    from trainer.cache import CONTROL_KEY
+from ..trainer_api import CONTROL_KEY
 
 
 def reference_latents(cond: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[dict, list[torch.Tensor] | None]:

@@ -58,7 +58,7 @@ def folder_preview(folder: str, input_dir: str | Path) -> tuple[int, dict]:
                       for s in dataset.samples[:THUMBNAILS]]
     return 200, {**answer, "exists": True, "path": str(path), "images": len(dataset.samples),
                  "captions": sum(1 for s in dataset.samples if s.caption), "skipped": len(dataset.skipped),
-                 "thumbnails": thumbnails}
+                 "thumbnails": thumbnails, **_pair_counts(dataset)}
 
 
 def outputs_needing_a_missing_folder(request: dict, output_node: Callable[[str], bool]) -> list[str] | None:
@@ -106,6 +106,13 @@ def refuse_prompts_with_a_missing_folder(request: dict) -> dict:
     except Exception:  # a hook that raises is only logged by ComfyUI: validation still names the folder
         logging.exception("LeanLoRA: checking the prompt's Dataset folders")
     return request
+
+
+def _pair_counts(dataset) -> dict:
+    """A folder of edit pairs (targets with control images, docs/FAMILIES.md): how many pairs and controls."""
+    if not dataset.pairs:
+        return {}
+    return {"pairs": len(dataset.samples), "controls": sum(len(sample.controls) for sample in dataset.samples)}
 
 
 def register_routes() -> None:

@@ -315,3 +315,15 @@ def test_more_controls_than_the_model_takes_are_refused(edit_objects, tmp_path):
     dataset = scan_folder(make_pairs(tmp_path / "four", n=1, controls=4), 64)
     with pytest.raises(LeanLoRAError, match=r"Qwen-Image-Edit 2509/2511 takes at most 3 control images per target"):
         _train(edit_objects["qwen_image_edit"], dataset, tmp_path / "out", 2, "refused")
+
+
+def test_the_dataset_preview_counts_pairs_and_controls(tmp_path):
+    from helpers import node_module
+    make_pairs(tmp_path / "pairs", n=2, controls=2)
+    status, answer = node_module("routes").folder_preview("pairs", tmp_path)
+    assert status == 200 and (answer["images"], answer["pairs"], answer["controls"]) == (2, 2, 4)
+    _image(tmp_path / "plain.png")
+    (tmp_path / "plainset").mkdir()
+    _image(tmp_path / "plainset" / "a.png")
+    status, answer = node_module("routes").folder_preview("plainset", tmp_path)
+    assert status == 200 and answer["images"] == 1 and "pairs" not in answer

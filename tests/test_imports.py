@@ -112,3 +112,17 @@ def test_loading_the_pack_imports_neither_peft_nor_bitsandbytes():
             "assert not loaded, loaded\n")
     result = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_bridge_decides_its_import_root_in_one_place():
+    """bridge/trainer_api.py alone says where the trainer package is (the pack's or the top-level one); no other
+    bridge module carries its own `if __package__` block, and every name it lists exists in its trainer module."""
+    copies = [path.relative_to(REPO).as_posix() for path in sorted((REPO / "bridge").rglob("*.py"))
+              if path.name != "trainer_api.py" and "__package__" in path.read_text()]
+    assert not copies, copies
+    code = ("from bridge import trainer_api\n"
+            "missing = [name for name in trainer_api._HOME if not hasattr(trainer_api, name)]\n"
+            "assert trainer_api.ROOT == 'trainer' and not missing, missing\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -143,6 +143,13 @@ class ComfyAdapter:
                 out[name] = torch.tensor([value])
         return out
 
+    def control_encoder(self, dataset):
+        """A folder of edit pairs: the family's edit variant takes over (Qwen-Image-Edit, FLUX.1 Kontext) and this
+        encodes the control images as its ComfyUI node does (bridge/edit_pairs.py); None for plain images. Refuses
+        an edit-only model given plain images."""
+        from .edit_pairs import control_encoder
+        return control_encoder(self, dataset)
+
     # --- encoder identities (cache keys): computed once per adapter ---
     def image_encoder_id(self) -> str:
         """The VAE and the model's latent scaling (encode_image applies process_latent_in)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .trainer_api import (FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, BaseWeights, dequantize, device_memory,
-                          fetch_streamed, mix_into)
+                          fetch_streamed, mix_into, pin_in_place)
 
 
 class _Rescale:
@@ -311,8 +311,8 @@ def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:
                 host = memory.to_host(tensor.data, pinned=pin)
             elif tensor.is_pinned() or not pin:
                 continue  # in host RAM as streaming wants it already
-            else:
-                host = tensor.data.pin_memory()
+            else:  # ComfyUI's own pages where the copy shares them (comfy_adapter._host_aliases): no second copy
+                host = pin_in_place(tensor.data)
             setattr(layer, name, torch.nn.Parameter(host, requires_grad=False))
         layer.leanlora_streamed = True  # placement keeps this layer's weight and bias in CPU memory
     return moved

@@ -23,7 +23,7 @@ from .families import family_for
 from .families.common import empty_latent
 from .text_encoder import ComfyTextEncoderLora, caption_tokens, text_encoder_support
 from .trainer_api import (GIB, Attention, BaseWeights, CheckpointDepth, FamilyIdentity, LeanLoRAError, LoraSettings,
-                          LoraTargets, available_ram_bytes, cast_frozen_weights, move_to_host)
+                          LoraTargets, available_ram_bytes, cast_frozen_weights, move_to_host, unpin_in_place)
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -207,7 +207,8 @@ class ComfyAdapter:
     def _check_ram_for_copy(self) -> None:
         """The private copy is made in host RAM: a machine without the room gets an error naming the numbers
         instead of swapping to a halt or being killed by the system (a 12B FLUX in bf16 is a 22 GiB copy)."""
-        need = sum(t.numel() * t.element_size() for t in self.base.diffusion_model.state_dict().values())
+        need = sum(t.numel() * t.element_size() for t in self.base.diffusion_model.state_dict().values()
+                   if type(t) is not torch.Tensor or t.device.type != "cpu")  # host tensors are shared (_host_aliases)
         available = available_ram_bytes()
         if available is not None and need > available:
             raise LeanLoRAError(
@@ -323,6 +324,7 @@ class ComfyAdapter:
 
     def free(self, unet: torch.nn.Module) -> None:
         move_to_host(unet)
+        unpin_in_place()  # ComfyUI's pages that streaming registered: pageable again before ComfyUI frees them
         with torch.inference_mode():
             comfy.model_management.soft_empty_cache()
 
@@ -363,11 +365,31 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     dropped = object()
     memo = {id(value): dropped for layer in module.modules() for name, value in vars(layer).items()
             if name in _LOADER_STATE and not isinstance(value, _ATOMIC)}
+    memo.update(_host_aliases(module))
     copied = copy.deepcopy(module, memo)
     for layer in copied.modules():
         for name in _LOADER_STATE.intersection(vars(layer)):
             delattr(layer, name)
     return copied
+
+
+def _host_aliases(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """deepcopy memo entries that give the copy each plain host tensor of `module` as a new tensor over the same
+    memory, not a second copy: the training copy's frozen weights never change in place (every conversion, move
+    and LoRA bake assigns a new tensor to `.data`), so ComfyUI's host copy serves both, and the copy costs host RAM
+    only for what training converts (fp8, the compute dtype). A 20 GiB Qwen-Image file was held twice before.
+    The alias is a normal tensor (ComfyUI's are inference tensors, which autograd cannot save for backward);
+    tensor subclasses (0.33's quantized weights) and device tensors are copied as before."""
+    aliases = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        data = tensor.data
+        if type(data) is not torch.Tensor or data.device.type != "cpu" or id(tensor) in aliases:
+            continue
+        alias = torch.empty(0, dtype=data.dtype)
+        alias.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
+        aliases[id(tensor)] = (torch.nn.Parameter(alias, requires_grad=tensor.requires_grad)
+                               if isinstance(tensor, torch.nn.Parameter) else alias)
+    return aliases
 
 
 def apply_lora(model, clip, lora_state_dict: dict[str, torch.Tensor], strength_model: float, strength_clip: float):

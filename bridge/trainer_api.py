@@ -19,7 +19,7 @@ NAMES = {  # trainer module -> the names bridge/ imports from it
     "layout": ("store_frozen_convs_channels_last",),
     "lora": ("adapter_type", "inject_lora"),
     "lora.file": ("text_encoder_state_dict",),
-    "memory.card": ("device_memory",),
+    "memory.card": ("device_memory", "pin_in_place", "unpin_in_place"),
     "memory.vram": ("GIB", "available_ram_bytes"),
     "model": ("FamilyIdentity", "SampleDefaults"),
     "objective": ("TimestepSampling",),

@@ -100,6 +100,43 @@ class CudaMemory:
         return contextlib.nullcontext()
 
 
+# Host memory page-locked where it lies (cudaHostRegister), by storage address -> bytes: tensors the training copy
+# shares with ComfyUI's model (bridge/comfy_adapter._host_aliases) stream from ComfyUI's own pages instead of a
+# pinned second copy (Qwen-Image's fp8 file at 8 GiB: ~19 GiB of host RAM). Given back by unpin_in_place.
+_PINNED_IN_PLACE: dict[int, int] = {}
+
+
+def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in page-locked host memory: its own pages registered with the driver where it can (the same
+    tensor back), else a pinned copy (pin_memory) as before. The registration covers the whole storage, once."""
+    storage = tensor.untyped_storage()
+    address, size = storage.data_ptr(), storage.nbytes()
+    if address in _PINNED_IN_PLACE:
+        return tensor
+    if size and torch.cuda.is_available():
+        try:
+            failed = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        except (AttributeError, RuntimeError):
+            failed = True
+        if not failed and tensor.is_pinned():
+            _PINNED_IN_PLACE[address] = size
+            return tensor
+        if not failed:  # registered, but PyTorch does not see it as pinned: give it back, copy instead
+            torch.cuda.cudart().cudaHostUnregister(address)
+    return tensor.pin_memory()
+
+
+def unpin_in_place() -> int:
+    """Gives every page pin_in_place registered back to the pageable pool (before ComfyUI may free them: the
+    driver must not keep a registration over freed memory); returns the bytes released."""
+    released = 0
+    for address, size in list(_PINNED_IN_PLACE.items()):
+        torch.cuda.cudart().cudaHostUnregister(address)
+        del _PINNED_IN_PLACE[address]
+        released += size
+    return released
+
+
 class SimulatedCard:
     """A GPU of `gib` GiB for CPU tests: tensors stay host tensors, but the card counts the bytes on it and raises
     torch.OutOfMemoryError as a card of that size would. `context_gib`: what the CUDA context and libraries take

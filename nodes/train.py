@@ -259,7 +259,7 @@ class LeanLoRATrain:
                 "save_every_n_steps": ("INT", {"default": 0, "min": 0, "max": 1000000, "tooltip":
                     "0: only the final file. N: also <name>_step<N>.safetensors every N steps, each a complete LoRA "
                     "with a training state beside it (<name>_step<N>.leanlora-state) to resume from."}),
-                "keep_last_saves": ("INT", {"default": 0, "min": 0, "max": 10000, "tooltip":
+                "keep_last_saves": ("INT", {"default": 0, "min": 0, "max": 10000, **ADVANCED, "tooltip":
                     "Of this run's step files (and their states), keep the last K; 0 keeps all."}),
                 "resume": ([RESUME_OFF, RESUME_LATEST, *training_states()], {"default": RESUME_OFF, "tooltip":
                     "Go on exactly where a run stopped (cancelled, out of memory, crashed, or finished with steps "
@@ -278,19 +278,19 @@ class LeanLoRATrain:
                     "cards keep it off or rare; a sample that fails (out of memory) is reported and training goes on."}),
                 "sample_size": ("INT", {"default": 512, "min": 64, "max": 4096, "step": 64, "tooltip":
                     "Width and height of the samples (512 for SD1.5, 1024 for SDXL)."}),
-                "sample_steps": ("INT", {"default": 20, "min": 1, "max": 1000, "tooltip":
+                "sample_steps": ("INT", {"default": 20, "min": 1, "max": 1000, **ADVANCED, "tooltip":
                     "Sampler steps per image (euler, normal schedule)."}),
                 "sample_cfg": ("FLOAT", {"default": 7.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
-                                         "tooltip": "Guidance scale (cfg) of the samples; the negative prompt is empty."}),
+                                         **ADVANCED, "tooltip": "Guidance scale (cfg) of the samples; the negative prompt is empty."}),
                 # fixed, like the training seed: the same noise at every step shows what the LoRA learned between
                 "sample_seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
-                                        "control_after_generate": False, "tooltip":
+                                        "control_after_generate": False, **ADVANCED, "tooltip":
                     "Noise seed of the samples, the same at every step so the images are comparable."}),
                 "validation_fraction": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, "tooltip":
                     "0: off. Else this share of the images (at least 1) is held out of training and its loss, with "
                     "noise and timesteps fixed per image, is measured every validation_every_n_steps and drawn "
                     "in green beside the training loss: a rising curve means the LoRA is overfitting."}),
-                "validation_every_n_steps": ("INT", {"default": 50, "min": 0, "max": 1000000, "tooltip":
+                "validation_every_n_steps": ("INT", {"default": 50, "min": 0, "max": 1000000, **ADVANCED, "tooltip":
                     "How often the validation loss is measured (and at the end); 0: at the end only."}),
                 # Timesteps and loss: last, so that saved workflows' widget values keep their positions; advanced
                 # (right-click > Show Advanced). The defaults train exactly as before these inputs existed.

@@ -45,6 +45,10 @@ def missing() -> str | None:
     return None
 
 
+# the frontends' dialogs: PrimeVue's (1.32.9), and 1.49.6's own (its template browser)
+DIALOGS = ".p-dialog, [role=dialog]"
+
+
 class Page:
     """One browser tab on a ComfyUI server, with the console kept."""
 
@@ -94,19 +98,21 @@ class Page:
 
     def dialogs(self) -> list[str]:
         """The text of each dialog open over the canvas."""
-        return self.evaluate("() => [...document.querySelectorAll('.p-dialog')].map(d => d.innerText)")
+        return self.evaluate(f"() => [...document.querySelectorAll({DIALOGS!r})].map(d => d.innerText)")
 
     def close_dialogs(self) -> list[str]:
         """Closes the dialogs over the canvas (e.g. the template browser a fresh user gets); returns their text."""
         seen = []
         for _ in range(3):
             texts = self.dialogs()
-            closed = self.evaluate("""() => { const buttons = [...document.querySelectorAll('.p-dialog')]
-                .map(d => d.querySelector('button[aria-label="Close"], .p-dialog-close-button')
-                          ?? d.querySelector('i.pi-times')?.closest('button')).filter(Boolean);
-                buttons.forEach(b => b.click()); return buttons.length; }""")
-            if not closed:
+            if not texts:
                 return seen
+            closed = self.evaluate("""selector => { const buttons = [...document.querySelectorAll(selector)]
+                .map(d => d.querySelector('button[aria-label="Close"], .p-dialog-close-button')
+                          ?? d.querySelector('i.pi-times, [class*="lucide--x"]')?.closest('button')).filter(Boolean);
+                buttons.forEach(b => b.click()); return buttons.length; }""", DIALOGS)
+            if not closed:
+                self.page.keyboard.press("Escape")
             seen += texts
             self.page.wait_for_timeout(400)
         return seen

@@ -123,7 +123,9 @@ def test_a_mismatched_lora_config_fails_before_training_and_saves_nothing(comfy_
 
 # --- the shipped example workflow on a real ComfyUI server ---
 
+# "4": the LoRA the user picks (the template names it with " (pick yours)", which no loras folder has)
 FIXTURE = {"1": {"ckpt_name": "leanlora_tiny_sd15.safetensors"}, "2": {"folder": "tiny_dataset", "resolution": 64},
+           "4": {"continue_from": "my_lora.safetensors"},
            "5": {"learning_rate": 0.001, "warmup_steps": 0}, "8": {"width": 64, "height": 64}, "9": {"steps": 4}}
 
 
@@ -135,7 +137,7 @@ def test_the_shipped_continue_workflow_names_the_users_files_not_the_fixtures():
     [config] = [n for n in ui["nodes"] if n["type"] == "LeanLoRALoraConfig"]
     [train] = [n for n in ui["nodes"] if n["type"] == "LeanLoRATrain"]
     # the template's LoRA shape (rank 16, alpha 8, attention), so its my_lora continues as set
-    assert config["widgets_values"] == [16, 8.0, 0.0, "attention", "my_lora.safetensors"]
+    assert config["widgets_values"] == [16, 8.0, 0.0, "attention", "my_lora.safetensors (pick yours)"]
     assert train["widgets_values"][-1] == "my_lora_continued"
 
 
@@ -143,7 +145,7 @@ def test_the_shipped_continue_workflow_names_the_users_files_not_the_fixtures():
 def test_the_shipped_continue_workflow_continues_a_lora_from_the_loras_folder(comfy_server):
     from test_comfy_e2e import sampling_prompt  # the stock LoraLoader -> KSampler graph
     workflow = ui_to_api(json.loads(WORKFLOW.read_text()), comfy_server.object_info())
-    assert workflow["4"]["inputs"]["continue_from"] == "my_lora.safetensors"  # what train_then_generate saves
+    assert workflow["4"]["inputs"]["continue_from"] == "my_lora.safetensors (pick yours)"  # train_then_generate's
     loras = comfy_server.base_dir / "models" / "loras"
 
     # the LoRA to continue: the workflow's own training half, starting fresh, saved under the name it picks
@@ -171,7 +173,7 @@ def test_the_shipped_continue_workflow_continues_a_lora_from_the_loras_folder(co
     assert "lora key not loaded" not in log and "NOT LOADED" not in log
 
     # a LoRA Config that does not match the file fails at that node, before the Train node encodes anything
-    entry = comfy_server.run(apply_overrides(workflow, {**FIXTURE, "4": {"rank": 8}}), timeout=300)
+    entry = comfy_server.run(apply_overrides(workflow, {**FIXTURE, "4": {**FIXTURE["4"], "rank": 8}}), timeout=300)
     error = execution_error(entry)
     assert error is not None and error["node_type"] == "LeanLoRALoraConfig", entry["status"]
     assert "continue_from 'my_lora.safetensors' has rank 16; LoRA Config says rank 8" in error["exception_message"]

@@ -1,9 +1,12 @@
 // LeanLoRA's browser side (plain JS, no build step; ComfyUI serves it from WEB_DIRECTORY):
 // - Memory Settings: `card` leads; the widgets the card plans are "advanced" (right-click > Show Advanced, shown by
 //   themselves with card = manual); a workflow saved before `card` existed loads as manual with its values.
-// - Train: its timestep and loss inputs are "advanced" like those of Memory Settings; a live panel drawn from the pack's websocket messages (leanlora.progress / .saved / .partial_saved):
-//   the phase before step 1, step / loss / s/step / time left / VRAM, a loss chart, samples by step and prompt,
-//   and where the file went. The last state is kept in localStorage, so a page reloaded mid-run redraws it.
+// - Train: its less used inputs are "advanced" like those of Memory Settings; a live panel drawn from the pack's
+//   websocket messages (leanlora.progress / .saved / .partial_saved, each with its prompt id) and ComfyUI's
+//   (execution_cached: "ComfyUI reused its result"): the phase before step 1, step / loss / s/step / time left /
+//   VRAM, a loss chart, the plan, samples by step and prompt, where the file went, and a Stop button. One state per
+//   run (prompt), kept in localStorage: a page reloaded mid-run redraws it, a template opened afresh shows none.
+// - Memory Settings: auto_fit says when the card sets it. A LeanLoRA workflow opens at its saved view.
 // - Dataset: the folder list (input/ subfolders, from the server) gains a "type a folder path" entry for any other
 //   path, an "upload images" button puts files into a folder of input/ (ComfyUI's /upload/image), and the node
 //   shows the picked folder's image and caption counts and a few thumbnails before Queue.
@@ -291,11 +294,16 @@ function onEnded(failed) {
   return (event) => {
     const e = event.detail ?? {};
     for (const [key, s] of runs) {
-      if (!key.startsWith(`${e.prompt_id}:`) || s.final || s.cached) continue;
-      if (failed && String(e.node_id) !== key.slice(key.indexOf(":") + 1)) continue;
-      if (!failed && !s.started) { s.phase = "stopped before it started"; s.stopped = true; }
-      else if (failed) { s.final = `failed: ${e.exception_message ?? "see ComfyUI's error"}`; s.failed = true; }
-      else { s.phase = "stopped"; s.stopped = true; }
+      if (!key.startsWith(`${e.prompt_id}:`) || s.final || s.cached || s.stopped) continue;
+      const here = String(e.node_id) === key.slice(key.indexOf(":") + 1);
+      if (failed && (here || s.started)) {
+        s.final = `failed: ${e.exception_message ?? "see ComfyUI's error"}`;
+        s.failed = true;
+      } else {
+        s.phase = failed ? `not run: ${e.node_type ?? "a node"} failed before it` :
+                  s.started ? "stopped" : "stopped before it started";
+        s.stopped = true;
+      }
       redraw(key, true);
     }
   };
@@ -654,6 +662,14 @@ function after(nodeType, hook, extra) {
   };
 }
 
+// The messages, heard from when this file loads: a page reloaded mid-run gets them before the extensions' setup
+api.addEventListener("execution_cached", onCached);
+api.addEventListener("execution_error", onEnded(true));
+api.addEventListener("execution_interrupted", onEnded(false));
+api.addEventListener("leanlora.progress", onProgress);
+api.addEventListener("leanlora.saved", onFinished(false));
+api.addEventListener("leanlora.partial_saved", onFinished(true));
+
 // A workflow of this pack opens at its saved view: frontend 1.49.6 fits a template (or a view it finds empty) to the
 // window instead, where the templates' nodes are grey boxes at 32-39%.
 const READABLE_SCALE = 0.6;
@@ -693,16 +709,11 @@ app.registerExtension({
       try { claimQueued(response?.prompt_id, data?.output); } catch (error) { console.warn("LeanLoRA:", error); }
       return response;
     };
-    api.addEventListener("execution_cached", onCached);
-    api.addEventListener("execution_error", onEnded(true));
-    api.addEventListener("execution_interrupted", onEnded(false));
-    api.addEventListener("leanlora.progress", onProgress);
-    api.addEventListener("leanlora.saved", onFinished(false));
-    api.addEventListener("leanlora.partial_saved", onFinished(true));
   },
   loadedGraphNode(node) {
-    // after a workflow loads: a saved Memory Settings node shows only its simple widgets unless opened
-    if (node.type === MEMORY && !node.showAdvanced) fitHeight(node);
+    // after a workflow loads: a saved Memory Settings or Train node takes the height of the widgets it shows (and
+    // Train's panel), so Train fits a 1440x900 window at 100%; Show Advanced grows it again
+    if ((node.type === MEMORY || node.type === TRAIN) && !node.showAdvanced) fitHeight(node);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === MEMORY) {

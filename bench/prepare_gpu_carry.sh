@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .gpu/ (git-ignored): what the GPU machine lacks, small enough to travel with the working tree (< 64 MiB):
-#   .gpu/whl/            diffusers, bitsandbytes (CUDA 13.0 + CPU libraries only), av, torchsde, trampoline,
+#   .gpu/whl/            diffusers, prodigyopt, schedulefree, came-pytorch, bitsandbytes (CUDA 13.0 + CPU libraries only), av, torchsde, trampoline,
 #                        nvidia-ml-py
 #   .gpu/comfyui.tgz     the pinned ComfyUI 0.3.75 source without tests, API nodes and models
 #   .gpu/033/            only when ComfyUI 0.33's source is given (a checkout, or the bare git directory that the
@@ -33,7 +33,8 @@ download() {  # wheels for the GPU machine's Python 3.12 on x86_64
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$1" "${@:2}" 2>&1 | grep -v "is ignored" || true
 }
-download .gpu/whl diffusers==0.42.1 "av>=16.0.0,<20" torchsde==0.2.6 trampoline==0.1.2 nvidia-ml-py==13.615.71
+download .gpu/whl diffusers==0.42.1 "av>=16.0.0,<20" torchsde==0.2.6 trampoline==0.1.2 nvidia-ml-py==13.615.71 \
+  prodigyopt==1.1.2 schedulefree==1.4.1 came-pytorch==0.1.3  # the optional optimizers the CUDA tests train with
 download "$TMP" bitsandbytes==0.50.2
 # bitsandbytes ships a library per CUDA/ROCm/XPU version (43 MB); the H200 image runs CUDA 13.0.
 mkdir "$TMP/bnb" && (cd "$TMP/bnb" && python3 -m zipfile -e "$TMP"/bitsandbytes-*.whl . \

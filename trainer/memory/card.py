@@ -16,6 +16,7 @@ pinned memory) stays off on it, as on the CPU: docs/TESTING.md lists those paths
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import weakref
 
@@ -100,10 +101,24 @@ class CudaMemory:
         return contextlib.nullcontext()
 
 
-# Host memory page-locked where it lies (cudaHostRegister), by storage address -> bytes: tensors the training copy
-# shares with ComfyUI's model (bridge/comfy_adapter._host_aliases) stream from ComfyUI's own pages instead of a
-# pinned second copy (Qwen-Image's fp8 file at 8 GiB: ~19 GiB of host RAM). Given back by unpin_in_place.
+# Host memory page-locked where it lies, by storage address -> bytes: tensors the training copy shares with
+# ComfyUI's model (bridge/comfy_adapter._host_aliases) stream from ComfyUI's own pages instead of a pinned second
+# copy (Qwen-Image's fp8 file at 8 GiB: ~19 GiB of host RAM). Through the driver API (cuMemHostRegister): a
+# refusal there is a return code, where the runtime's cudaHostRegister leaves a sticky error that the next kernel
+# launch raised (H100, 6 Dec: "part or all of the requested memory range is already mapped", when two small
+# storages shared a page). Given back by unpin_in_place.
 _PINNED_IN_PLACE: dict[int, int] = {}
+PIN_IN_PLACE_MIN = 2 ** 20  # smaller storages may share pages with others (malloc's arenas): copied as before
+_driver = None
+
+
+def _cuda_driver():
+    global _driver
+    if _driver is None:
+        _driver = ctypes.CDLL("libcuda.so.1")
+        _driver.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        _driver.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    return _driver
 
 
 def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,16 +128,17 @@ def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
     address, size = storage.data_ptr(), storage.nbytes()
     if address in _PINNED_IN_PLACE:
         return tensor
-    if size and torch.cuda.is_available():
+    if size >= PIN_IN_PLACE_MIN and torch.cuda.is_available():
+        torch.cuda.current_device()  # the primary context is current in this thread
         try:
-            failed = torch.cuda.cudart().cudaHostRegister(address, size, 0)
-        except (AttributeError, RuntimeError):
-            failed = True
-        if not failed and tensor.is_pinned():
-            _PINNED_IN_PLACE[address] = size
-            return tensor
-        if not failed:  # registered, but PyTorch does not see it as pinned: give it back, copy instead
-            torch.cuda.cudart().cudaHostUnregister(address)
+            refused = _cuda_driver().cuMemHostRegister_v2(address, size, 0)
+        except (OSError, AttributeError):
+            refused = True
+        if not refused:
+            if tensor.is_pinned():
+                _PINNED_IN_PLACE[address] = size
+                return tensor
+            _cuda_driver().cuMemHostUnregister(address)  # PyTorch would not copy from it asynchronously
     return tensor.pin_memory()
 
 
@@ -131,7 +147,7 @@ def unpin_in_place() -> int:
     driver must not keep a registration over freed memory); returns the bytes released."""
     released = 0
     for address, size in list(_PINNED_IN_PLACE.items()):
-        torch.cuda.cudart().cudaHostUnregister(address)
+        _cuda_driver().cuMemHostUnregister(address)
         del _PINNED_IN_PLACE[address]
         released += size
     return released

@@ -208,7 +208,7 @@ class ComfyAdapter:
         """The private copy is made in host RAM: a machine without the room gets an error naming the numbers
         instead of swapping to a halt or being killed by the system (a 12B FLUX in bf16 is a 22 GiB copy)."""
         need = sum(t.numel() * t.element_size() for t in self.base.diffusion_model.state_dict().values()
-                   if type(t) is not torch.Tensor or t.device.type != "cpu")  # host tensors are shared (_host_aliases)
+                   if not _shareable(t))  # the rest is ComfyUI's memory, shared (_host_aliases)
         available = available_ram_bytes()
         if available is not None and need > available:
             raise LeanLoRAError(
@@ -373,6 +373,11 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copied
 
 
+def _shareable(tensor: torch.Tensor) -> bool:
+    """Whether the training copy can share `tensor`'s memory: a plain tensor in host RAM."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+
+
 def _host_aliases(module: torch.nn.Module) -> dict[int, torch.Tensor]:
     """deepcopy memo entries that give the copy each plain host tensor of `module` as a new tensor over the same
     memory, not a second copy: the training copy's frozen weights never change in place (every conversion, move
@@ -383,7 +388,7 @@ def _host_aliases(module: torch.nn.Module) -> dict[int, torch.Tensor]:
     aliases = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         data = tensor.data
-        if type(data) is not torch.Tensor or data.device.type != "cpu" or id(tensor) in aliases:
+        if not _shareable(data) or id(tensor) in aliases:
             continue
         alias = torch.empty(0, dtype=data.dtype)
         alias.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())

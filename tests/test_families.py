@@ -155,6 +155,9 @@ def test_a_machine_without_the_ram_for_the_private_copy_gets_the_numbers_before_
     from trainer.errors import LeanLoRAError
     adapter = _adapter(family_objects["flux_dev"])
     monkeypatch.setattr(comfy_adapter, "available_ram_bytes", lambda: 1024 ** 2)  # 1 MiB free
+    assert adapter.training_unet() is not None  # host weights are shared with ComfyUI's copy: nothing to copy
+    # weights it cannot share (on a GPU, or 0.33's quantized subclasses) are copied: that copy needs the RAM
+    monkeypatch.setattr(comfy_adapter, "_shareable", lambda tensor: False)
     with pytest.raises(LeanLoRAError, match=r"private copy of the diffusion model \(Flux\) needs 0\.0\d GiB of free "
                                             r"RAM, and this machine has 0\.00 GiB available\. Load the model with "
                                             r"weight_dtype fp8_e4m3fn"):

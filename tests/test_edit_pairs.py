@@ -207,6 +207,30 @@ def test_an_edit_model_trains_on_pairs_resumes_exactly_loads_in_comfyui_and_leav
     assert _fingerprint(model) == before
 
 
+def test_resume_refuses_a_changed_control_as_it_refuses_a_changed_target(edit_objects, tmp_path, small_references):
+    """A control redrawn with the same file size (stored PNG: the size is the pixel count's) is another pair: the
+    state is not resumed on it, as on a changed target."""
+    folder = make_pairs(tmp_path / "pairs", n=2, size=(64, 64))
+    control = folder / "img1_control.png"
+    Image.open(control).save(control, compress_level=0)
+    dataset = scan_folder(folder, 64)
+    _train(edit_objects["qwen_image_edit"], dataset, tmp_path / "first", 2, "edit", save_every_steps=1)
+    state = tmp_path / "first" / f"edit_step1{STATE_SUFFIX}"
+    refused = (r"cannot resume from edit_step1.*: the dataset \(images, control images, captions, repeats, "
+               r"resolution or framing\) differs")
+    size, original = control.stat().st_size, control.read_bytes()
+    pixels = np.asarray(Image.open(control)).copy()
+    pixels[0, 0] ^= 255
+    Image.fromarray(pixels).save(control, compress_level=0)
+    assert control.stat().st_size == size
+    with pytest.raises(LeanLoRAError, match=refused):
+        _train(edit_objects["qwen_image_edit"], scan_folder(folder, 64), tmp_path / "x", 3, "edit", resume_from=state)
+    control.write_bytes(original)
+    _image(folder / "img0.png", (64, 48), seed=3)  # a changed target (its size on disk)
+    with pytest.raises(LeanLoRAError, match=refused):
+        _train(edit_objects["qwen_image_edit"], scan_folder(folder, 64), tmp_path / "x", 3, "edit", resume_from=state)
+
+
 @pytest.fixture()
 def small_references(monkeypatch):
     """The nodes' reference sizes made small (128 px) for the training tests: the rules are the nodes' (checked

@@ -149,8 +149,20 @@ def _digest(*parts) -> str:
     return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
 
 
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as error:
+        return f"unreadable {error.errno}"
+    return digest.hexdigest()[:16]
+
+
 def dataset_fingerprint(dataset) -> str:
-    """The images (name, size on disk) and captions, their mask files (size), repeats, resolution and framing."""
+    """The images (name, size on disk) and captions, their mask files (size), an edit pair's control images (their
+    content: a control redrawn to the same size is another pair), repeats, resolution and framing."""
     parts = []
     for sample in dataset.samples:
         try:
@@ -161,6 +173,8 @@ def dataset_fingerprint(dataset) -> str:
         mask = sample.path.with_name(sample.path.stem + MASK_SUFFIX)
         if mask.is_file():  # masked_loss reads it (only then is it part of the name: older states still match)
             part += f"|mask {mask.stat().st_size}"
+        if sample.controls:  # only then is it part of the name: states of plain folders still match
+            part += "|controls " + " ".join(f"{c.name}:{_file_digest(c)}" for c in sample.controls)
         parts.append(part)
     return _digest(dataset.resolution, dataset.repeats, dataset.buckets, *sorted(parts))
 
@@ -354,9 +368,9 @@ def check_resumable(state: TrainingState, path: Path, fingerprints: dict[str, st
     """Raises a LeanLoRAError naming the file and what differs; a state is resumed only on its own dataset,
     base model, LoRA shape and validation split, with steps left to train. `checks`: the fingerprints to compare
     (the dataset's alone can be checked before any encoding)."""
-    what = {"dataset": "the dataset (images, captions, repeats, resolution or framing) differs from the one it "
-                       "trained on: resume on the same dataset, or train further on new data with LoRA Config's "
-                       "continue_from (its LoRA file)",
+    what = {"dataset": "the dataset (images, control images, captions, repeats, resolution or framing) differs from "
+                       "the one it trained on: resume on the same dataset, or train further on new data with LoRA "
+                       "Config's continue_from (its LoRA file)",
             "model": "the base model differs from the one it trained on: resume with the same checkpoint, or "
                      "continue from its LoRA file (LoRA Config's continue_from) on this one",
             "lora": "the LoRA shape (rank, alpha, targets or LoKr factor) differs: set LoRA Config as the state was "

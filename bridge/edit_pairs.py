@@ -11,7 +11,9 @@ them at sampling:
   of its aspect, VAE-encoded into `reference_latents`; the caption as for FLUX.1.
 
 The model's extra_conds turns `reference_latents` into `ref_latents` (process_latent_in on each, comfy/model_base.py);
-the edit variants (families/edit.py) hand the cached control latents to the model as that list."""
+the edit variants (families/edit.py) hand the cached control latents to the model as that list. Samples during
+training (bridge/samples.py) build their CONDITIONING by the same rules from the first pair's control images
+(`sample_edit`), as the node does at sampling."""
 from __future__ import annotations
 
 import math
@@ -19,9 +21,10 @@ import math
 import torch
 
 import comfy.utils
+import node_helpers
 
 from .families.common import empty_latent
-from .trainer_api import PAIRS_LAYOUT, LeanLoRAError
+from .trainer_api import PAIRS_LAYOUT, LeanLoRAError, load_image
 
 QWEN_EDIT_REFERENCE_PIXELS = 1024 * 1024  # TextEncodeQwenImageEditPlus: the VAE's reference image
 QWEN_EDIT_VISION_PIXELS = 384 * 384       # ... and the vision-language encoder's
@@ -72,6 +75,26 @@ class _Controls:
     def encode_text(self, caption: str, width: int, height: int, controls: list[torch.Tensor]):
         return self.adapter.encode_text(caption, width, height)
 
+    def reference_latents(self, controls: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The conditioning's reference latents of control images [1, H, W, 3] (VAEEncode's, before
+        process_latent_in)."""
+        with torch.inference_mode():
+            return [self.vae.encode(self.resize(image)[:, :, :, :3]) for image in controls]
+
+    def conditioning(self, prompt: str, controls: list[torch.Tensor], clip=None, latents=None) -> list:
+        """ComfyUI's CONDITIONING of `prompt` with control images [1, H, W, 3] as the model's nodes make it at
+        sampling (`clip`: another CLIP, e.g. one with the text encoder's LoRA; `latents`: their reference_latents,
+        if already encoded). Here FLUX.1 Kontext's: CLIPTextEncode, then per control FluxKontextImageScale +
+        VAEEncode + ReferenceLatent."""
+        clip = self.clip if clip is None else clip
+        with torch.inference_mode():
+            conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+        return self._with_references(conditioning, controls, latents)
+
+    def _with_references(self, conditioning: list, controls: list[torch.Tensor], latents) -> list:
+        latents = self.reference_latents(controls) if latents is None else latents
+        return node_helpers.conditioning_set_values(conditioning, {"reference_latents": latents}, append=True)
+
 
 class QwenImageEditControls(_Controls):
     name = "Qwen-Image-Edit 2509/2511"
@@ -89,18 +112,30 @@ class QwenImageEditControls(_Controls):
         """The instruction with each control image, as TextEncodeQwenImageEditPlus tokenizes it, through the
         model's extra_conds as the sampler builds them (ComfyAdapter.encode_text's path)."""
         with torch.inference_mode():
-            images, prompt = [], ""
-            for index, image in enumerate(controls):
-                w, h = qwen_edit_size(image.shape[2], image.shape[1], QWEN_EDIT_VISION_PIXELS, 1)
-                images.append(comfy.utils.common_upscale(image.movedim(-1, 1), w, h, "area", "disabled").movedim(1, -1))
-                prompt += f"Picture {index + 1}: <|vision_start|><|image_pad|><|vision_end|>"
-            tokens = self.clip.tokenize(prompt + caption, images=images, llama_template=QWEN_EDIT_TEMPLATE)
-            encoded = dict(self.clip.encode_from_tokens(tokens, return_dict=True))
+            encoded = dict(self.clip.encode_from_tokens(self._tokens(self.clip, caption, controls), return_dict=True))
             cross_attn = encoded.pop("cond")
             noise = empty_latent(self.base.latent_format, max(1, height // 8), max(1, width // 8))
             conds = self.base.extra_conds(cross_attn=cross_attn, **encoded, width=width, height=height, noise=noise,
                                           device=torch.device("cpu"))
         return {name: value.cond.clone() for name, value in conds.items() if isinstance(value.cond, torch.Tensor)}
+
+    def conditioning(self, prompt: str, controls: list[torch.Tensor], clip=None, latents=None) -> list:
+        """TextEncodeQwenImageEditPlus's CONDITIONING (with the VAE): the instruction encoded with each control,
+        each control's reference latent."""
+        clip = self.clip if clip is None else clip
+        with torch.inference_mode():
+            conditioning = clip.encode_from_tokens_scheduled(self._tokens(clip, prompt, controls))
+        return self._with_references(conditioning, controls, latents)
+
+    @staticmethod
+    def _tokens(clip, caption: str, controls: list[torch.Tensor]):
+        """The instruction after "Picture N: <image>" for each control (the vision encoder's ~384x384 px copy)."""
+        images, prompt = [], ""
+        for index, image in enumerate(controls):
+            w, h = qwen_edit_size(image.shape[2], image.shape[1], QWEN_EDIT_VISION_PIXELS, 1)
+            images.append(comfy.utils.common_upscale(image.movedim(-1, 1), w, h, "area", "disabled").movedim(1, -1))
+            prompt += f"Picture {index + 1}: <|vision_start|><|image_pad|><|vision_end|>"
+        return clip.tokenize(prompt + caption, images=images, llama_template=QWEN_EDIT_TEMPLATE)
 
 
 class KontextControls(_Controls):
@@ -138,3 +173,31 @@ def control_encoder(adapter, dataset):
         return None
     adapter.family = variant
     return variant.controls(adapter)
+
+
+class SampleEdit:
+    """Samples during training on a folder of pairs: the family's edit variant (its sampler defaults), its
+    ControlEncoder, and the first pair's control images, framed to the sample's square as training frames a control
+    to its target's bucket, at the node's size (control_size). `conditioning(prompt)` is the sample's CONDITIONING;
+    the reference latents are encoded once (the images do not change during a run)."""
+
+    def __init__(self, family, controls, paths: list, size: int):
+        self.family, self.controls, self.paths = family, controls, paths
+        framed = controls.control_size(size, size)
+        self.images = [load_image(path, framed)[None] for path in paths]
+        self.latents = None
+
+    def conditioning(self, prompt: str, clip=None) -> list:
+        if self.latents is None:
+            self.latents = self.controls.reference_latents(self.images)
+        return self.controls.conditioning(prompt, self.images, clip, self.latents)
+
+
+def sample_edit(adapter, dataset, size: int) -> SampleEdit | None:
+    """SampleEdit for samples of `size` px from `dataset` on this adapter's model; None for plain images, or a family
+    without an edit variant (training refuses that folder before any sample)."""
+    find = getattr(adapter.family, "edit_variant", None)
+    variant = find(adapter.base) if find is not None and dataset.pairs else None
+    if variant is None:
+        return None
+    return SampleEdit(variant, variant.controls(adapter), list(dataset.samples[0].controls), size)

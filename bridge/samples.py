@@ -1,7 +1,9 @@
 """Sample images while training: the user's MODEL patched with the LoRA at its current weights (a clone, as
 ComfyUI's LoraLoader patches), the prompts encoded by the CLIP input, ComfyUI's own sampling (KSampler's path with
 the family's sampler and schedule, e.g. euler/normal for SD, euler/simple for the flow DiTs; a fixed seed) and the
-VAE's decode.
+VAE's decode. Trained on a folder of edit pairs, each prompt is an instruction applied to the first pair's control
+images, its CONDITIONING built as the edit model's ComfyUI node builds it (bridge/edit_pairs.py: Qwen-Image-Edit's
+TextEncodeQwenImageEditPlus, FLUX.1 Kontext's ReferenceLatent), the negative too (the empty instruction).
 
 It runs in the training thread between optimizer steps. ComfyUI's model management runs in inference mode (see
 ComfyAdapter.encode_image), the training's random streams are left as they were (ComfyUI seeds torch's global
@@ -23,7 +25,8 @@ from PIL.PngImagePlugin import PngInfo
 import comfy.model_management
 import comfy.sample
 
-from .comfy_adapter import apply_lora
+from .comfy_adapter import ComfyAdapter, apply_lora
+from .edit_pairs import sample_edit
 from .families import family_for
 from .trainer_api import SampleSettings, StepPace, new_folder, write_atomic
 
@@ -38,11 +41,14 @@ class SampleRenderer:
     at a large size takes minutes on a CPU, and Cancel stops it within one block."""
 
     def __init__(self, model, clip, vae, settings: SampleSettings, folder: Path,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, dataset=None):
+        """`dataset`: the training's; a folder of edit pairs makes each sample an edit of its first control."""
         self.model, self.clip, self.vae, self.settings = model, clip, vae, settings
         self.requested, self.folder = Path(folder), None  # self.folder: this run's, once claimed
         self.should_stop = should_stop
-        defaults = family_for(model.model).sample_defaults
+        pairs = dataset is not None and dataset.pairs
+        self.edit = sample_edit(ComfyAdapter(model, clip, vae), dataset, settings.size) if pairs else None
+        defaults = (self.edit.family if self.edit else family_for(model.model)).sample_defaults
         self.sampler, self.scheduler = defaults.sampler, defaults.scheduler
         self._conds = None  # (positive per prompt, the empty negative), ComfyUI's conditioning lists
 
@@ -95,16 +101,22 @@ class SampleRenderer:
         settings = self.settings
         if any(key.startswith("lora_te") for key in lora_state_dict):  # text_encoder_lr: the prompts through its LoRA
             _, clip = apply_lora(None, self.clip, lora_state_dict, 0.0, 1.0)
-            encode = lambda text: clip.encode_from_tokens_scheduled(clip.tokenize(text))  # noqa: E731
-            positives, negative = [encode(prompt) for prompt in settings.prompts], encode("")
+            positives, negative = self._encode(clip)
         else:
             if self._conds is None:
-                encode = lambda text: self.clip.encode_from_tokens_scheduled(self.clip.tokenize(text))  # noqa: E731
-                self._conds = [encode(prompt) for prompt in settings.prompts], encode("")
+                self._conds = self._encode(self.clip)
             positives, negative = self._conds
         patched, _ = apply_lora(self.model, None, lora_state_dict, 1.0, 0.0)
         with _checked_between_blocks((self.model.model, self.vae.first_stage_model), self._stop_if_cancelled):
             return self._sample(patched, positives, negative)
+
+    def _encode(self, clip) -> tuple[list, list]:
+        """(the CONDITIONING of each prompt, the empty prompt's): with the edit's control images for pairs."""
+        if self.edit is not None:
+            encode = lambda text: self.edit.conditioning(text, clip)  # noqa: E731
+        else:
+            encode = lambda text: clip.encode_from_tokens_scheduled(clip.tokenize(text))  # noqa: E731
+        return [encode(prompt) for prompt in self.settings.prompts], encode("")
 
     def _sample(self, patched, positives, negative) -> list[np.ndarray]:
         settings = self.settings
@@ -130,7 +142,9 @@ class SampleRenderer:
         info = PngInfo()  # what made the image, as text any viewer shows
         info.add_text("parameters", f"{settings.prompts[index]}\nLeanLoRA sample at training step {step}; sampler "
                                     f"{self.sampler} {self.scheduler}, steps {settings.steps}, cfg {settings.cfg:g}, seed "
-                                    f"{settings.seed}, size {settings.size}x{settings.size}")
+                                    f"{settings.seed}, size {settings.size}x{settings.size}" + (
+                                        f"; an edit of {', '.join(p.name for p in self.edit.paths)}"
+                                        if self.edit else ""))
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="PNG", pnginfo=info, compress_level=4)
         path = self.folder / f"step{step}_{index}.png"

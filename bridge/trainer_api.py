@@ -12,7 +12,7 @@ ROOT = f"{__package__.rpartition('.')[0]}.trainer".lstrip(".")
 
 NAMES = {  # trainer module -> the names bridge/ imports from it
     "cache": ("CONTROL_KEY",),
-    "dataset": ("PAIRS_LAYOUT",),
+    "dataset": ("PAIRS_LAYOUT", "load_image"),
     "errors": ("LeanLoRAError",),
     "files": ("new_folder", "write_atomic"),
     "layer_patch": ("mix_into",),

@@ -249,8 +249,9 @@ class LeanLoRATrain:
                 # No "control after generate" widget (the frontend adds one set to randomize to every INT named
                 # seed): a re-queue must not silently train again and write my_lora_2, my_lora_3, ...
                 "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFF, "control_after_generate": False,
-                                 "tooltip": "Seeds LoRA init, shuffling, noise and timesteps: the same seed gives "
-                                            "the same run. Change it by hand to train again with other random draws."}),
+                                 **ADVANCED, "tooltip":
+                    "Seeds LoRA init, shuffling, noise and timesteps: the same seed gives the same run. Change it by "
+                    "hand to train again with other random draws."}),
                 "output_name": ("STRING", {"default": "my_lora", "tooltip":
                     "File name in ComfyUI's loras folder. An existing file is never overwritten (_2, _3 ... is "
                     "added); a cancelled run is saved as <name>_partial_step<N>."}),
@@ -286,7 +287,8 @@ class LeanLoRATrain:
                 "sample_seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
                                         "control_after_generate": False, **ADVANCED, "tooltip":
                     "Noise seed of the samples, the same at every step so the images are comparable."}),
-                "validation_fraction": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, "tooltip":
+                "validation_fraction": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01, **ADVANCED,
+                                                  "tooltip":
                     "0: off. Else this share of the images (at least 1) is held out of training and its loss, with "
                     "noise and timesteps fixed per image, is measured every validation_every_n_steps and drawn "
                     "in green beside the training loss: a rising curve means the LoRA is overfitting."}),
@@ -399,7 +401,8 @@ class LeanLoRATrain:
         # a new run on the panel: its total, and the prompts its sample images belong to
         _send("leanlora.progress", {"kind": "start", "node": unique_id, "total": steps, "output_name": output_name,
                                     "prompts": list(samples.prompts) if samples.on else []})
-        renderer = SampleRenderer(model, clip, vae, samples, samples_folder, JOBS.cancelled) if samples.on else None
+        renderer = SampleRenderer(model, clip, vae, samples, samples_folder, JOBS.cancelled,
+                                  dataset) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)

@@ -149,7 +149,11 @@ class Page:
                     // the plan line shown whole: no text cut at its right edge or below it
                     plan_cut: !!plan && (plan.scrollWidth > plan.clientWidth + 1 || plan.scrollHeight > plan.clientHeight + 1
                               || getComputedStyle(plan).textOverflow === 'ellipsis'),
-                    plan_lines: plan ? Math.round(plan.clientHeight / parseFloat(getComputedStyle(plan).lineHeight)) : 0}; }""", node_id)
+                    plan_lines: plan ? Math.round(plan.clientHeight / parseFloat(getComputedStyle(plan).lineHeight)) : 0,
+                    // parts of the panel that do not fit in it (cut at its bottom edge)
+                    clipped: root ? [...root.querySelectorAll('div, canvas, img, figure')].filter(e => {
+                        const r = e.getBoundingClientRect(), p = root.getBoundingClientRect();
+                        return r.height > 0 && r.bottom > p.bottom - 5; }).map(e => e.className || e.tagName) : []}; }""", node_id)
 
     def wait_panel(self, predicate, timeout_s: float = 300, node_id: str = TRAIN_ID) -> dict:
         return self._wait(lambda: self.panel(node_id), predicate, timeout_s, "the panel never got there")

@@ -79,9 +79,11 @@ def test_the_train_panel_shows_phases_progress_the_saved_file_and_samples(panel,
 
 
 def test_the_plan_line_wraps_instead_of_being_cut(panel):
+    """The plan wraps; with it, the saved file and the samples, every part of the panel fits in it."""
     done = panel["done"]
     assert done["plan"].startswith("memory estimate") and len(done["plan"]) > 120, done["plan"]
     assert not done["plan_cut"] and done["plan_lines"] >= 2, done
+    assert not done["clipped"], done["clipped"]
 
 
 def test_samples_grow_no_node_over_another(panel):
@@ -136,13 +138,13 @@ def test_the_train_node_fits_a_1440x900_window_at_100_percent(page):
             nodes = page.load_template(template)
             [train] = [n for n in nodes if n["type"] == "LeanLoRATrain"]
             x, y, width, height = train["bounds"]
-            page.view(x - 40, y - 50)  # 50 px: under the menu bar
+            page.view(x - 40, y - 100)  # under the menus and tabs (1.32.9: a banner, tabs; 1.49.6: tabs)
             shown = page.evaluate("""id => { const n = app.graph.getNodeById(id);
                 const r = n.leanloraPanel.root.getBoundingClientRect();
                 const hit = document.elementFromPoint(r.left + r.width / 2, r.top + 8);
                 return {top: r.top, bottom: r.bottom, height: r.height, inner: window.innerHeight,
                         onTop: !!hit?.closest('.leanlora-panel')}; }""", train["id"])
-            assert height + 50 <= 900 and shown["bottom"] <= shown["inner"] and shown["onTop"], (template, height, shown)
+            assert height + 100 <= 900 and shown["bottom"] <= shown["inner"] and shown["onTop"], (template, height, shown)
     finally:
         page.page.set_viewport_size({"width": 1600, "height": 1000})
 

@@ -2,17 +2,21 @@
 input/ subfolders, the preview route the node calls when a folder is picked (counts and thumbnails, only for
 folders the policy allows, never a path out of input/), and ComfyUI's validation failing a missing folder
 before anything loads. The browser side is in tests/test_browser.py."""
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import requests
 from PIL import Image
 
 from comfy_headless import PromptRejected, execution_error
+from helpers import node_module
 from test_comfy_e2e import training_prompt
 
 pytestmark = pytest.mark.comfy
 ROUTE = "/api/leanlora/dataset_preview"  # as the frontend's api.fetchApi calls it
+TWIN = Path(__file__).resolve().parents[1] / "workflows" / "api" / "train_then_generate.json"
 
 
 def preview(server, folder: str) -> requests.Response:
@@ -115,6 +119,34 @@ def test_a_missing_folder_fails_validation_naming_the_field_and_the_fix(comfy_se
     assert str(comfy_server.base_dir / "input") in details
     with pytest.raises(PromptRejected, match="is a file, not a folder"):
         comfy_server.queue(training_prompt(folder="preview_set/p0.png", output_name="never_trained"))
+
+
+def test_a_missing_folder_refuses_the_whole_prompt_not_only_the_training(comfy_server):
+    """The template's twin with its folder not there: ComfyUI would run the outputs that pass validation (the
+    "base, no LoRA" sampler) and drop Train's; the pack's prompt hook makes it refuse the prompt whole, before
+    the checkpoint loads."""
+    prompt = json.loads(TWIN.read_text())
+    prompt["2"]["inputs"]["folder"] = "no_such_folder"
+    with pytest.raises(PromptRejected) as rejected:
+        comfy_server.queue(prompt)
+    assert "folder 'no_such_folder' does not exist" in json.dumps(rejected.value.body["node_errors"]["2"])
+
+
+def test_the_prompt_hook_leaves_other_outputs_and_good_folders_alone(tiny_assets):
+    """With the folder missing, the outputs that need the Dataset (Train and what uses its LoRA) become the
+    prompt's only targets; run for the base branch only (the frontend's partial execution), or with a folder that
+    is there, the prompt is left as it is."""
+    hook = node_module("routes").outputs_needing_a_missing_folder
+    output = lambda class_type: class_type in ("SaveImage", "LeanLoRATrain", "PreviewAny")  # noqa: E731
+    prompt = json.loads(TWIN.read_text())
+    prompt["2"]["inputs"]["folder"] = "no_such_folder"
+    needing = hook({"prompt": prompt}, output)
+    outputs = [key for key, node in prompt.items() if output(node["class_type"])]
+    base = [key for key in outputs if key not in needing]
+    assert "5" in needing and base and set(needing) < set(outputs), (needing, outputs)
+    assert hook({"prompt": prompt, "partial_execution_targets": base}, output) is None
+    prompt["2"]["inputs"]["folder"] = str(tiny_assets["dataset"])
+    assert hook({"prompt": prompt}, output) is None
 
 
 def test_a_folder_not_in_the_list_still_runs(comfy_server, tiny_assets, tmp_path):

@@ -304,6 +304,37 @@ def test_the_control_reaches_the_model_as_comfyuis_own_nodes_give_it(edit_object
     assert torch.equal(ours, expected)
 
 
+# --- samples during training ------------------------------------------------------------------------------------
+
+def test_samples_on_pairs_edit_the_first_control_as_comfyuis_node_does(edit_objects, pairs, tmp_path):
+    """Trained on pairs, a sample is an edit of the first pair's control (framed to the sample's square at the node's
+    size): its CONDITIONING is TextEncodeQwenImageEditPlus's own, reference latents included, bit for bit, the
+    negative too (the empty instruction); the image renders with the edit variant's sampler and names the control."""
+    import comfy_extras.nodes_qwen as nodes_qwen
+    from bridge.samples import SampleRenderer
+    from trainer.settings import SampleSettings
+    model, clip, vae = edit_objects["qwen_image_edit"]
+    settings = SampleSettings(("make the shapes red",), every_steps=0, size=64, steps=2, cfg=1.0, seed=1)
+    renderer = SampleRenderer(model, clip, vae, settings, tmp_path / "samples", dataset=pairs)
+    no_lora = {"lora_unet_unused.alpha": torch.tensor(1.0)}  # patches nothing: the base model's image
+    [path] = renderer(2, no_lora)
+    assert Image.open(path).size == (64, 64)
+    assert "an edit of img0_control.png" in Image.open(path).text["parameters"]
+    pixels = load_image(pairs.samples[0].controls[0], (1024, 1024))[None]  # the node's size of a square
+    [[[[cross_attn, extra]]], [[negative, negative_extra]]] = renderer._conds
+    with torch.inference_mode():
+        [[their_cross_attn, their_extra]] = nodes_qwen.TextEncodeQwenImageEditPlus.execute(
+            clip, "make the shapes red", vae, pixels).result[0]
+        [[their_negative, _]] = nodes_qwen.TextEncodeQwenImageEditPlus.execute(clip, "", None, pixels).result[0]
+    assert torch.equal(cross_attn, their_cross_attn) and sorted(extra) == sorted(their_extra)
+    [reference], [their_reference] = extra["reference_latents"], their_extra["reference_latents"]
+    assert reference.shape[-2:] == (1024 // 8, 1024 // 8) and torch.equal(reference, their_reference)
+    assert torch.equal(negative, their_negative) and negative_extra["reference_latents"] == [reference]
+    plain = SampleRenderer(model, clip, vae, settings, tmp_path / "plain")
+    [plain_path] = plain(2, no_lora)
+    assert plain.edit is None and Image.open(plain_path).tobytes() != Image.open(path).tobytes()
+
+
 # --- refusals -----------------------------------------------------------------------------------------------------
 
 def test_an_edit_only_model_given_plain_images_is_refused_naming_the_layout_of_pairs(edit_objects, tmp_path,

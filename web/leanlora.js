@@ -21,7 +21,7 @@ const DATASET = "LeanLoRADataset";
 const TYPE_PATH = "type a folder path…"; // the folder list's last entry: opens a text prompt
 const PREVIEW_HEIGHT = 104;
 const OLD_FIRST_VALUES = ["bf16", "fp16", "no"]; // mixed_precision led Memory Settings before `card`
-const PANEL_HEIGHT = 270; // px at 100% zoom; samples take their room from the chart, so the node never grows
+const PANEL_HEIGHT = 350; // px at 100% zoom; samples take their room from the chart, so the node never grows
 const OLD_STORE_KEY = "leanlora.panel."; // the panel's state by node id, before runs (removed when seen)
 const SMOOTHING = 0.9; // exponential moving average of the loss, as the server's chart draws it
 
@@ -344,17 +344,17 @@ const STYLE = `
 .leanlora-panel .ll-stop:disabled { background: #555; cursor: default; }
 .leanlora-panel .ll-bar { height: 6px; background: #333; border-radius: 3px; margin: 2px 0; flex: none; }
 .leanlora-panel .ll-bar > div { height: 100%; background: #4a9eff; border-radius: 3px; width: 0; }
-.leanlora-panel .ll-stats { color: #ccc; flex: none; }
-.leanlora-panel .ll-chart { flex: 1 1 0; min-height: 36px; position: relative; }
+.leanlora-panel .ll-stats { color: #ccc; font-size: 12px; flex: none; }
+.leanlora-panel .ll-chart { flex: 1 1 0; min-height: 48px; position: relative; }
 .leanlora-panel .ll-chart canvas { position: absolute; inset: 0; width: 100%; height: 100%; display: block; }
-.leanlora-panel .ll-plan { color: #aaa; font-size: 12px; flex: none; overflow-wrap: anywhere; }
-.leanlora-panel .ll-final { font-weight: 600; color: #7fd37f; word-break: break-all; flex: none; }
+.leanlora-panel .ll-plan { color: #aaa; font-size: 11px; flex: none; overflow-wrap: anywhere; }
+.leanlora-panel .ll-final { font-weight: 600; font-size: 12px; color: #7fd37f; overflow-wrap: anywhere; flex: none; }
 .leanlora-panel .ll-final.stopped { color: #f0c060; }
 .leanlora-panel .ll-final.failed { color: #f07070; }
-.leanlora-panel .ll-gallery { display: flex; gap: 6px; overflow-x: auto; flex: none; }
+.leanlora-panel .ll-gallery { display: flex; gap: 6px; overflow-x: auto; overflow-y: hidden; flex: none; }
 .leanlora-panel .ll-gallery:empty { display: none; }
-.leanlora-panel .ll-gallery figure { margin: 0; flex: none; text-align: center; font-size: 11px; color: #aaa; }
-.leanlora-panel .ll-gallery img { height: 72px; display: block; border-radius: 3px; }
+.leanlora-panel .ll-gallery figure { margin: 0; flex: none; text-align: center; font-size: 10px; line-height: 1.2; color: #aaa; }
+.leanlora-panel .ll-gallery img { height: 60px; display: block; border-radius: 3px; }
 .leanlora-dataset { box-sizing: border-box; width: 100%; height: 100%; padding: 4px 6px; overflow: hidden;
   font: 13px/1.35 system-ui, sans-serif; color: #ddd; background: #1b1b1f; border-radius: 6px; }
 .leanlora-dataset .ll-counts { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }

@@ -1,0 +1,119 @@
+"""ComfyUI as a library: found, put first on sys.path, imported with its own arguments; the pack's nodes imported
+as a package (their relative imports work) without running the pack's __init__.py (no routes, no web folder); the
+model loaded by ComfyUI's own loader nodes, from files only (a path, or a name in ComfyUI's model folders)."""
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import sys
+import types
+from pathlib import Path
+
+PACK_DIR = Path(__file__).resolve().parents[1]
+PACK = "leanlora_pack"  # the pack's import name here (ComfyUI gives it its folder's path)
+ENV = "COMFYUI_PATH"
+
+
+class ConfigError(ValueError):
+    """A config file, key or value the headless run refuses (the nodes' own refusals are LeanLoRAError)."""
+
+
+def is_comfyui(path: Path) -> bool:
+    return (path / "main.py").is_file() and (path / "comfy").is_dir() and (path / "folder_paths.py").is_file()
+
+
+def find_comfyui(given: str | None = None, from_config: str | None = None) -> Path:
+    """--comfyui, else the config's `comfyui`, else $COMFYUI_PATH, else the ComfyUI this pack is installed in
+    (<ComfyUI>/custom_nodes/<pack>)."""
+    for source, value in (("--comfyui", given), ("the config's comfyui key", from_config), (ENV, os.environ.get(ENV))):
+        if value:
+            path = Path(value).expanduser().resolve()
+            if not is_comfyui(path):
+                raise ConfigError(f"{source}: {path} is not a ComfyUI folder (no main.py, comfy/ and folder_paths.py)")
+            return path
+    installed = PACK_DIR.parents[1]
+    if PACK_DIR.parent.name == "custom_nodes" and is_comfyui(installed):
+        return installed
+    raise ConfigError(f"ComfyUI not found: this pack is not inside <ComfyUI>/custom_nodes ({PACK_DIR}); name it with "
+                      f"--comfyui PATH, the config key comfyui = \"PATH\", or the environment variable {ENV}")
+
+
+def import_comfyui(path: Path, comfyui_args: str = "") -> None:
+    """ComfyUI first on sys.path (its top-level `nodes` must win over the pack's nodes/), its arguments parsed from
+    `comfyui_args` (as main.py's: "--cpu --lowvram"), the CPU taken where torch sees no GPU, extra_model_paths.yaml
+    read as main.py reads it. Importing ComfyUI twice in one process keeps the first (tests)."""
+    if "comfy.cli_args" not in sys.modules:
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+        import torch
+        import comfy.cli_args
+        given = comfy.cli_args.parser.parse_args(shlex.split(comfyui_args))
+        vars(comfy.cli_args.args).update(vars(given))
+        mps = getattr(torch.backends, "mps", None)
+        if not torch.cuda.is_available() and not (mps and mps.is_available()):
+            comfy.cli_args.args.cpu = True
+        extra = path / "extra_model_paths.yaml"
+        if extra.is_file():
+            import utils.extra_config
+            utils.extra_config.load_extra_path_config(str(extra))
+    import comfy.model_management  # noqa: F401  (the device, from the arguments above)
+
+
+def pack(module: str):
+    """A module of the pack (nodes.train, trainer.settings, ...), imported under PACK."""
+    if PACK not in sys.modules:
+        for name, folder in ((PACK, PACK_DIR), (f"{PACK}.nodes", PACK_DIR / "nodes")):
+            package = types.ModuleType(name)
+            package.__path__ = [str(folder)]
+            sys.modules[name] = package
+    return importlib.import_module(f"{PACK}.{module}")
+
+
+def node_class(name: str):
+    """A ComfyUI core node class (CheckpointLoaderSimple, UNETLoader, ...)."""
+    import nodes
+    return nodes.NODE_CLASS_MAPPINGS[name]
+
+
+def as_name(kind: str, value: str, key: str) -> str:
+    """A file of ComfyUI's folder `kind` as its loader node takes it: an existing path (absolute, or relative to
+    the current folder) has its folder put first in ComfyUI's list for `kind`; else a name in ComfyUI's folders."""
+    import folder_paths
+    path = Path(value).expanduser()
+    if path.is_file():
+        folder_paths.add_model_folder_path(kind, str(path.resolve().parent), is_default=True)
+        return path.name
+    if folder_paths.get_full_path(kind, value) is not None:
+        return value
+    folders = ", ".join(folder_paths.get_folder_paths(kind))
+    raise ConfigError(f"{key}: {value!r} is neither a file nor a name in ComfyUI's {kind} folders ({folders}); "
+                      "LeanLoRA never downloads a model: give the path of a file you have")
+
+
+def load_model(values: dict):
+    """MODEL, CLIP and VAE by ComfyUI's own loader nodes: a checkpoint gives all three, and diffusion_model,
+    text_encoder and vae each replace its part (or stand alone)."""
+    checkpoint, unet, encoders, vae = (values.get(key) for key in ("checkpoint", "diffusion_model", "text_encoder", "vae"))
+    encoders = [encoders] if isinstance(encoders, str) else list(encoders or [])
+    if checkpoint is None and not (unet and encoders and vae):
+        missing = [key for key, given in (("diffusion_model", unet), ("text_encoder", encoders), ("vae", vae)) if not given]
+        raise ConfigError("the model: set checkpoint, or diffusion_model, text_encoder and vae (missing: "
+                          f"{', '.join(missing)})")
+    model = clip = loaded_vae = None
+    if checkpoint is not None and not (unet and encoders and vae):
+        loader = node_class("CheckpointLoaderSimple")()
+        model, clip, loaded_vae = loader.load_checkpoint(as_name("checkpoints", checkpoint, "checkpoint"))
+    if unet:
+        model, = node_class("UNETLoader")().load_unet(as_name("diffusion_models", unet, "diffusion_model"),
+                                                       values.get("weight_dtype", "default"))
+    if encoders:
+        names = [as_name("text_encoders", name, "text_encoder") for name in encoders]
+        clip_type = values.get("clip_type")
+        if len(names) == 1:
+            clip, = node_class("CLIPLoader")().load_clip(names[0], clip_type or "stable_diffusion")
+        else:
+            clip, = node_class("DualCLIPLoader")().load_clip(names[0], names[1], clip_type)
+    if vae:
+        loaded_vae, = node_class("VAELoader")().load_vae(as_name("vae", vae, "vae"))
+    return model, clip, loaded_vae

@@ -114,15 +114,13 @@ def train(values: dict) -> int:
         if key in inputs["lora"] or key in inputs["train"]:
             section = inputs["lora"] if key in inputs["lora"] else inputs["train"]
             section[key] = _file_in("loras", section[key])
-    errors = library.pack("trainer.errors")
-    dataset_node = library.pack("nodes.dataset").LeanLoRADataset
-    settings = library.pack("nodes.settings")
-    problem = dataset_node.VALIDATE_INPUTS(folder=inputs["dataset"]["folder"])
-    if problem is not True:
-        raise errors.LeanLoRAError(problem)
-    dataset, = dataset_node().execute(**inputs["dataset"])
+    settings, dataset_node = library.pack("nodes.settings"), library.pack("nodes.dataset").LeanLoRADataset
     memory, = settings.LeanLoRAMemorySettings().execute(**inputs["memory"])
     lora_config, = settings.LeanLoRALoraConfig().execute(**inputs["lora"])
+    problem = dataset_node.VALIDATE_INPUTS(folder=inputs["dataset"]["folder"])
+    if problem is not True:
+        raise library.pack("trainer.errors").LeanLoRAError(problem)
+    dataset, = dataset_node().execute(**inputs["dataset"])
     model, clip, vae = library.load_model(inputs["model"])
     node = library.pack("nodes.train")
     comfy.model_management.interrupt_current_processing(False)

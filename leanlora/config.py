@@ -174,9 +174,9 @@ def unknown_key(name: str) -> ConfigError:
     return ConfigError(f"unknown key {name!r}{hint} (`python -m leanlora train --print-config` lists every key)")
 
 
-def normalize(raw: dict) -> dict:
+def normalize(raw: dict) -> tuple[dict, dict]:
     """The file's keys as LeanLoRA's: kohya's names mapped (with their values), tables flattened, unknown keys
-    refused with the closest known ones."""
+    refused with the closest known ones; also the name each key was given as."""
     table, given, values = keys(), {}, {}
     for name, value in flatten(raw).items():
         if name in table:
@@ -195,7 +195,7 @@ def normalize(raw: dict) -> dict:
         if target in given:
             raise ConfigError(f"{target} given twice: as {given[target]} and as {name}")
         given[target], values[target] = name, value
-    return values
+    return values, given
 
 
 def _named(key: Key, given_as: str | None) -> str:
@@ -235,7 +235,7 @@ def check_value(key: Key, value):
 
 
 
-def complete(values: dict, aliases: dict | None = None) -> dict:
+def complete(values: dict, given: dict | None = None) -> dict:
     """Every key with its value checked, defaults for the rest (keys without a default stay out)."""
     out = {}
     for name, key in keys().items():
@@ -243,8 +243,7 @@ def complete(values: dict, aliases: dict | None = None) -> dict:
             try:
                 out[name] = check_value(key, values[name])
             except ConfigError as error:
-                given = (aliases or {}).get(name)
-                raise ConfigError(str(error).replace(f"{name}:", f"{_named(key, given)}:", 1)) from None
+                raise ConfigError(str(error).replace(f"{name}:", f"{_named(key, (given or {}).get(name))}:", 1)) from None
         elif key.default is not MISSING:
             out[name] = key.default
     return out
@@ -275,9 +274,14 @@ def read(path: str | Path) -> dict:
     return raw
 
 
+def parse(raw: dict) -> dict:
+    """A config's raw mapping as its values, checked, with every default filled in."""
+    return complete(*normalize(raw))
+
+
 def load(path: str | Path) -> dict:
     """A config file's values, checked, with every default filled in."""
-    return complete(normalize(read(path)))
+    return parse(read(path))
 
 
 # --- TOML out -------------------------------------------------------------------------------------------------------

@@ -24,14 +24,16 @@ def is_comfyui(path: Path) -> bool:
 
 
 def find_comfyui(given: str | None = None, from_config: str | None = None) -> Path:
-    """--comfyui, else the config's `comfyui`, else $COMFYUI_PATH, else the ComfyUI this pack is installed in
-    (<ComfyUI>/custom_nodes/<pack>)."""
+    """--comfyui, else the config's `comfyui`, else $COMFYUI_PATH, else the ComfyUI this process has already
+    imported (tests), else the ComfyUI this pack is installed in (<ComfyUI>/custom_nodes/<pack>)."""
     for source, value in (("--comfyui", given), ("the config's comfyui key", from_config), (ENV, os.environ.get(ENV))):
         if value:
             path = Path(value).expanduser().resolve()
             if not is_comfyui(path):
                 raise ConfigError(f"{source}: {path} is not a ComfyUI folder (no main.py, comfy/ and folder_paths.py)")
             return path
+    if "folder_paths" in sys.modules:
+        return Path(sys.modules["folder_paths"].__file__).resolve().parent
     installed = PACK_DIR.parents[1]
     if PACK_DIR.parent.name == "custom_nodes" and is_comfyui(installed):
         return installed

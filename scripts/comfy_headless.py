@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -100,6 +101,9 @@ class ComfyServer:
     def prepare_base_dir(self) -> None:
         for sub in BASE_SUBDIRS:
             (self.base_dir / sub).mkdir(parents=True, exist_ok=True)
+        example = comfyui_path() / "input" / "example.png"  # in every ComfyUI's input/: the edit template's LoadImage
+        if example.is_file() and not (self.base_dir / "input" / example.name).exists():
+            shutil.copyfile(example, self.base_dir / "input" / example.name)
         link = self.base_dir / "custom_nodes" / PACK_NAME
         if link.is_symlink() and link.resolve() != REPO:
             link.unlink()

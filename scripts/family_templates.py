@@ -6,7 +6,8 @@ always matches the server's:
 
     python scripts/family_templates.py --object-info http://127.0.0.1:8188    # or a saved object_info.json
 
-tests/test_families.py checks the shipped files are what this writes, and runs each on the tiny models."""
+tests/test_families.py checks the shipped files are what this writes, and runs each on the tiny models. The edit
+templates (leanlora_<name>_train_then_edit.json, EDITS) train on a folder of pairs and edit an image with the LoRA."""
 from __future__ import annotations
 
 import argparse
@@ -148,6 +149,75 @@ def family_template(family: str, object_info: dict) -> dict:
     return api_to_ui(family_prompt(family), object_info, LAYOUT, titles, notes)
 
 
+# edit templates (leanlora_<name>_train_then_edit.json): a family's template trained on a folder of before/after pairs,
+# then an edit of the user's image with the LoRA, through the edit model's own ComfyUI node (docs/FAMILIES.md)
+EDITS = {
+    "qwen_image_edit": {
+        "title": "Qwen-Image-Edit", "family": "qwen_image", "encoder": "TextEncodeQwenImageEditPlus",
+        "loaders": {"UNETLoader": {"unet_name": "qwen_image_edit_2509_fp8_e4m3fn.safetensors",
+                                   "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "type": "qwen_image"},
+                    "VAELoader": {"vae_name": "qwen_image_vae.safetensors"}},
+        "sampler": {"steps": 20, "cfg": 2.5},  # ComfyUI's Qwen-Image-Edit template
+        "files": "models/diffusion_models: qwen_image_edit_2509_fp8_e4m3fn.safetensors (or 2511); "
+                 "models/text_encoders: qwen_2.5_vl_7b_fp8_scaled.safetensors (CLIPLoader type qwen_image); "
+                 "models/vae: qwen_image_vae.safetensors",
+    },
+}
+
+
+def edit_template_path(name: str) -> Path:
+    return REPO / "example_workflows" / f"leanlora_{name}_train_then_edit.json"
+
+
+def edit_prompt(name: str) -> dict:
+    """The API-format graph of an edit template: the family's, with its edit model's files, a folder of pairs, and
+    the sampler's conditioning and latent from the image to edit (LoadImage, scaled to 1 megapixel, as ComfyUI's
+    template does) through the edit model's node, the negative too."""
+    spec = EDITS[name]
+    prompt = family_prompt(spec["family"])
+    for node_id, loader in (("1", "UNETLoader"), ("2", prompt["2"]["class_type"]), ("3", "VAELoader")):
+        prompt[node_id]["inputs"] = placeholders(spec["loaders"][loader])
+    prompt["4"]["inputs"]["folder"] = "my_pairs"
+    prompt["7"]["inputs"]["output_name"] = f"my_{name}_lora"
+    edit = {"clip": ["7", 1], "vae": ["3", 0], "image1": ["17", 0]}
+    prompt["8"] = {"class_type": spec["encoder"], "inputs": {"prompt": f"{TRIGGER}, your instruction", **edit}}
+    prompt["9"] = {"class_type": spec["encoder"], "inputs": {"prompt": "", **edit}}
+    prompt["10"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["17", 0], "vae": ["3", 0]}}
+    prompt["11"]["inputs"].update(spec["sampler"])
+    prompt["13"]["inputs"]["filename_prefix"] = f"leanlora_{name}"
+    prompt["16"] = {"class_type": "LoadImage", "inputs": {"image": "example.png"}}
+    prompt["17"] = {"class_type": "ImageScaleToTotalPixels",
+                    "inputs": {"upscale_method": "lanczos", "megapixels": 1.0, "image": ["16", 0]}}
+    return prompt
+
+
+# the family layout with the edit's nodes: the two encoders taller (five inputs), the image to edit below them
+EDIT_LAYOUT = {**LAYOUT, "9": (1160, 370), "16": (1160, 700), "17": (1160, 1160), "10": (1540, 420),
+               "12": (1540, 560)}
+
+
+def edit_template(name: str, object_info: dict) -> dict:
+    spec = EDITS[name]
+    notes = [
+        {"pos": (20, -250), "size": (740, 230), "title": "Start here",
+         "text": f"LeanLoRA: train a {spec['title']} LoRA from before/after pairs inside ComfyUI, then edit with it.\n"
+                 f"1) Pick your model files in the three loaders (left): {spec['files']}.\n"
+                 "2) Put your pairs in ComfyUI/input/<a folder>: each after-image <name>.png with its before-image "
+                 "<name>_control.png and the instruction in <name>.txt; pick that folder in LeanLoRA Dataset's list "
+                 "(press R if it is not listed yet; 'type a folder path…' takes an absolute path).\n"
+                 "3) Load the image to edit (Load Image, right), write the instruction, Queue: the LoRA is saved to "
+                 "models/loras and edits your image in the same run."},
+        {"pos": (1540, 700), "size": (340, 160),
+         "text": f"The trigger word ({TRIGGER}) is added to every instruction; keep it in yours. Both encoders are "
+                 f"ComfyUI's {spec['encoder']}, as the LoRA trained; samples during training edit the first pair's "
+                 "before-image."},
+    ]
+    titles = {"4": "LeanLoRA Dataset (your folder of pairs)", "1": f"Load Diffusion Model ({spec['title']})",
+              "16": "Load Image (the image to edit)"}
+    return api_to_ui(edit_prompt(name), object_info, EDIT_LAYOUT, titles, notes)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--object-info", required=True, help="server URL or a saved object_info.json")
@@ -156,6 +226,10 @@ def main(argv=None) -> int:
     for family in FAMILIES:
         path = template_path(family)
         path.write_text(json.dumps(family_template(family, info), indent=1) + "\n")
+        print(path)
+    for name in EDITS:
+        path = edit_template_path(name)
+        path.write_text(json.dumps(edit_template(name, info), indent=1) + "\n")
         print(path)
     return 0
 

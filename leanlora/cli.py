@@ -44,18 +44,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _progress_on_stdout():
-    """The node's log lines (phases, step lines, saves, the report) as plain lines on stdout."""
-    root, handler = logging.getLogger(), logging.StreamHandler(sys.stdout)
+def _logging(stream, level):
+    """ComfyUI's and the node's log lines as plain lines on `stream` from `level` up; ours the root's only handler
+    meanwhile (a module-level logging.info() with none would add Python's own, and print each line twice)."""
+    root, handler = logging.getLogger(), logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    handlers, old_level = root.handlers[:], root.level
+    root.handlers = [handler]
+    root.setLevel(level)
     try:
         yield
     finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
+        root.handlers = handlers
+        root.setLevel(old_level)
 
 
 @contextlib.contextmanager
@@ -158,7 +159,8 @@ def _write(text: str, output: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        _comfyui(args, getattr(args, "config", None))  # its log lines stay off stdout: --print-config writes there
+        with _logging(sys.stderr, logging.WARNING):  # stdout stays the config's (--print-config)
+            _comfyui(args, getattr(args, "config", None))
         from . import config
         if args.command == "train":
             if args.config is None and not args.print_config:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 _write(config.to_toml(values), None)
                 return 0
-            with _progress_on_stdout(), _ctrl_c_stops():
+            with _logging(sys.stdout, logging.INFO), _ctrl_c_stops():  # the node's progress lines
                 return train(values)
         if args.command == "config-from-workflow":
             workflow = json.loads(Path(args.workflow).read_text(encoding="utf-8"))

@@ -49,9 +49,13 @@ def import_comfyui(path: Path, comfyui_args: str = "") -> None:
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
         import torch
-        import comfy.cli_args
-        given = comfy.cli_args.parser.parse_args(shlex.split(comfyui_args))
-        vars(comfy.cli_args.args).update(vars(given))
+        import comfy.options
+        comfy.options.enable_args_parsing()  # ComfyUI's own parse of its arguments, as main.py's
+        argv, sys.argv = sys.argv, ["main.py", *shlex.split(comfyui_args)]
+        try:
+            import comfy.cli_args
+        finally:
+            sys.argv = argv
         mps = getattr(torch.backends, "mps", None)
         if not torch.cuda.is_available() and not (mps and mps.is_available()):
             comfy.cli_args.args.cpu = True

@@ -25,7 +25,8 @@ def is_comfyui(path: Path) -> bool:
 
 def find_comfyui(given: str | None = None, from_config: str | None = None) -> Path:
     """--comfyui, else the config's `comfyui`, else $COMFYUI_PATH, else the ComfyUI this process has already
-    imported (tests), else the ComfyUI this pack is installed in (<ComfyUI>/custom_nodes/<pack>)."""
+    imported (tests), else the ComfyUI this pack is installed in (<ComfyUI>/custom_nodes/<pack>), else the current
+    folder when it is ComfyUI's."""
     for source, value in (("--comfyui", given), ("the config's comfyui key", from_config), (ENV, os.environ.get(ENV))):
         if value:
             path = Path(value).expanduser().resolve()
@@ -34,9 +35,14 @@ def find_comfyui(given: str | None = None, from_config: str | None = None) -> Pa
             return path
     if "folder_paths" in sys.modules:
         return Path(sys.modules["folder_paths"].__file__).resolve().parent
-    installed = PACK_DIR.parents[1]
-    if PACK_DIR.parent.name == "custom_nodes" and is_comfyui(installed):
-        return installed
+    # the pack's folder as reached (a linked pack resolves elsewhere), or the folder it was started from
+    here = [Path(os.environ["PWD"])] if os.environ.get("PWD") else []
+    for pack_dir in (Path(__file__).absolute().parents[1], *here):
+        if pack_dir.parent.name == "custom_nodes" and is_comfyui(pack_dir.parents[1]):
+            return pack_dir.parents[1]
+    for folder in (*here, Path.cwd()):
+        if is_comfyui(folder):
+            return folder
     raise ConfigError(f"ComfyUI not found: this pack is not inside <ComfyUI>/custom_nodes ({PACK_DIR}); name it with "
                       f"--comfyui PATH, the config key comfyui = \"PATH\", or the environment variable {ENV}")
 
@@ -44,10 +50,10 @@ def find_comfyui(given: str | None = None, from_config: str | None = None) -> Pa
 def import_comfyui(path: Path, comfyui_args: str = "") -> None:
     """ComfyUI first on sys.path (its top-level `nodes` must win over the pack's nodes/), its arguments parsed from
     `comfyui_args` (as main.py's: "--cpu --lowvram"), the CPU taken where torch sees no GPU, extra_model_paths.yaml
-    read as main.py reads it. Importing ComfyUI twice in one process keeps the first (tests)."""
+    and ComfyUI's folder arguments applied as main.py applies them. A process that imported ComfyUI before keeps it
+    as it is (tests)."""
     if "comfy.cli_args" not in sys.modules:
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
+        sys.path[:] = [str(path), *(entry for entry in sys.path if entry != str(path))]
         import torch
         import comfy.options
         comfy.options.enable_args_parsing()  # ComfyUI's own parse of its arguments, as main.py's
@@ -59,11 +65,24 @@ def import_comfyui(path: Path, comfyui_args: str = "") -> None:
         mps = getattr(torch.backends, "mps", None)
         if not torch.cuda.is_available() and not (mps and mps.is_available()):
             comfy.cli_args.args.cpu = True
-        extra = path / "extra_model_paths.yaml"
-        if extra.is_file():
-            import utils.extra_config
-            utils.extra_config.load_extra_path_config(str(extra))
+        _custom_paths(path, comfy.cli_args.args)
     import comfy.model_management  # noqa: F401  (the device, from the arguments above)
+
+
+def _custom_paths(path: Path, args) -> None:
+    """main.py's folders: extra_model_paths.yaml (ComfyUI's own and --extra-model-paths-config), --output-directory,
+    --input-directory and --user-directory (--base-directory is read by folder_paths itself)."""
+    import folder_paths
+    import utils.extra_config
+    configs = [path / "extra_model_paths.yaml", *(c for group in args.extra_model_paths_config or [] for c in group)]
+    for extra in configs:
+        if Path(extra).is_file():
+            utils.extra_config.load_extra_path_config(str(extra))
+    for setting, setter in (("output_directory", folder_paths.set_output_directory),
+                            ("input_directory", folder_paths.set_input_directory),
+                            ("user_directory", folder_paths.set_user_directory)):
+        if getattr(args, setting, None):
+            setter(os.path.abspath(getattr(args, setting)))
 
 
 def pack(module: str):

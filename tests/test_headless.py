@@ -225,7 +225,7 @@ def _node_path(tiny_assets, loras: Path) -> dict:
     memory, = settings.LeanLoRAMemorySettings().execute(**api["3"]["inputs"])
     lora, = settings.LeanLoRALoraConfig().execute(**api["4"]["inputs"])
     train = {k: v for k, v in api["5"]["inputs"].items() if not isinstance(v, list)}
-    train.update(steps=STEPS, output_name="node_run")
+    train.update(steps=STEPS, output_name="node_run", save_every_n_steps=STEPS)  # a state to resume from
     output = library.pack("nodes.train").LeanLoRATrain().execute(model, clip, vae, dataset, memory, lora, **train)
     return load_file(loras / output["result"][3])
 
@@ -237,7 +237,8 @@ def test_the_headless_run_writes_the_same_lora_as_the_nodes(tiny_assets, tmp_pat
     text = toml.read_text().replace('checkpoint = "leanlora_tiny_sd15.safetensors"',
                                     f'checkpoint = "{tiny_assets["checkpoint"]}"')
     text = text.replace('folder = "tiny_dataset"', f'folder = "{tiny_assets["dataset"]}"')
-    text = text.replace("steps = 40", f"steps = {STEPS}").replace('"leanlora_demo"', '"cli_run"')
+    text = text.replace("\nsteps = 40", f"\nsteps = {STEPS}").replace('"leanlora_demo"', '"cli_run"')
+    text = text.replace("save_every_n_steps = 0", f"save_every_n_steps = {STEPS}")
     toml.write_text(text.replace("# output_dir = ...", f'output_dir = "{tmp_path / "cli"}"'))
     capsys.readouterr()
     assert cli.main(["train", str(toml)]) == 0
@@ -248,6 +249,13 @@ def test_the_headless_run_writes_the_same_lora_as_the_nodes(tiny_assets, tmp_pat
     assert cli_lora.keys() == node_lora.keys() and len(cli_lora) > 0
     for name, tensor in node_lora.items():
         assert torch.equal(cli_lora[name], tensor), name
+    # resume: the state the run wrote, taken up by a longer run, as the node's resume takes it
+    toml.write_text(toml.read_text().replace(f"\nsteps = {STEPS}", f"\nsteps = {STEPS + 2}")
+                    .replace('resume = "off"', 'resume = "latest state of this output name"'))
+    assert cli.main(["train", str(toml)]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from cli_run.leanlora-state: step {STEPS} of {STEPS + 2}" in out, out[-3000:]
+    assert (tmp_path / "cli" / "cli_run_2.safetensors").is_file()
 
 
 def test_python_dash_m_leanlora_runs_from_the_packs_folder():

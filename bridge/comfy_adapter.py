@@ -196,7 +196,9 @@ class ComfyAdapter:
             if key.startswith("diffusion_model."):
                 weight = _get_param(unet, key[len("diffusion_model."):])
                 if weight is not None:
-                    weight.data = comfy.lora.calculate_weight(patches, weight.data.float(), key).to(weight.dtype)
+                    # a copy (calculate_weight adds in place, and the copy shares ComfyUI's memory: _host_aliases)
+                    weight.data = comfy.lora.calculate_weight(patches, weight.data.to(torch.float32, copy=True),
+                                                              key).to(weight.dtype)
         unet.requires_grad_(False)
         self.family.prepare(unet)
         return unet

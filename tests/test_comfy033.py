@@ -88,7 +88,8 @@ def _per_call_casts(monkeypatch, unet) -> int:
 
 
 def _assert_plain_copy(unet, model):
-    """No loader state on any layer, normal frozen CPU tensors of its own, the model's LoRA baked in."""
+    """No loader state on any layer, normal frozen CPU tensors (parameters of its own over the model's host memory,
+    bridge/comfy_adapter._host_aliases), the model's LoRA baked in."""
     for name, layer in unet.named_modules():
         left = [attr for attr in LOADER_STATE if attr in vars(layer)]
         assert not left, f"{name} kept {left}"
@@ -97,9 +98,10 @@ def _assert_plain_copy(unet, model):
     originals = dict(model.model.diffusion_model.named_parameters())
     for name, p in unet.named_parameters():
         assert not p.is_inference() and not p.requires_grad and p.device.type == "cpu", name
-        assert p.data_ptr() != originals[name].data_ptr(), name
+        assert p is not originals[name], name
     baked = unet.get_parameter(LORA_KEY[len("diffusion_model."):])
     assert torch.allclose(baked, model.get_model_object(LORA_KEY) + 0.01)
+    assert baked.data_ptr() != model.get_model_object(LORA_KEY).data_ptr()  # baked into memory of its own
 
 
 def test_training_copy_leaves_dynamic_vram_state_behind(patched_model, monkeypatch):

@@ -125,6 +125,13 @@ def load_model(values: dict):
         missing = [key for key, given in (("diffusion_model", unet), ("text_encoder", encoders), ("vae", vae)) if not given]
         raise ConfigError("the model: set checkpoint, or diffusion_model, text_encoder and vae (missing: "
                           f"{', '.join(missing)})")
+    if encoders:  # the type is the loader's own widget: Load CLIP's for one file, DualCLIPLoader's for two
+        loader = "CLIPLoader" if len(encoders) == 1 else "DualCLIPLoader"
+        types_ = node_class(loader).INPUT_TYPES()["required"]["type"][0]
+        clip_type = values.get("clip_type") or ("stable_diffusion" if len(encoders) == 1 else None)
+        if clip_type not in types_:
+            raise ConfigError(f"clip_type: {clip_type!r} is not a type of {loader} ({len(encoders)} text encoder"
+                              f"{'s' if len(encoders) > 1 else ''}); choose one of {', '.join(types_)}")
     model = clip = loaded_vae = None
     if checkpoint is not None and not (unet and encoders and vae):
         loader = node_class("CheckpointLoaderSimple")()
@@ -134,9 +141,8 @@ def load_model(values: dict):
                                                        values.get("weight_dtype", "default"))
     if encoders:
         names = [as_name("text_encoders", name, "text_encoder") for name in encoders]
-        clip_type = values.get("clip_type")
         if len(names) == 1:
-            clip, = node_class("CLIPLoader")().load_clip(names[0], clip_type or "stable_diffusion")
+            clip, = node_class("CLIPLoader")().load_clip(names[0], clip_type)
         else:
             clip, = node_class("DualCLIPLoader")().load_clip(names[0], names[1], clip_type)
     if vae:

@@ -136,6 +136,18 @@ def test_a_value_the_node_refuses_is_the_nodes_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "leanlora: steps: Value 0 smaller than min of 1"
 
 
+def test_the_model_needs_a_checkpoint_or_all_three_parts_and_a_loaders_type():
+    with pytest.raises(ConfigError, match=r"set checkpoint, or diffusion_model, text_encoder and vae \(missing: "
+                                          r"text_encoder, vae\)"):
+        library.load_model({"diffusion_model": "flux1-dev.safetensors"})
+    with pytest.raises(ConfigError, match=r"clip_type: None is not a type of DualCLIPLoader \(2 text encoders\); "
+                                          r"choose one of sdxl, sd3, flux"):
+        library.load_model({"diffusion_model": "a", "text_encoder": ["clip_l", "t5xxl"], "vae": "ae"})
+    with pytest.raises(ConfigError, match=r"checkpoint: 'no_such.safetensors' is neither a file nor a name in "
+                                          r"ComfyUI's checkpoints folders .*never downloads"):
+        library.load_model({"checkpoint": "no_such.safetensors"})
+
+
 # --- config <-> workflow -------------------------------------------------------------------------------------------------
 
 def _edited_ui_workflow() -> dict:

@@ -183,3 +183,20 @@ def test_the_same_seed_gives_the_same_run_with_lora_dropout(adapter, dataset, tm
                                lambda **e: None, lambda: False))
     assert runs[0].losses == runs[1].losses
     assert all(torch.equal(runs[0].lora_state_dict[k], runs[1].lora_state_dict[k]) for k in runs[0].lora_state_dict)
+
+
+def test_a_resume_cancelled_before_its_first_step_saves_nothing_and_says_so(adapter, dataset, tmp_path, monkeypatch):
+    """Cancel while a resumed run is still measuring memory (before the state's step is restored): nothing was
+    trained, so no file is written (not a `_partial_step0` LoRA of the untrained state) and the error says so."""
+    from trainer.errors import TrainingCancelled
+    from trainer.session import TrainingSession
+    _train(adapter, dataset, tmp_path, steps=6, save_every_steps=3)
+    state = tmp_path / f"resume_me_step3{STATE_SUFFIX}"
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def cancelled_while_measuring(self, memory):  # as ComfyUI's interrupt raises in a probe step
+        raise TrainingCancelled("cancelled")
+    monkeypatch.setattr(TrainingSession, "start", cancelled_while_measuring)
+    with pytest.raises(TrainingCancelled, match="cancelled before the first step"):
+        _train(adapter, dataset, tmp_path, steps=6, resume_from=state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -346,7 +346,9 @@ class Run(RunEvents):
         """The LoRA file (partial where the steps stopped early) and, where it can be resumed, its state. Before the
         first step nothing is saved: the Cancel, divergence or failure is raised here."""
         session, steps_done = self.session, self.steps_done
-        if steps_done == self.first_step:  # (training_copy frees the copy as this raises)
+        # Nothing trained: also a resume stopped before it restored its step (0 < first_step). training_copy frees
+        # the copy as this raises.
+        if steps_done <= self.first_step:
             if self.diverged_at is not None:
                 raise _diverged(self.diverged_at, None, self.lora, self.train, session.memory,
                                 from_start=self.from_start)

@@ -129,7 +129,8 @@ def pin_in_place(tensor: torch.Tensor) -> torch.Tensor:
     if address in _PINNED_IN_PLACE:
         return tensor
     if size >= PIN_IN_PLACE_MIN and torch.cuda.is_available():
-        torch.cuda.current_device()  # the primary context is current in this thread
+        torch.cuda.synchronize()  # a runtime call: the primary context exists and is current in this thread (the
+        # driver call below needs one; without it the registration was refused and a copy pinned, H100 6 Dec)
         try:
             refused = _cuda_driver().cuMemHostRegister_v2(address, size, 0)
         except (OSError, AttributeError):

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="the config file (optional with --print-config)")
     train.add_argument("--print-config", action="store_true",
                        help="write the full config (the file's values, defaults for the rest) as TOML and exit")
-    export = sub.add_parser("config-from-workflow", help="a workflow's Train node (and the nodes feeding it) as a config")
+    export = sub.add_parser("config-from-workflow",
+                            help="a workflow's Train node (and the nodes feeding it) as a config")
     export.add_argument("workflow", help="a workflow .json (as the browser saves it, or API format)")
     back = sub.add_parser("config-to-workflow", help="write a config's values into a workflow's Train node and the "
                                                      "nodes feeding it")

@@ -54,7 +54,8 @@ def _model_keys() -> list[Key]:
         key("diffusion_model", "FILE", "A diffusion model alone (ComfyUI's Load Diffusion Model): path or name."),
         key("weight_dtype", "COMBO", "The diffusion model's weight dtype, as Load Diffusion Model.", weight_dtypes,
             "default"),
-        key("text_encoder", "FILES", "One text encoder, or a list of two (Load CLIP / DualCLIPLoader): paths or names."),
+        key("text_encoder", "FILES", "One text encoder, or a list of two (Load CLIP / DualCLIPLoader): paths or "
+                                     "names."),
         key("clip_type", "COMBO", "The text encoders' type, as Load CLIP's (one: stable_diffusion by default) or "
                                   "DualCLIPLoader's (two: sdxl, flux, ...).", clip_types),
         key("vae", "FILE", "A VAE (Load VAE): path or name; replaces the checkpoint's."),
@@ -243,7 +244,8 @@ def complete(values: dict, given: dict | None = None) -> dict:
             try:
                 out[name] = check_value(key, values[name])
             except ConfigError as error:
-                raise ConfigError(str(error).replace(f"{name}:", f"{_named(key, (given or {}).get(name))}:", 1)) from None
+                named = _named(key, (given or {}).get(name))
+                raise ConfigError(str(error).replace(f"{name}:", f"{named}:", 1)) from None
         elif key.default is not MISSING:
             out[name] = key.default
     return out
@@ -296,9 +298,24 @@ def _toml(value) -> str:
     return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def _first_sentence(text: str, width: int = 110) -> str:
-    sentence = text.split(". ")[0].rstrip(".") + "."
-    return sentence if len(sentence) <= width else sentence[:width - 3].rstrip() + "..."
+def _comment(key: Key, width: int = 116) -> list[str]:
+    """The key's tooltip, sentence by sentence up to a line ("0: off." alone says little), its range, kohya's name."""
+    text = ""
+    for sentence in key.tooltip.split(". "):
+        text = f"{text} {sentence.rstrip('.')}." if text else sentence.rstrip(".") + "."
+        if len(text) >= 40:
+            break
+    if len(text) > width - 2:
+        text = text[:width - 5].rstrip() + "..."
+    extra = []
+    if "min" in key.options and "max" in key.options:
+        extra.append(f"{key.options['min']}..{key.options['max']}")
+    kohya = [name for name, (target, _) in ALIASES.items() if target == key.name and name != key.name]
+    if kohya:
+        extra.append(f"kohya: {', '.join(kohya)}")
+    if key.kind == "COMBO" and key.name not in DYNAMIC:
+        extra.insert(0, f"one of: {' | '.join(map(str, key.choices))}")
+    return [f"# {text}", *([f"# {'; '.join(extra)}"] if extra else [])]
 
 
 def to_toml(values: dict, comments: bool = True) -> str:
@@ -310,10 +327,8 @@ def to_toml(values: dict, comments: bool = True) -> str:
         for name, key in keys().items():
             if key.section != section:
                 continue
-            if comments and key.tooltip:
-                lines.append(f"# {_first_sentence(key.tooltip)}")
-            if comments and key.kind == "COMBO" and name not in DYNAMIC:
-                lines.append(f"# one of: {' | '.join(map(str, key.choices))}")
+            if comments:
+                lines += _comment(key)
             if name in values:
                 lines.append(f"{name} = {_toml(values[name])}")
             else:
@@ -410,7 +425,8 @@ def train_node(graph: Graph, node_id: str | None) -> str:
     found = [nid for nid in graph.nodes if graph.type_of(nid) == "LeanLoRATrain"]
     if node_id is not None:
         if str(node_id) not in found:
-            raise ConfigError(f"--node {node_id}: not a LeanLoRA Train node (Train nodes: {', '.join(found) or 'none'})")
+            raise ConfigError(f"--node {node_id}: not a LeanLoRA Train node (Train nodes: "
+                              f"{', '.join(found) or 'none'})")
         return str(node_id)
     if len(found) != 1:
         raise ConfigError(f"the workflow has {len(found)} LeanLoRA Train nodes ({', '.join(found)}): pick one with "
@@ -480,7 +496,8 @@ def into_workflow(workflow: dict, values: dict, node_id: str | None = None) -> d
     graph = Graph(workflow)
     train_id = train_node(graph, node_id)
     for section, source in [*_settings_nodes(graph, train_id), ("train", train_id)]:
-        graph.set_widgets(source, _slots(section), {name: values[name] for name, _ in _slots(section) if name in values})
+        slots = _slots(section)
+        graph.set_widgets(source, slots, {name: values[name] for name, _ in slots if name in values})
     for part, source, kind in _loaders(graph, train_id):
         if kind is None:
             continue

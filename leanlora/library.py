@@ -119,10 +119,12 @@ def as_name(kind: str, value: str, key: str) -> str:
 def load_model(values: dict):
     """MODEL, CLIP and VAE by ComfyUI's own loader nodes: a checkpoint gives all three, and diffusion_model,
     text_encoder and vae each replace its part (or stand alone)."""
-    checkpoint, unet, encoders, vae = (values.get(key) for key in ("checkpoint", "diffusion_model", "text_encoder", "vae"))
+    checkpoint, unet, encoders, vae = (values.get(key) for key in ("checkpoint", "diffusion_model", "text_encoder",
+                                                                    "vae"))
     encoders = [encoders] if isinstance(encoders, str) else list(encoders or [])
     if checkpoint is None and not (unet and encoders and vae):
-        missing = [key for key, given in (("diffusion_model", unet), ("text_encoder", encoders), ("vae", vae)) if not given]
+        parts = (("diffusion_model", unet), ("text_encoder", encoders), ("vae", vae))
+        missing = [key for key, given in parts if not given]
         raise ConfigError("the model: set checkpoint, or diffusion_model, text_encoder and vae (missing: "
                           f"{', '.join(missing)})")
     if encoders:  # the type is the loader's own widget: Load CLIP's for one file, DualCLIPLoader's for two

@@ -36,7 +36,7 @@ def _error(values: dict) -> str:
     return str(caught.value)
 
 
-# --- the keys ----------------------------------------------------------------------------------------------------------
+# --- the keys ---------------------------------------------------------------------------------------------------------
 
 def test_every_widget_of_the_four_nodes_is_a_key_and_every_kohya_name_maps_to_one():
     table = config.keys()
@@ -148,7 +148,7 @@ def test_the_model_needs_a_checkpoint_or_all_three_parts_and_a_loaders_type():
         library.load_model({"checkpoint": "no_such.safetensors"})
 
 
-# --- config <-> workflow -------------------------------------------------------------------------------------------------
+# --- config <-> workflow ----------------------------------------------------------------------------------------------
 
 def _edited_ui_workflow() -> dict:
     """The samples template with every LeanLoRA widget set away from its default (strings with quotes, new lines,
@@ -217,7 +217,7 @@ def test_print_config_writes_every_key_with_its_default(capsys):
     assert written == {name for name, key in config.keys().items() if key.default is not config.MISSING}
 
 
-# --- the run -------------------------------------------------------------------------------------------------------------
+# --- the run ----------------------------------------------------------------------------------------------------------
 
 STEPS = 3
 

@@ -151,7 +151,8 @@ ALIASES = {
 }
 # kohya's values of a key LeanLoRA shares (read only where the value is not already one of the widget's)
 KOHYA_VALUES = {"timestep_sampling": {"sigmoid": "logit-normal", "logit_normal": "logit-normal",
-                                      "shift": "shifted sigmoid"}}
+                                      "shift": "shifted sigmoid"},
+                "lr_schedule": {"constant_with_warmup": "constant"}}  # LeanLoRA's warm-up precedes every schedule
 
 
 def flatten(raw: dict) -> dict:

@@ -77,8 +77,9 @@ def test_kohya_names_and_values_are_mapped(tmp_path):
         "dropout": 0.1, "loss": "Huber", "attention": "xformers", "base_weights": "as loaded", "shuffle_tags": True,
         "tag_dropout": 0.05, "framing": "aspect-ratio buckets"}
     yaml_file = tmp_path / "kohya.yaml"
-    yaml_file.write_text("network_dim: 8\nmax_train_steps: 10\n")
-    assert config.load(yaml_file)["rank"] == 8 and config.load(yaml_file)["steps"] == 10
+    yaml_file.write_text("network_dim: 8\nmax_train_steps: 10\nlr_scheduler: constant_with_warmup\n")
+    from_yaml = config.load(yaml_file)
+    assert (from_yaml["rank"], from_yaml["steps"], from_yaml["lr_schedule"]) == (8, 10, "constant")
 
 
 def test_yaml_without_pyyaml_says_to_use_toml_or_install_it(tmp_path, monkeypatch):

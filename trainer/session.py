@@ -19,6 +19,7 @@ from .memory.allocator import apply_allocator_settings, trim_graph_memory, trim_
 from .memory.card import device_memory, is_gpu
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, keep_graphs_within_limit, recover
+from .memory.ladder import streams_more
 from .model import ModelAdapter
 from .objective import PLAIN_MSE, LossFunction, denoising_loss, draw_noise
 from .optimizers import build_lr_schedule, build_optimizer, evaluation_weights
@@ -123,8 +124,7 @@ class TrainingSession:
                 if note:
                     self.notes.append(note)
         to_fp8 = memory.base_weights.fp8 and (old is None or not old.base_weights.fp8)
-        to_stream = streamed and (old is None or not old.base_weights.streamed
-                                  or old.stream_share < memory.stream_share)  # a rung that streams more
+        to_stream = streamed if old is None else streams_more(old, memory)
         if (to_fp8 or to_stream) and is_gpu(device):
             park_frozen_on_cpu(self.unet)
         if to_fp8:

@@ -113,6 +113,15 @@ def smallest_stream_share(fits: Callable[[float], bool], above: float) -> float:
     return round(high * STREAM_UNIT, 2)
 
 
+def sized_stream_rung(memory: MemorySettings, rung: MemorySettings,
+                      fits: Callable[[float], bool]) -> tuple[MemorySettings, str]:
+    """`rung` (streaming more than `memory` does) at the smallest share above memory's for which fits(share) holds,
+    and the report's words for it."""
+    before = memory.stream_share if memory.base_weights.streamed else None
+    share = smallest_stream_share(fits, before or 0.0)
+    return replace(rung, stream_share=share), streaming_described(before, share)
+
+
 def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, BaseWeights, float], int], params: list,
                 budget: int, device: torch.device, card: int | None = None,
                 ema: bool = False) -> tuple[MemorySettings, list[str]]:
@@ -138,11 +147,8 @@ def plan_static(memory: MemorySettings, weight_bytes: Callable[[torch.dtype, Bas
             return memory, lines
         walked, description = rung
         if streams_more(memory, walked):  # to the hundredth the budget needs, not the ladder's next fifth
-            before = memory.stream_share if memory.base_weights.streamed else None
-            share = smallest_stream_share(lambda share: static_bytes(replace(walked, stream_share=share), weight_bytes,
-                                                                     params, ema) <= budget * STATIC_SHARE,
-                                          before or 0.0)
-            walked, description = replace(walked, stream_share=share), streaming_described(before, share)
+            walked, description = sized_stream_rung(memory, walked, lambda share: static_bytes(
+                replace(walked, stream_share=share), weight_bytes, params, ema) <= budget * STATIC_SHARE)
         lines.append(f"auto-fit: weights, LoRA and optimizer alone would take {static / GIB:.2f} GiB of the "
                      f"{budget / GIB:.2f} GiB budget -> {description}")
         memory = walked
@@ -346,10 +352,8 @@ def stream_enough(session: TrainingSession, rung: MemorySettings, overshoot: flo
     dtype = DTYPES[memory.mixed_precision] or torch.float32
     now = adapter.projected_weight_bytes(unet, dtype, memory.base_weights, memory.stream_share)
     target = now - overshoot - STREAM_SLACK
-    before = memory.stream_share if memory.base_weights.streamed else None
-    share = smallest_stream_share(
-        lambda share: adapter.projected_weight_bytes(unet, dtype, rung.base_weights, share) <= target, before or 0.0)
-    return replace(rung, stream_share=share), streaming_described(before, share)
+    return sized_stream_rung(memory, rung, lambda share: adapter.projected_weight_bytes(
+        unet, dtype, rung.base_weights, share) <= target)
 
 
 @contextlib.contextmanager

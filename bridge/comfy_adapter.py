@@ -377,7 +377,7 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 def _shareable(tensor: torch.Tensor) -> bool:
     """Whether the training copy can share `tensor`'s memory: a plain tensor in host RAM."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+    return type(tensor) is torch.Tensor and tensor.device.type == "cpu"
 
 
 def _host_aliases(module: torch.nn.Module) -> dict[int, torch.Tensor]:

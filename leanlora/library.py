@@ -87,12 +87,18 @@ def _custom_paths(path: Path, args) -> None:
 
 def pack(module: str):
     """A module of the pack (nodes.train, trainer.settings, ...), imported under PACK."""
-    if PACK not in sys.modules:
-        for name, folder in ((PACK, PACK_DIR), (f"{PACK}.nodes", PACK_DIR / "nodes")):
-            package = types.ModuleType(name)
-            package.__path__ = [str(folder)]
-            sys.modules[name] = package
-    return importlib.import_module(f"{PACK}.{module}")
+    return import_as_package(PACK, PACK_DIR, module)
+
+
+def import_as_package(package: str, folder: Path, module: str):
+    """`folder`'s `module` imported as `package`.`module` (its relative imports work) without running the pack's
+    __init__.py or nodes/__init__.py (which import every node, and ComfyUI with the Train node)."""
+    if package not in sys.modules:
+        for name, path in ((package, folder), (f"{package}.nodes", folder / "nodes")):
+            namespace = types.ModuleType(name)
+            namespace.__path__ = [str(path)]
+            sys.modules[name] = namespace
+    return importlib.import_module(f"{package}.{module}")
 
 
 def node_class(name: str):

@@ -1,12 +1,11 @@
 """Small torch modules shaped like ComfyUI's UNet (input_blocks.N.attn1.to_q ...), so LoRA targets and kohya keys
 are realistic in unit tests."""
-import importlib
-import sys
 import threading
-import types
 from pathlib import Path
 
 import torch
+
+from leanlora.library import import_as_package
 
 REPO = Path(__file__).resolve().parents[1]
 PACK = "leanlora_nodes_under_test"
@@ -14,13 +13,8 @@ PACK = "leanlora_nodes_under_test"
 
 def node_module(name: str):
     """nodes/<name>.py imported as a pack submodule (its relative imports work) without running nodes/__init__.py,
-    which imports every node (and ComfyUI with the Train node)."""
-    if PACK not in sys.modules:
-        for package, folder in ((PACK, REPO), (f"{PACK}.nodes", REPO / "nodes")):
-            module = types.ModuleType(package)
-            module.__path__ = [str(folder)]
-            sys.modules[package] = module
-    return importlib.import_module(f"{PACK}.nodes.{name}")
+    which imports every node (and ComfyUI with the Train node): under a name of the tests' own."""
+    return import_as_package(PACK, REPO, f"nodes.{name}")
 
 
 # The modules the SD-UNet family puts LoRA on per target preset (bridge/families/sd_unet.LORA_TARGETS), which the

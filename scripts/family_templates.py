@@ -129,17 +129,21 @@ LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (
           "13": (1920, 40), "14": (780, 1200), "15": (780, 1480)}  # 14, 15: below Train (all widgets) and its panel
 
 
+def start_note(headline: str, files: str, steps: str) -> dict:
+    """A template's "Start here" note, above its loaders: what it does, the files to pick (step 1), then `steps`."""
+    return {"pos": (20, -250), "size": (740, 230), "title": "Start here",
+            "text": f"{headline}\n1) Pick your model files in the three loaders (left): {files}.\n{steps}"}
+
+
 def family_template(family: str, object_info: dict) -> dict:
     spec = FAMILIES[family]
     notes = [
-        {"pos": (20, -250), "size": (740, 230), "title": "Start here",
-         "text": f"LeanLoRA: train a {spec['title']} LoRA inside ComfyUI, then sample with it.\n"
-                 f"1) Pick your model files in the three loaders (left): {spec['files']}.\n"
-                 "2) Put your images (and optional <image>.txt captions) in ComfyUI/input/<a folder> and pick that "
-                 "folder in LeanLoRA Dataset's list (press R if it is not listed yet; 'type a folder path…' takes "
-                 "an absolute path): the node shows the image and caption counts.\n"
-                 "3) Queue: Memory Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and "
-                 "used by the sampler on the right in the same run."},
+        start_note(f"LeanLoRA: train a {spec['title']} LoRA inside ComfyUI, then sample with it.", spec["files"],
+                   "2) Put your images (and optional <image>.txt captions) in ComfyUI/input/<a folder> and pick that "
+                   "folder in LeanLoRA Dataset's list (press R if it is not listed yet; 'type a folder path…' takes "
+                   "an absolute path): the node shows the image and caption counts.\n"
+                   "3) Queue: Memory Settings' card (auto) plans for your GPU; the LoRA is saved to models/loras and "
+                   "used by the sampler on the right in the same run."),
         {"pos": (1160, 680), "size": (340, 140),
          "text": f"The trigger word ({TRIGGER}) is added to every caption; keep it in your prompts. The sampler "
                  f"uses the family's usual settings ({spec['sampler'].get('sampler_name', 'euler')}, simple "
@@ -200,14 +204,13 @@ EDIT_LAYOUT = {**LAYOUT, "9": (1160, 370), "16": (1160, 700), "17": (1160, 1160)
 def edit_template(name: str, object_info: dict) -> dict:
     spec = EDITS[name]
     notes = [
-        {"pos": (20, -250), "size": (740, 230), "title": "Start here",
-         "text": f"LeanLoRA: train a {spec['title']} LoRA from before/after pairs inside ComfyUI, then edit with it.\n"
-                 f"1) Pick your model files in the three loaders (left): {spec['files']}.\n"
-                 "2) Put your pairs in ComfyUI/input/<a folder>: each after-image <name>.png with its before-image "
-                 "<name>_control.png and the instruction in <name>.txt; pick that folder in LeanLoRA Dataset's list "
-                 "(press R if it is not listed yet; 'type a folder path…' takes an absolute path).\n"
-                 "3) Load the image to edit (Load Image, right), write the instruction, Queue: the LoRA is saved to "
-                 "models/loras and edits your image in the same run."},
+        start_note(f"LeanLoRA: train a {spec['title']} LoRA from before/after pairs inside ComfyUI, then edit with it.",
+                   spec["files"],
+                   "2) Put your pairs in ComfyUI/input/<a folder>: each after-image <name>.png with its before-image "
+                   "<name>_control.png and the instruction in <name>.txt; pick that folder in LeanLoRA Dataset's list "
+                   "(press R if it is not listed yet; 'type a folder path…' takes an absolute path).\n"
+                   "3) Load the image to edit (Load Image, right), write the instruction, Queue: the LoRA is saved to "
+                   "models/loras and edits your image in the same run."),
         {"pos": (1540, 700), "size": (340, 160),
          "text": f"The trigger word ({TRIGGER}) is added to every instruction; keep it in yours. Both encoders are "
                  f"ComfyUI's {spec['encoder']}, as the LoRA trained; samples during training edit the first pair's "

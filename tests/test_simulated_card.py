@@ -11,6 +11,7 @@ Two failures the GPU machine found (H100, real ComfyUI server, 6 Dec 2026), each
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import numpy as np
@@ -216,3 +217,23 @@ def test_a_forward_that_fails_under_activation_offload_leaves_no_activation_behi
         forward(torch.randn(8, 64, requires_grad=True))
     gc.collect()
     assert alive and all(ref() is None for ref in alive)
+
+
+def test_a_card_short_of_the_weights_streams_the_hundredth_it_needs_at_the_familys_latent_rank(
+        tiny_files, two_images, tmp_path):
+    """A card that holds only part of the fp8 weights beside the step: auto-fit streams the largest layers, sized to
+    the hundredth from the static plan and the probes (fit.sized_stream_rung), not every weight and not the
+    ladder's next fifth, and the run stays inside the card (Qwen-Image's 5-D latents; its 8 GiB row streamed every
+    weight before). Tiny Wan's weights are too small beside its activations for a card that needs streaming to
+    leave its probes room, so it is not here."""
+    family, short = "qwen_image", 0.8
+    context = 4 * MIB
+    roomy = SimulatedCard(gib=(64 * MIB + context) / GIB, context_gib=context / GIB)
+    _train_on(roomy, tiny_files[family], family, two_images, tmp_path / "roomy")
+    weights = _weights_as_loaded(tiny_files[family], family)
+    tight = SimulatedCard(gib=(roomy.peak_allocated() - weights * short + context) / GIB, context_gib=context / GIB)
+    outcome = _train_on(tight, tiny_files[family], family, two_images, tmp_path / "tight")
+    fitted = _fitted(outcome.report)
+    share = re.search(r"fp8 streamed from CPU \((\d+)% of them\)", fitted)
+    assert share is not None, outcome.report
+    assert 0 < int(share.group(1)) < 100 and int(share.group(1)) % 20, outcome.report

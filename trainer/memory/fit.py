@@ -29,9 +29,11 @@ STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budge
 # Before step 1 the streaming share is sized in hundredths of the fp8 weights (largest layers first), not the
 # ladder's fifths: on Qwen-Image at 8 GiB the fifths streamed every weight where 80% was 0.34 GiB over the budget,
 # and each streamed byte crosses PCIe twice a step. STREAM_SLACK: what a share sized from a probe keeps in hand for
-# the next probe's noise (allocator rounding, the graph pool's share of a slightly different step).
+# the next probe's noise (allocator rounding, the graph pool's share of a slightly different step), at most
+# STREAM_SLACK_SHARE of the budget (a card of a few MiB in the CPU tests would otherwise stream every weight).
 STREAM_UNIT = 0.01
 STREAM_SLACK = 64 * 2 ** 20
+STREAM_SLACK_SHARE = 0.02
 
 
 def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
@@ -339,19 +341,20 @@ def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[Memor
                if total is not None else "the probe ran out of memory")
         memory, description = rung
         if total is not None and streams_more(session.memory, memory):
-            memory, description = stream_enough(session, memory, total + extra - budget * FIT_HEADROOM)
+            memory, description = stream_enough(session, memory, total + extra - budget * FIT_HEADROOM, budget)
         lines.append(f"auto-fit: {why} > budget -> {description}")
         lines += configure_placed(session, memory)
 
 
-def stream_enough(session: TrainingSession, rung: MemorySettings, overshoot: float) -> tuple[MemorySettings, str]:
+def stream_enough(session: TrainingSession, rung: MemorySettings, overshoot: float,
+                  budget: int) -> tuple[MemorySettings, str]:
     """The streaming rung sized to the probe: the smallest share (in STREAM_UNITs, above the session's) whose
-    frozen weights take `overshoot` bytes (+ STREAM_SLACK) fewer on the device than the session's do. The
+    frozen weights take `overshoot` bytes (+ the slack) fewer on the device than the session's do. The
     activations, workspace and graph pool the probe measured stay as they were: streaming moves weights only."""
     memory, adapter, unet = session.memory, session.adapter, session.unet
     dtype = DTYPES[memory.mixed_precision] or torch.float32
     now = adapter.projected_weight_bytes(unet, dtype, memory.base_weights, memory.stream_share)
-    target = now - overshoot - STREAM_SLACK
+    target = now - overshoot - min(STREAM_SLACK, STREAM_SLACK_SHARE * budget)
     return sized_stream_rung(memory, rung, lambda share: adapter.projected_weight_bytes(
         unet, dtype, rung.base_weights, share) <= target)
 

@@ -67,15 +67,22 @@ def model_of(family: str) -> str:
     return "z_image" if family == "generic" else family
 
 
+# Issue 44's levers as Memory Settings widgets, each measured on a card beside the same card's row without it
+LEVERS = {"selective": {"selective_recompute": True}, "prefetch": {"prefetch_streamed": True}}
+
+
 def row(family: str, card: float | None, check: str = "speed", checks: bool = False, adapter: str | None = None,
-        steps: int | None = None) -> Server:
-    """One server: the family on the card (None: uncapped fast), optionally the base / LoRA-loading checks."""
+        steps: int | None = None, lever: str | None = None) -> Server:
+    """One server: the family on the card (None: uncapped fast), optionally the base / LoRA-loading checks, an
+    adapter type, or one of LEVERS turned on over the card's plan."""
     start, setups, step_s, after, sample = EST[family]
     index = CARDS.index(card)
     steps = steps or (SPEED_STEPS if check == "speed" else FITS_STEPS)
     memory = settings("fast") if card is None else {**FAST, "card": f"{card:g} GiB"}
-    name = f"{family}_{'uncapped' if card is None else f'{card:g}'}" + (f"_{adapter}" if adapter else "")
-    job_name = ("fast" if card is None else f"card_{card:g}") + (f"_{adapter}" if adapter else "")
+    memory.update(LEVERS[lever] if lever else {})
+    tail = "".join(f"_{part}" for part in (adapter, lever) if part)
+    name = f"{family}_{'uncapped' if card is None else f'{card:g}'}" + tail
+    job_name = ("fast" if card is None else f"card_{card:g}") + tail
     train = Job(job_name, memory, steps=steps, check=check, est_step_s=step_s[index],
                 est_setup_s=setups[index] + after - 8, timeout_s=min(560, setups[index] + steps * step_s[index] * 2
                                                                      + 120),
@@ -118,6 +125,15 @@ def plan_smoke() -> list[Server]:
         return replace(server, name=f"smoke_{server.name}", jobs=jobs, card_gib=None)
     return [tiny_row(row("sd15", 6, checks=True)), tiny_row(row("sd15", 8, adapter="lokr")),
             tiny_row(row("generic", None))]
+
+
+def levers_smoke() -> list[Server]:
+    """CPU (--tiny): the lever rows' widgets through a real server (SD1.5 with selective recompute, Z-Image's files
+    with streaming prefetch)."""
+    tiny = dict(steps=3, est_step_s=0.5, est_setup_s=20, timeout_s=240)
+    return [replace(server, name=f"smoke_{server.name}", card_gib=None,
+                    jobs=[replace(job, **tiny) for job in server.jobs])
+            for server in (row("sd15", 8, lever="selective"), row("generic", 8, lever="prefetch"))]
 
 
 def families_of(servers: list[Server]) -> list[str]:
@@ -165,12 +181,19 @@ def _groups() -> dict:
     groups["sdxl_adapters_2"] = lambda: [row("sdxl", None)] + adapters[3:]
     for family in ("z_image", "generic", "flux_dev", "chroma", "wan", "qwen_image"):
         groups.update(pack(f"{family}_speed", family_rows(family)))
+    # issue 44 (whole card): FLUX.1-dev at 8 GiB beside its uncapped row, then each lever beside the rows without it
+    groups["flux_whole_card"] = lambda: [row("flux_dev", None), row("flux_dev", 8)]
+    groups["flux_levers"] = lambda: [row("flux_dev", 8, lever="prefetch"), row("flux_dev", 8, lever="selective")]
+    groups["sdxl_levers"] = lambda: [row("sdxl", None), row("sdxl", 8), row("sdxl", 8, lever="selective"),
+                                     row("sdxl", 6), row("sdxl", 6, lever="selective")]
+    groups["qwen_levers"] = lambda: [row("qwen_image", 8, lever="prefetch")]
     return groups
 
 
 GROUPS = _groups()
 PRIORITY = list(GROUPS)
 GROUPS["smoke"] = plan_smoke
+GROUPS["smoke_levers"] = levers_smoke
 
 
 # --- assets: the SD builder and the DiT builder into one folder --------------------------------------------------

@@ -76,6 +76,18 @@ class LeanLoRAMemorySettings:
                 "stream_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, **ADVANCED,
                     "tooltip": "With fp8 streamed from CPU: the share of the weights kept in CPU RAM, largest "
                                "first. 1 = all (least VRAM); lower is faster."}),
+                # last: a UI workflow saved before it keeps its values' positions (it opens with auto)
+                "ram": (choices("ram"), {"default": "auto (free RAM)", "tooltip":
+                    "The host RAM this run may take (the training copy's own weights, fp8 weights streamed from "
+                    "CPU, offloaded activations, the latent cache). auto: what the machine has free now. A plan "
+                    "that needs more is not chosen; if none fits, training is refused before step 1."}),
+                "selective_recompute": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "With checkpointing: keep each block's matmul and attention outputs and recompute only the cheap "
+                    "elementwise ops in backward (faster recompute, more VRAM than full checkpointing). Not with "
+                    "compile."}),
+                "prefetch_streamed": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
+                    "With fp8 streamed from CPU: copy each streamed weight a layer ahead on a side stream, "
+                    "overlapping the copy with compute (a layer's weights more VRAM)."}),
             },
         }
 

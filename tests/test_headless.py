@@ -165,6 +165,8 @@ def _edited_ui_workflow() -> dict:
     edits["LeanLoRATrain"] = [train.get(name, defaults.get(name)) for name, _ in config._slots("train")]
     memory = list(nodes["LeanLoRAMemorySettings"]["widgets_values"])
     memory[0:3] = ["8 GiB", "fp16", True]
+    # widgets newer than the template (saved without them) come back from the config at their defaults
+    memory += [defaults.get(name) for name, _ in config._slots("memory")[len(memory):]]
     edits["LeanLoRAMemorySettings"] = memory
     for kind, values in edits.items():
         nodes[kind]["widgets_values"] = values

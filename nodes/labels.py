@@ -4,10 +4,12 @@ Renaming a label here changes no training; workflows saved with a label keep loa
 (an old label can map to the same value as its new name)."""
 from ..trainer.errors import LeanLoRAError
 from ..trainer.objective import LossKind, TimestepSampling
-from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, AdapterKind, Allocator, Attention, AutoFit, BaseWeights,
-                                CheckpointDepth, FastPath, LatentCache, LoraTargets, LoraWeights)
+from ..trainer.settings import (AUTO_FIT_FREE_VRAM, AUTO_FIT_OFF, RAM_AUTO, AdapterKind, Allocator, Attention, AutoFit,
+                                BaseWeights, CheckpointDepth, FastPath, LatentCache, LoraTargets, LoraWeights,
+                                RamLimit)
 
 CARD_SIZES_GIB = (2, 3, 4, 6, 8, 10, 12, 16, 24)
+RAM_SIZES_GIB = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # Memory Settings' `ram`: the host RAM planned for
 # Memory Settings' first widget: the card memory is planned for. "auto" (the card as it is, less ComfyUI's reserve) or
 # a size sets auto-fit's budget and the auto_fit widget is not read; "manual" takes every widget as given, auto_fit
 # included: what a workflow saved before this widget existed meant (it has no card value: see card_to_auto_fit).
@@ -23,6 +25,7 @@ LABELS = {
                      "fp8 streamed from CPU": BaseWeights.FP8_STREAMED},
     "auto_fit": {"off": AUTO_FIT_OFF, "free VRAM": AUTO_FIT_FREE_VRAM,
                  **{f"{gib} GiB": AutoFit(card_gib=gib) for gib in CARD_SIZES_GIB}},
+    "ram": {"auto (free RAM)": RAM_AUTO, **{f"{gib} GiB": RamLimit(gib) for gib in RAM_SIZES_GIB}},
     "latent_cache": {"RAM": LatentCache.RAM, "RAM + disk": LatentCache.RAM_AND_DISK, "off": LatentCache.OFF},
     "attention": {"auto": Attention.AUTO, "pytorch SDPA": Attention.SDPA, "xformers": Attention.XFORMERS,
                   "chunked (sub-quadratic)": Attention.SUB_QUADRATIC},

@@ -76,7 +76,7 @@ class LeanLoRAMemorySettings:
                 "stream_share": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05, **ADVANCED,
                     "tooltip": "With fp8 streamed from CPU: the share of the weights kept in CPU RAM, largest "
                                "first. 1 = all (least VRAM); lower is faster."}),
-                # last: a UI workflow saved before it keeps its values' positions (it opens with auto)
+                # after the widgets saved workflows have: one saved before it keeps its values' positions
                 "ram": (choices("ram"), {"default": "auto (free RAM)", "tooltip":
                     "The host RAM this run may take (the training copy's own weights, fp8 weights streamed from "
                     "CPU, offloaded activations, the latent cache). auto: what the machine has free now. A plan "

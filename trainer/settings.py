@@ -121,6 +121,23 @@ AUTO_FIT_OFF = AutoFit()
 AUTO_FIT_FREE_VRAM = AutoFit(free_vram=True)
 
 
+@dataclass(frozen=True)
+class RamLimit:
+    """The host RAM a run may take (trainer/memory/host_ram.py plans it as auto-fit plans the card): `gib` GiB, or
+    None: what the machine has free when training starts (MemAvailable) beside what the run holds already."""
+    gib: float | None = None
+
+    def __post_init__(self):
+        _require(self.gib is None or (_number(self.gib) and self.gib > 0), "ram",
+                 f"got {self.gib!r} GiB; use a positive size, or auto (what the machine has free)")
+
+    def describe(self) -> str:
+        return "the free RAM" if self.gib is None else f"{self.gib:g} GiB"
+
+
+RAM_AUTO = RamLimit()
+
+
 class LoraTargets(Enum):
     """Which layers get LoRA; the values are also what the LoRA file's metadata records. Which modules those are
     is the model family's knowledge (ModelFamily.lora_targets)."""
@@ -161,12 +178,14 @@ class MemorySettings:
     stream_share: float = 1.0  # with fp8 streamed: the fraction of the fp8 weights kept in CPU RAM, largest first
     # with fp8 streamed: each streamed weight copied a layer ahead on a copy stream (step/weight_prefetch.py)
     prefetch_streamed: bool = False
+    ram: RamLimit = RAM_AUTO  # the host RAM the run may take (memory/host_ram.py)
 
     def __post_init__(self):
         _require_choice(self, "mixed_precision", MIXED_PRECISION)
         _require_choice(self, "optimizer", OPTIMIZERS)
         _require_member(self, "base_weights", BaseWeights)
         _require(isinstance(self.auto_fit, AutoFit), "auto_fit", f"got {self.auto_fit!r}; use an AutoFit")
+        _require(isinstance(self.ram, RamLimit), "ram", f"got {self.ram!r}; use a RamLimit (auto or N GiB)")
         _require_member(self, "latent_cache", LatentCache)
         _require_member(self, "attention", Attention)
         _require_member(self, "fast_path", FastPath)
@@ -214,7 +233,8 @@ class MemorySettings:
                 + f", {_ATTENTION_TEXT[self.attention]}, {_FAST_PATH_TEXT[self.fast_path]}"
                 + (", torch.compile" if self.compile else "")
                 + (", LoRA weights bf16 + stochastic rounding" if self.lora_weights is not LoraWeights.FP32 else "")
-                + (f", auto-fit to {self.auto_fit.describe()}" if self.auto_fit.on else ""))
+                + (f", auto-fit to {self.auto_fit.describe()}" if self.auto_fit.on else "")
+                + (f", host RAM limit {self.ram.describe()}" if self.ram.gib is not None else ""))
 
 
 _BASE_WEIGHTS_TEXT = {BaseWeights.AS_LOADED: "base weights as loaded", BaseWeights.FP8: "base weights fp8",

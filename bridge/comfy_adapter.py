@@ -219,6 +219,12 @@ class ComfyAdapter:
                 "model with weight_dtype fp8_e4m3fn in Load Diffusion Model (or an fp8 file) to halve that, or free "
                 "RAM (close programs, unload other models)")
 
+    def shared_host_storages(self) -> set[int]:
+        """Addresses of ComfyUI's host storages, which the training copy shares instead of copying (_host_aliases):
+        the host RAM plan (trainer/memory/host_ram.py) counts only the copy's other tensors as its own."""
+        return {t.untyped_storage().data_ptr() for t in self.base.diffusion_model.state_dict().values()
+                if _shareable(t)}
+
     def checkpoint_blocks(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
                           latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
         """The family's units to recompute; with `latent_size` best first for partial checkpointing."""

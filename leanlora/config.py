@@ -153,6 +153,8 @@ ALIASES = {
 KOHYA_VALUES = {"timestep_sampling": {"sigmoid": "logit-normal", "logit_normal": "logit-normal",
                                       "shift": "shifted sigmoid"},
                 "lr_schedule": {"constant_with_warmup": "constant"}}  # LeanLoRA's warm-up precedes every schedule
+# Memory Settings' sizes: a number is taken as GiB (ram = 32 is "32 GiB"; the size must be one of the widget's)
+GIB_SIZED = {"card", "ram"}
 
 
 def flatten(raw: dict) -> dict:
@@ -191,6 +193,8 @@ def normalize(raw: dict) -> tuple[dict, dict]:
             value = convert(value)
         if value is None:  # a kohya switch that is off
             continue
+        if target in GIB_SIZED and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = f"{value:g} GiB"
         kohya = KOHYA_VALUES.get(target)
         if kohya and isinstance(value, str) and value not in (table[target].choices or ()):
             value = kohya.get(value, value)

@@ -54,6 +54,13 @@ QWEN25_7B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 # derives the heads from the width so)
 QWEN25_VL_VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2)
 UMT5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_size=32000)  # the pile tokenizer's
+# HunyuanImage 2.1's byT5-small glyph encoder (byt5_config_small_glyph.json): one block with a small feed-forward;
+# its width stays the real 1472 (the diffusion model's byT5 mapper pins that input width) and its 6 x 64 attention
+# width is what comfy.sd.detect_te_model tells byT5 by
+BYT5_SMALL_GLYPH = dict(num_layers=1, d_ff=64)
+# HunyuanImage 2.1 reads Qwen2.5-VL-7B's third-to-last hidden state (layer_idx -3, which SDClipModel accepts only
+# with 4 or more layers), so its tiny one has 4; Qwen-Image's 2-layer one cannot serve both
+QWEN25_7B_HUNYUAN = dict(QWEN25_7B, num_hidden_layers=4)
 
 # Diffusion models: what ComfyUI's detection (+ tests/tiny_dit_configs) derives from the files' shapes. Widths are
 # multiples of the real 128-wide heads; Z-Image's must be >= 256 (its modulation input is min(dim, 256) while the
@@ -78,12 +85,26 @@ QWEN_IMAGE = dict(image_model="qwen_image", in_channels=64, out_channels=16, num
 WAN21_T2V = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=256,
                  ffn_dim=512, freq_dim=256, text_dim=UMT5XXL["d_model"], out_dim=16, num_heads=2, num_layers=2,
                  window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+# HunyuanImage 2.1 (ComfyUI 0.33: comfy.ldm.hunyuan_video.model.HunyuanVideo with 2-D 1x1 patches): detection
+# reads the widths from the file (num_heads = hidden_size // 128) and pins the RoPE axes [64, 64], theta 256 and
+# mlp_ratio 4; the byT5 mapper is at its real widths (1472 -> 2048 -> 2048 -> hidden_size: pinned in code).
+HUNYUAN_IMAGE = dict(image_model="hunyuan_video", in_channels=64, out_channels=64, vec_in_dim=None,
+                     context_in_dim=QWEN25_7B_HUNYUAN["hidden_size"], hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2,
+                     depth_single_blocks=2, axes_dim=[64, 64], theta=256, patch_size=[1, 1], qkv_bias=True,
+                     guidance_embed=False, byt5=True, meanflow=False, use_cond_type_embedding=False,
+                     vision_in_dim=None, meanflow_sum=False)
 
 # VAEs, as comfy.sd.VAE builds them from these files.
 FLUX_AE = dict(double_z=True, z_channels=16, resolution=256, in_channels=3, out_ch=3, ch=128, ch_mult=[1, 2, 4, 4],
                num_res_blocks=2, attn_resolutions=[], dropout=0.0)
 WAN21_VAE = dict(dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                  temperal_downsample=[False, True, True], dropout=0.0)
+# The HunyuanImage 2.1 VAE (comfy.ldm.hunyuan_video.vae, 64 latent channels, 32x down): six levels as in the real
+# one ([128, 256, 512, 512, 1024, 1024], 2 res blocks, pinned in comfy.sd.VAE; tests/tiny_dit_configs reads these
+# from the file); the last width is twice the latent channels, as the real 1024 is a multiple of 64
+HUNYUAN_IMAGE_VAE = dict(in_channels=3, out_channels=3, z_channels=64, block_out_channels=[32, 32, 32, 32, 64, 128],
+                         num_res_blocks=1, ffactor_spatial=32, downsample_match_channel=True,
+                         upsample_match_channel=True)
 
 # What a workflow uses: loader node, its `type` input, and the file names (relative to models/<folder>/).
 WORKFLOW = {
@@ -117,6 +138,12 @@ WORKFLOW = {
         "UNETLoader": {"unet_name": "leanlora_tiny_wan2.1_t2v.safetensors", "weight_dtype": "default"},
         "CLIPLoader": {"clip_name": "leanlora_tiny_umt5_xxl.safetensors", "type": "wan"},
         "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},  # the Wan 2.1 VAE itself
+    },
+    "hunyuan_image": {  # ComfyUI 0.33 only; the text encoders as ComfyUI's HunyuanImage 2.1 example loads them
+        "UNETLoader": {"unet_name": "leanlora_tiny_hunyuan_image_2.1.safetensors", "weight_dtype": "default"},
+        "DualCLIPLoader": {"clip_name1": "leanlora_tiny_qwen_2.5_vl_7b_4_layers.safetensors",
+                           "clip_name2": "leanlora_tiny_byt5_small_glyph.safetensors", "type": "hunyuan_image"},
+        "VAELoader": {"vae_name": "leanlora_tiny_hunyuan_image_2.1_vae.safetensors"},
     },
 }
 _FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "clip_name1": "text_encoders",
@@ -239,6 +266,38 @@ def build_wan21_t2v_model(path: str | Path, seed: int = 0) -> Path:
     return _diffusion_model(path, seed, "wan21_t2v", WAN21_T2V, "comfy.ldm.wan.model.WanModel", image_model="wan2.1")
 
 
+def build_hunyuan_image_model(path: str | Path, seed: int = 0) -> Path:
+    """HunyuanImage 2.1 diffusion model (ComfyUI 0.33's comfy.ldm.hunyuan_video.model.HunyuanVideo, 1x1 patches, a
+    byT5 mapper): 2 double + 2 single blocks, 256 wide, bf16."""
+    return _diffusion_model(path, seed, "hunyuan_image_2.1", HUNYUAN_IMAGE, "comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                            image_model="hunyuan_video")
+
+
+def build_qwen25_vl_7b_4_layers(path: str | Path, seed: int = 0) -> Path:
+    """HunyuanImage 2.1's Qwen2.5-VL-7B (comfy.text_encoders.llama.Qwen25_7BVLI, language model only, as
+    build_qwen25_vl_7b) with QWEN25_7B_HUNYUAN's 4 layers, bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.llama
+            return comfy.text_encoders.llama.Qwen25_7BVLI(dict(QWEN25_7B_HUNYUAN), torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16, skip=("visual.",))
+    return _write(path, f"qwen25_7b_4_layers-seed{seed}", make)
+
+
+def build_byt5_small_glyph(path: str | Path, seed: int = 0) -> Path:
+    """HunyuanImage 2.1's glyph text encoder (comfy.text_encoders.t5.T5 from byt5_config_small_glyph.json, the layout
+    of byt5_small_glyphxl_fp16.safetensors) with BYT5_SMALL_GLYPH's depth, fp16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.hunyuan_image
+            import comfy.text_encoders.t5
+            with open(Path(comfy.text_encoders.hunyuan_image.__file__).parent / "byt5_config_small_glyph.json") as f:
+                config = {**json.load(f), **BYT5_SMALL_GLYPH}
+            return comfy.text_encoders.t5.T5(config, torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.float16)
+    return _write(path, f"byt5_small_glyph-seed{seed}", make)
+
+
 def build_umt5_xxl(path: str | Path, seed: int = 0) -> Path:
     """Wan's text encoder (comfy.text_encoders.t5.T5 as umt5: relative attention bias in every block, the layout
     of umt5_xxl_fp16.safetensors), fp16, with a SentencePiece tokenizer as `spiece_model` (see the docstring)."""
@@ -317,6 +376,21 @@ def build_qwen25_vl_7b_vision(path: str | Path, seed: int = 0) -> Path:
     return _write(path, f"qwen25_7b_vision-seed{seed}", make)
 
 
+def build_hunyuan_image_vae(path: str | Path, seed: int = 0) -> Path:
+    """The HunyuanImage 2.1 VAE (ComfyUI 0.33's comfy.ldm.hunyuan_video.vae Encoder/Decoder in an AutoencodingEngine,
+    as comfy.sd.VAE builds it) at HUNYUAN_IMAGE_VAE's widths, bf16; loads with tests/tiny_dit_configs."""
+    def make():
+        def build(comfy, ops):
+            from comfy.ldm.models.autoencoder import AutoencodingEngine
+            params = {"params": HUNYUAN_IMAGE_VAE}
+            return AutoencodingEngine(
+                regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+                encoder_config={"target": "comfy.ldm.hunyuan_video.vae.Encoder", **params},
+                decoder_config={"target": "comfy.ldm.hunyuan_video.vae.Decoder", **params})
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"hunyuan_image_vae-seed{seed}", make)
+
+
 def build_flux_ae(path: str | Path, seed: int = 0) -> Path:
     """The FLUX.1 / Z-Image VAE "ae" (AutoencoderKL, 16 latent channels) at its real, pinned size, bf16."""
     def make():
@@ -357,6 +431,10 @@ _BUILDERS = {
     "leanlora_tiny_qwen_image_vae.safetensors": build_wan21_vae,
     "leanlora_tiny_wan2.1_t2v.safetensors": build_wan21_t2v_model,
     "leanlora_tiny_umt5_xxl.safetensors": build_umt5_xxl,
+    "leanlora_tiny_hunyuan_image_2.1.safetensors": build_hunyuan_image_model,
+    "leanlora_tiny_qwen_2.5_vl_7b_4_layers.safetensors": build_qwen25_vl_7b_4_layers,
+    "leanlora_tiny_byt5_small_glyph.safetensors": build_byt5_small_glyph,
+    "leanlora_tiny_hunyuan_image_2.1_vae.safetensors": build_hunyuan_image_vae,
 }
 
 

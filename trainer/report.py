@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .memory.allocator import backend as allocator_backend
 from .memory.estimate import MemoryEstimate
+from .memory.host_ram import HostRamEstimate
 from .settings import MemorySettings
 from .step.frozen_weights import fused_upcast_failure
 
@@ -26,6 +27,11 @@ class RunReport:
     requested: MemorySettings  # as the MEMORY input gave them
     used: MemorySettings | None = None  # at the end: after device fallbacks, auto-fit and recoveries
     estimate: MemoryEstimate | None = None  # before step 1
+    host_ram: HostRamEstimate | None = None  # before step 1: what the plan holds in host RAM (memory/host_ram.py)
+    host_ram_limit: int | None = None  # the `ram` limit in bytes (None: unknown)
+    # the job's measured resident set: its peak, and that peak above the job's start (None: not measured)
+    host_ram_peak: int | None = None
+    host_ram_grown: int | None = None
     before_step_one: list[str] = field(default_factory=list)  # auto-fit's and the compile step's decisions
     recoveries: list[Recovery] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # the session's: fallbacks taken, techniques applied

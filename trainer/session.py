@@ -78,6 +78,9 @@ class TrainingSession:
         self.unplaced: BaseException | None = None  # the out-of-memory error that kept the weights off the device
         self.estimated_peak: int | None = None  # the estimate's total before step 1 (None: not measured)
         self.ema: LoraEMA | None = None  # with train.ema_decay: made once the LoRA is on its device (configure)
+        # the host RAM plan (memory/host_ram.HostRamPlan, set by the run before start): the ladder leaves out what
+        # the `ram` limit cannot hold
+        self.host_ram = None
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings. Storage changes go in the ladder's direction only (fp8 and

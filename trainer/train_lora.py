@@ -28,6 +28,7 @@ from .loop import StepInfo
 from .objective import KOHYA_SAMPLING, LossFunction, LossKind, TimestepSampling
 from .optimizers import OPTIONAL, adapted_step, check_learning_rate, optional_class
 from .memory.fit import room_for_sampling
+from .memory.host_ram import HostRamPlan, ResidentPeak
 from .memory.ladder import resolve_for_device
 from .model import ModelAdapter
 from .report import RunReport
@@ -97,14 +98,15 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
     this and every later sample of the run, with a note."""
     run = Run(adapter, dataset, memory, lora, train, Path(loras_dir), emit, should_stop, store, fallback_dir,
               timeline if timeline is not None else Timeline(), sample_every if on_sample is not None else 0, on_sample)
-    run.check()  # everything that can be refused, before any encoding
-    run.cache()
-    with run.training_copy():  # freed when the block ends, whatever happened
-        with run.stopping():  # Cancel or a failure ends the steps; what was learned is saved before it is reported
-            run.start()
-            run.steps()
-        run.save()
-    return run.finish()
+    with run.resident:  # the job's host RAM peak, whatever happens
+        run.check()  # everything that can be refused, before any encoding
+        run.cache()
+        with run.training_copy():  # freed when the block ends, whatever happened
+            with run.stopping():  # Cancel or a failure ends the steps; what was learned is saved before it is reported
+                run.start()
+                run.steps()
+            run.save()
+        return run.finish()
 
 
 class Run(RunEvents):
@@ -129,6 +131,7 @@ class Run(RunEvents):
         self.report: list[str] = []  # for people, in order
         self.unet = self.text_encoder = self.continued = self.session = self.validation = None
         self.pace, self.samples = Pace(), SampleLog()
+        self.resident = ResidentPeak()  # the job's host RAM, sampled while train_lora runs
         self.step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes)
         self.estimate = self.failure = self.diverged_at = None
         self.cancelled = self.from_start = self.released = False
@@ -299,12 +302,15 @@ class Run(RunEvents):
         # compiling is silent and long the first time (H200 machines: SDXL 33-62 s, SD1.5 with fp8 weights 83 s)
         self.phase("compiling the diffusion model (torch.compile: about a minute the first time), then measuring "
                    "memory" if memory.compile else "measuring memory before step 1")
+        # host RAM planned like the card (memory/host_ram.py): the copy as made, before the plan converts it
+        session.host_ram = HostRamPlan(self.adapter, session.unet, self.all_cached, memory.ram)
         estimate, fit_lines = session.start(memory)
         self.estimate = self.record.estimate = estimate
         self.record.before_step_one = fit_lines
         for line in fit_lines:
             self.warn(line)
         self.report.append(estimate.format())
+        self.check_host_ram(estimate)
         if session.ema is not None:
             self.report.append(f"EMA of the LoRA weights (decay {train.ema_decay:g}): "
                                f"{session.ema.nbytes / 2 ** 20:.1f} MiB on the device, in the estimate's LoRA "
@@ -325,6 +331,24 @@ class Run(RunEvents):
         torch.manual_seed(train.seed)
         for text in self.resume.restore(session, self.state_settings, self.validation):
             self.warn(text)
+
+    def check_host_ram(self, estimate) -> None:
+        """Before step 1: what the plan holds in host RAM, against Memory Settings' `ram` (memory/host_ram.py).
+        Auto-fit's plan over it is refused (auto-fit left out what it could); settings as given run, with a warning."""
+        session, record = self.session, self.record
+        host, micro_step = session.host_ram, session.micro_step
+        for line in host.lines:
+            self.warn(line)
+        offload = getattr(micro_step, "offload", None)  # what the latest probe offloaded, at batch 1
+        offloaded = offload.offloaded_bytes * session.run_batch_size() if offload is not None else 0
+        record.host_ram = host.estimate(
+            session.memory, offloaded or estimate.activations or 0, graphs=bool(getattr(micro_step, "graphed", 0)),
+            lora_and_optimizer=estimate.lora_parameters + estimate.gradients + estimate.optimizer_state)
+        record.host_ram_limit = host.limit.limit
+        self.report.append(record.host_ram.format() + f"; limit: {host.limit.source}")
+        warning = host.check_plan(record.host_ram, session.memory, fitted=self.memory.auto_fit.on)
+        if warning:
+            self.warn(warning)
 
     def steps(self) -> None:
         """The steps to the end (or Cancel, divergence), then the finished LoRA's validation loss."""
@@ -423,6 +447,9 @@ class Run(RunEvents):
                           + ("; sampling included (the estimate is for training alone)" if samples.paths else ""))
             if self.estimate is not None and not recoveries and not samples.paths:
                 report.append(estimate_error(self.estimate, int(peak["peak_allocated"] * GIB)))
+        self.resident.sample()
+        self.record.host_ram_peak, self.record.host_ram_grown = self.resident.peak, self.resident.grown
+        report.append(self.resident.describe(self.record.host_ram, self.record.host_ram_limit))
         if self.sample_every:
             report.append(samples.describe(self.sample_every))
         if save_note:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from .chroma import Chroma
 from .flux import Flux
 from .generic import Generic
+from .hunyuan_image import HunyuanImage
 from .qwen_image import QwenImage
 from .sd_unet import SdUnet
 from .wan import Wan
 from .z_image import ZImage
 from ..trainer_api import LeanLoRAError
 
-FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), Generic()]
+FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), HunyuanImage(), Generic()]
 
 
 def family_for(base):

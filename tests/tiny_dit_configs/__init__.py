@@ -47,6 +47,14 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    vision tower (visual.*) is narrower than the real 1280 loads, the tower is built at the file's widths and depth
    (16-wide heads), so Qwen-Image-Edit's control images go through a tiny tower (ComfyUI pins it in llama.py).
 
+7. HunyuanImage 2.1 (ComfyUI 0.33): its diffusion model needs nothing (detection derives the heads from the width).
+   Its byT5-small glyph encoder's depth and feed-forward come from byt5_config_small_glyph.json, and the encoder class
+   gets no model name to look up an override by: while a byT5 file shallower than the real 12 blocks loads, the
+   encoder is built with model_options["byt5_small_model_config"] read from the file (its width stays the real 1472:
+   the diffusion model's byT5 mapper pins it). Its VAE's widths are pinned in comfy.sd.VAE ([128, 256, 512, 512, 1024,
+   1024], 2 res blocks); while a HunyuanImage VAE file narrower than that (decoder.conv_in not 1024 wide) loads, the
+   encoder and decoder are built at the file's widths and depth.
+
 Not shrinkable this way: llama.py's head_dim (a class attribute, 128, so Qwen files keep 128-wide heads; the
 Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128). A file without a vision tower (Qwen-Image's
 tiny one) gets it built at full size but never loaded or touched for text (its memory stays unallocated; ComfyUI
@@ -229,6 +237,85 @@ def _install() -> None:
     md.model_config_from_unet_config = model_config_from_unet_config
     comfy.sd.load_text_encoder_state_dicts = load_text_encoder_state_dicts
     comfy.sd.detect_te_model = detect_te_model  # looked up as a module global by load_text_encoder_state_dicts
+    _install_hunyuan_image()  # after the loader wrapper above, which it wraps
+
+
+_BYT5: dict = {}  # while a shallow byT5 glyph file loads: its override for the byT5 encoder's config
+_HUNYUAN_VAE: dict = {}  # while a narrow HunyuanImage 2.1 VAE file loads: its widths and depth
+
+
+def _byt5_override(sd: dict) -> dict:
+    """The byT5-small glyph encoder's depth and feed-forward width for a file shallower than the real one (12
+    blocks), else {}. byT5 glyph is told by its attention width (6 x 64, as comfy.sd.detect_te_model tells it)."""
+    k = sd.get("encoder.block.0.layer.0.SelfAttention.k.weight")
+    if k is None or k.shape[0] != 384 or "shared.weight" not in sd:
+        return {}
+    layers = _count(sd, r"encoder\.block\.(\d+)\.")
+    if layers == 12:
+        return {}
+    return dict(num_layers=layers, d_ff=sd["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0])
+
+
+def _hunyuan_vae_widths(sd: dict) -> dict:
+    """A HunyuanImage 2.1 VAE file (2-D, 64 latent channels) narrower than the real one: its encoder's widths per
+    level and res blocks per level, else {}."""
+    conv_in = sd.get("decoder.conv_in.weight")
+    if conv_in is None or conv_in.ndim != 4 or conv_in.shape[1] != 64 or conv_in.shape[0] == 1024 \
+            or "encoder.down.0.block.0.conv1.weight" not in sd:
+        return {}
+    levels = _count(sd, r"encoder\.down\.(\d+)\.")
+    return dict(block_out_channels=[sd[f"encoder.down.{i}.block.0.conv2.weight"].shape[0] for i in range(levels)],
+                num_res_blocks=_count(sd, r"encoder\.down\.0\.block\.(\d+)\."))
+
+
+def _install_hunyuan_image() -> None:
+    """HunyuanImage 2.1's narrow byT5 encoder and VAE (see the docstring, 7); 0.3.75 has neither."""
+    try:
+        import comfy.ldm.hunyuan_video.vae as hunyuan_vae
+        import comfy.text_encoders.hunyuan_image as hunyuan_image
+    except ImportError:
+        return
+    import comfy.sd
+
+    load_te = comfy.sd.load_text_encoder_state_dicts  # the wrapper above: keeps its overrides
+
+    @functools.wraps(load_te)
+    def load_text_encoder_state_dicts(state_dicts=[], *args, **kwargs):
+        _BYT5.update(next((found for sd in state_dicts if (found := _byt5_override(sd))), {}))
+        try:
+            return load_te(state_dicts, *args, **kwargs)
+        finally:
+            _BYT5.clear()
+
+    byt5_init = hunyuan_image.ByT5SmallModel.__init__
+
+    @functools.wraps(byt5_init)
+    def shallow_byt5_init(self, *args, model_options={}, **kwargs):
+        if _BYT5:  # SDClipModel merges model_options["<model_name>_model_config"] into the json config
+            model_options = {**model_options, "model_name": "byt5_small", "byt5_small_model_config": dict(_BYT5)}
+        byt5_init(self, *args, model_options=model_options, **kwargs)
+
+    vae_init = comfy.sd.VAE.__init__
+
+    @functools.wraps(vae_init)
+    def vae_narrow_init(self, sd=None, *args, **kwargs):
+        _HUNYUAN_VAE.update(_hunyuan_vae_widths(sd or {}))
+        try:
+            vae_init(self, sd, *args, **kwargs)
+        finally:
+            _HUNYUAN_VAE.clear()
+
+    def narrow(init):
+        @functools.wraps(init)
+        def narrow_init(self, *args, **kwargs):
+            init(self, *args, **{**kwargs, **_HUNYUAN_VAE})  # comfy.sd.VAE passes its ddconfig by keyword
+        return narrow_init
+
+    comfy.sd.load_text_encoder_state_dicts = load_text_encoder_state_dicts
+    hunyuan_image.ByT5SmallModel.__init__ = shallow_byt5_init
+    comfy.sd.VAE.__init__ = vae_narrow_init
+    hunyuan_vae.Encoder.__init__ = narrow(hunyuan_vae.Encoder.__init__)
+    hunyuan_vae.Decoder.__init__ = narrow(hunyuan_vae.Decoder.__init__)
 
 
 _install()

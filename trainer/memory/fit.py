@@ -18,6 +18,7 @@ from ..step.precision import DTYPES
 from .allocator import memory_limit, trim_graph_memory
 from .card import device_memory
 from .estimate import GIB, PROBE_SIDES, MemoryEstimate
+from .host_ram import next_rung_for
 from .ladder import next_rung, streaming_described, streams_more
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
 
@@ -40,7 +41,7 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
     """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom; a graph
     that does not fit then gives way to eager steps)."""
     session.free_failed_step(error)
-    rung = next_rung(session.memory, device)
+    rung = next_rung_for(session)  # within the host RAM limit
     if rung is None:
         if isinstance(error, GraphDoesNotFit):
             session.micro_step.run_eagerly(f"fast path: CUDA graphs off: {error}, and no memory setting is left to "
@@ -329,7 +330,7 @@ def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[Memor
                          + (f" (with {extra / GIB:.2f} GiB for the CUDA graph)" if extra else "")
                          + f" fits the {budget / GIB:.2f} GiB budget with: {session.memory.describe()}")
             return estimate, lines
-        rung = next_rung(session.memory, device)
+        rung = next_rung_for(session, estimate)  # within the host RAM limit
         if rung is None:
             if total is not None and total <= budget * FIT_HEADROOM:
                 lines.append(f"auto-fit: estimated peak {total / GIB:.2f} GiB fits the {budget / GIB:.2f} GiB budget "

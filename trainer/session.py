@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -35,6 +36,15 @@ from .step.precision import Precision, norms_in_compute_dtype
 from .step.weight_prefetch import WeightPrefetch
 from .text_encoder import TrainedTextEncoder, is_token_entry
 from .training_state import rng_states
+
+
+@dataclass(frozen=True)
+class Install:
+    """One step of TrainingSession.configure: a memory technique (or a setting it depends on) installed or undone,
+    and why it sits where it does in INSTALL_ORDER."""
+    name: str
+    install: Callable[[TrainingSession, MemorySettings | None, MemorySettings], MemorySettings]
+    why: str
 
 
 class TrainingSession:
@@ -83,52 +93,72 @@ class TrainingSession:
         self.host_ram = None
 
     def configure(self, memory: MemorySettings) -> None:
-        """Moves to `memory` from the current settings. Storage changes go in the ladder's direction only (fp8 and
-        streaming are not undone); the checkpoint share moves both ways (auto-fit gives budget back as less
-        recompute)."""
-        old, device = self.memory, self.adapter.device
-        streamed = memory.base_weights.streamed
-        # dropout drawing from a generator inside the step (LoRA's does not: lora.StepSeededDropout): recompute must
-        # replay its draws, graphs cannot
-        random_forward = uses_randomness(self.unet)
-        if streamed and not (memory.gradient_checkpointing and memory.checkpoint_share == 1):
-            # otherwise every streamed copy stays for backward
+        """Moves to `memory` from the current settings, through INSTALL_ORDER's steps in turn (a step may adjust the
+        settings the later ones see). Storage changes go in the ladder's direction only (fp8 and streaming are not
+        undone); the checkpoint share moves both ways (auto-fit gives budget back as less recompute)."""
+        old = self.memory
+        for step in self.INSTALL_ORDER:
+            memory = step.install(self, old, memory)
+        self.memory = memory
+
+    # The install steps, each (session, settings before or None at the first configure, settings wanted) ->
+    # the settings the later steps see. Their order is INSTALL_ORDER's (at the end of the class).
+
+    def _install_full_checkpointing_for_streaming(self, old, memory):
+        if memory.base_weights.streamed and not (memory.gradient_checkpointing and memory.checkpoint_share == 1):
             memory = replace(memory, gradient_checkpointing=True, checkpoint_share=1.0)
             self.notes.append("streaming needs every block checkpointed: turned full gradient checkpointing on")
+        return memory
+
+    def _install_compile(self, old, memory):
         if memory.compile and self.compiled is None:
-            # Before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code,
-            # and every unit's compiled forward is the same code, shared by units of equal shapes.
             self.compiled = compile_blocks(self.adapter.prepare_compile_units(self.unet), self.inductor_settings)
+        return memory
+
+    def _install_grouped_upcasts(self, old, memory):
         if old is None:
-            # Around each block's eager forward (inside checkpointing's wrapper, outside compiled code): fp8 weights,
-            # whenever a rung stores them, are upcast a block at a time
             self.adapter.group_upcasts(self.unet)
-        share = memory.checkpoint_share if memory.gradient_checkpointing else 0.0
+        return memory
+
+    def _install_selective_recompute_check(self, old, memory):
         if memory.selective_recompute and memory.compile:
-            # compiled code runs as inductor kernels: selective checkpointing's policy never sees the ops it keeps
             memory = replace(memory, selective_recompute=False)
             self._set_note("selective recompute: ", "off with torch.compile (the compiled blocks recompute whole)")
+        return memory
+
+    def _install_checkpointing(self, old, memory):
+        share = memory.checkpoint_share if memory.gradient_checkpointing else 0.0
         if share != self.checkpointed or memory.selective_recompute != self.selective:
             # The first `count` units of the best-first order are wrapped, the rest not: auto-fit moves both ways.
             units = self.checkpoint_units(memory.checkpoint_depth)
             count = units_for_share(len(units), share) if share else 0
-            checkpoint_blocks(units[:count], preserve_rng_state=random_forward, selective=memory.selective_recompute)
+            # dropout drawing from a generator inside the step (LoRA's does not: lora.StepSeededDropout): recompute
+            # must replay its draws (and CUDA graphs cannot: _install_step)
+            checkpoint_blocks(units[:count], preserve_rng_state=uses_randomness(self.unet),
+                              selective=memory.selective_recompute)
             uncheckpoint_blocks(units[count:])
             self.checkpointed, self.selective = share, memory.selective_recompute
             self._set_note("gradient checkpointing: ",
                            f"{count} of {len(units)} blocks recomputed, those that free the most activation memory "
                            "per recomputed FLOP" if 0 < count < len(units) else None)
+        return memory
+
+    def _install_precision(self, old, memory):
         if old is None or old.mixed_precision != memory.mixed_precision:
-            self.precision = Precision(memory.mixed_precision, device)
+            self.precision = Precision(memory.mixed_precision, self.adapter.device)
             self.adapter.set_compute_dtype(self.unet, self.precision.compute_dtype)
             if old is None:
                 norms_in_compute_dtype(self.unet)  # a no-op outside autocast, so installed once
-                note = self.adapter.set_conv_layout(self.unet, device, self.precision.compute_dtype)
+                note = self.adapter.set_conv_layout(self.unet, self.adapter.device, self.precision.compute_dtype)
                 if note:
                     self.notes.append(note)
+        return memory
+
+    def _install_weight_storage(self, old, memory):
+        streamed = memory.base_weights.streamed
         to_fp8 = memory.base_weights.fp8 and (old is None or not old.base_weights.fp8)
         to_stream = streamed if old is None else streams_more(old, memory)
-        if (to_fp8 or to_stream) and is_gpu(device):
+        if (to_fp8 or to_stream) and is_gpu(self.adapter.device):
             park_frozen_on_cpu(self.unet)
         if to_fp8:
             saved = self.adapter.store_weights_fp8(self.unet)
@@ -139,8 +169,11 @@ class TrainingSession:
                            f"{moved / 2 ** 30:.2f} GiB stay off the GPU"
                            + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays on the "
                               "GPU)" if memory.stream_share < 1 else ""))
+        return memory
+
+    def _install_placement(self, old, memory):
         try:
-            place_on_device(self.unet, device)  # only now, once fp8/streaming decided what goes there
+            place_on_device(self.unet, self.adapter.device)
             self.unplaced = None
         except Exception as error:
             if not is_out_of_memory(error):
@@ -151,24 +184,36 @@ class TrainingSession:
             error.__traceback__ = None
             park_frozen_on_cpu(self.unet)
         if old is None and self.text_encoder is not None:
-            self.text_encoder.to(device)  # as loaded (no fp8, no streaming): the ladder works on the UNet
+            self.text_encoder.to(self.adapter.device)  # as loaded (no fp8, no streaming): the ladder works on the UNet
+        return memory
+
+    def _install_ema(self, old, memory):
         if self.train.ema_decay and self.ema is None:
             self.ema = LoraEMA(self.params, self.train.ema_decay)
+        return memory
+
+    def _install_optimizer(self, old, memory):
         if old is None or old.optimizer != memory.optimizer:
             self.optimizer = None  # drop the old state before the new one is allocated
             encoder_params = {id(p) for p in self.text_encoder.params} if self.text_encoder is not None else set()
             self.optimizer, note = build_optimizer(
                 memory.optimizer, [p for p in self.params if id(p) not in encoder_params], self.train.learning_rate,
-                device=device, flat=True, bf16_weights=memory.lora_weights is not LoraWeights.FP32,
+                device=self.adapter.device, flat=True, bf16_weights=memory.lora_weights is not LoraWeights.FP32,
                 extra_groups=((self.text_encoder.params, self.text_encoder_lr),) if encoder_params else ())
             self.lr_schedule = build_lr_schedule(self.optimizer, self.train.lr_schedule, self.train.warmup_steps,
                                                  self.train.steps, self.steps_done)
             if note:
                 self.notes.append(note)
+        return memory
+
+    def _install_batches(self, old, memory):
         if old is None or old.batch_size != memory.batch_size:
             self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator,
                                 self.adapter.sequence_conditioning, self.train.caption_dropout)
-        # Rebuilt on every change: captured graphs hold the old settings' kernels and memory.
+        return memory
+
+    def _install_step(self, old, memory):
+        device = self.adapter.device
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
         had_graphs = bool(getattr(self.micro_step, "graphs", None))
@@ -184,16 +229,46 @@ class TrainingSession:
         self.micro_step, note = build_micro_step(
             memory.fast_path, self.compute_loss, self.precision, self.params, device,
             passthrough_errors=self.adapter.cancel_errors,
-            incompatible=graphs_incompatible(random_forward) or self.adapter.graph_blocker or (
+            incompatible=graphs_incompatible(uses_randomness(self.unet)) or self.adapter.graph_blocker or (
                 "the text encoder is trained (its captions' tokens are read on the host every step)"
                 if self.text_encoder is not None else None),
             offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None,
-            prefetch=WeightPrefetch() if streamed and memory.prefetch_streamed else None)
+            prefetch=WeightPrefetch() if memory.base_weights.streamed and memory.prefetch_streamed else None)
         if note and note not in self.notes:
             self.notes.append(note)
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())
         self.step = BatchStep(self.inputs, self.micro_step)
-        self.memory = memory
+        return memory
+
+    INSTALL_ORDER: tuple[Install, ...] = (
+        Install("full checkpointing for streaming", _install_full_checkpointing_for_streaming,
+                "a streamed layer's device copy would otherwise stay alive for backward"),
+        Install("compile", _install_compile,
+                "before checkpointing wraps the units: checkpoint(compiled unit) recomputes with the compiled code, "
+                "shared by units of equal shapes"),
+        Install("grouped fp8 upcasts", _install_grouped_upcasts,
+                "around each block's eager forward, inside checkpointing's wrapper and outside compiled code: fp8 "
+                "weights, whenever a rung stores them, are upcast a block at a time"),
+        Install("selective recompute off with compile", _install_selective_recompute_check,
+                "off with compile, before checkpointing wraps: compiled code runs as inductor kernels, whose ops "
+                "selective checkpointing's policy never sees"),
+        Install("gradient checkpointing", _install_checkpointing,
+                "wraps the best-first share of the units and unwraps the rest (the share moves both ways); with "
+                "dropout drawing inside the step, recompute replays its draws"),
+        Install("mixed precision", _install_precision,
+                "the compute dtype (and the conv layout that depends on it) before weights are stored or placed"),
+        Install("fp8 / streamed base weights", _install_weight_storage,
+                "decides what goes to the device, so before placement; storage only moves down the ladder"),
+        Install("placement", _install_placement,
+                "only once fp8/streaming decided what goes there; an out-of-memory here leaves the weights on the "
+                "host for auto-fit's next rung"),
+        Install("EMA of the LoRA weights", _install_ema, "once the LoRA is on its device"),
+        Install("optimizer (8-bit state, bf16 LoRA weights)", _install_optimizer,
+                "after placement: its state lives where the LoRA does; the old state is dropped first"),
+        Install("batches", _install_batches, "the batch size the step will see"),
+        Install("step: CUDA graphs, activation offload, prefetch", _install_step,
+                "last, rebuilt on every change: captured graphs hold the old settings' kernels and memory"),
+    )
 
     def checkpoint_units(self, depth: CheckpointDepth) -> RankedUnits:
         """The family's checkpoint units for the largest sample, best first, with their costs (computed once)."""

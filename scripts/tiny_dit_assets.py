@@ -54,6 +54,13 @@ QWEN25_7B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 # derives the heads from the width so)
 QWEN25_VL_VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2)
 UMT5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_size=32000)  # the pile tokenizer's
+# Krea 2's Qwen3-VL-4B (ComfyUI 0.33): 36 layers, because Krea 2 conditions on the hidden states before layers 2, 5,
+# ..., 35 (comfy/text_encoders/krea2.py's 12 taps); 128 wide, one 128-wide head, so the model's text fusion keeps its
+# real 128-wide heads (tests/tiny_dit_configs sets txtheads = txtdim // 128). Its vision tower (the file must have one:
+# ComfyUI tells Qwen3-VL by its DeepStack mergers) is 16-wide heads like Qwen2.5-VL's tiny one, DeepStack on layers 0, 1.
+QWEN3VL_4B = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=36, num_attention_heads=1,
+                  num_key_value_heads=1)
+QWEN3VL_4B_VISION = dict(hidden_size=32, intermediate_size=64, depth=2, num_heads=2, deepstack_visual_indexes=[0, 1])
 # HunyuanImage 2.1's byT5-small glyph encoder (byt5_config_small_glyph.json): one block with a small feed-forward;
 # its width stays the real 1472 (the diffusion model's byT5 mapper pins that input width) and its 6 x 64 attention
 # width is what comfy.sd.detect_te_model tells byT5 by
@@ -85,6 +92,11 @@ QWEN_IMAGE = dict(image_model="qwen_image", in_channels=64, out_channels=16, num
 WAN21_T2V = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=256,
                  ffn_dim=512, freq_dim=256, text_dim=UMT5XXL["d_model"], out_dim=16, num_heads=2, num_layers=2,
                  window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+# Krea 2 (ComfyUI 0.33's comfy.ldm.krea2 SingleStreamDiT): detection reads features, channels, layers, heads and kv
+# heads (128-wide), txtlayers and txtdim from the file and pins the text fusion's txtheads = txtkvheads = 20 (2560 /
+# 128). Grouped-query attention as in the real model (48 heads over 12 kv heads): 2 over 1.
+KREA2 = dict(image_model="krea2", features=256, channels=16, patch=2, layers=2, heads=2, kvheads=1, txtlayers=12,
+             txtdim=QWEN3VL_4B["hidden_size"], txtheads=1, txtkvheads=1)
 # HunyuanImage 2.1 (ComfyUI 0.33: comfy.ldm.hunyuan_video.model.HunyuanVideo with 2-D 1x1 patches): detection
 # reads the widths from the file (num_heads = hidden_size // 128) and pins the RoPE axes [64, 64], theta 256 and
 # mlp_ratio 4; the byT5 mapper is at its real widths (1472 -> 2048 -> 2048 -> hidden_size: pinned in code).
@@ -134,6 +146,11 @@ WORKFLOW = {
         "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_2.5_vl_7b_vision.safetensors", "type": "qwen_image"},
         "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},
     },
+    "krea2": {  # ComfyUI 0.33 only
+        "UNETLoader": {"unet_name": "leanlora_tiny_krea2.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_qwen3vl_4b.safetensors", "type": "krea2"},
+        "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},  # the Wan 2.1 VAE
+    },
     "wan": {
         "UNETLoader": {"unet_name": "leanlora_tiny_wan2.1_t2v.safetensors", "weight_dtype": "default"},
         "CLIPLoader": {"clip_name": "leanlora_tiny_umt5_xxl.safetensors", "type": "wan"},
@@ -155,8 +172,10 @@ _FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "clip
 def _init_tensor(module: torch.nn.Module, pname: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """Fan-in scaled normals for matrices and convs, 0.02 normals for embeddings and pad tokens, ones/zeros for
     norm scales/shifts and biases: every forward pass is finite and depends on its inputs."""
-    if isinstance(module, torch.nn.Embedding) or pname.endswith("pad_token") or pname == "modulation":
-        # (Wan's per-block `modulation` is a learned table added to the timestep's, small like an embedding)
+    if isinstance(module, torch.nn.Embedding) or pname.endswith("pad_token") or pname == "modulation" or \
+            (pname == "lin" and type(module).__name__.endswith("Modulation")):
+        # (Wan's per-block `modulation` and Krea 2's modulations' `lin` are learned tables added to the timestep's,
+        # small like an embedding)
         return torch.randn(shape, generator=gen) * 0.02
     if pname in ("bias", "beta"):
         return torch.zeros(shape)
@@ -298,6 +317,30 @@ def build_byt5_small_glyph(path: str | Path, seed: int = 0) -> Path:
     return _write(path, f"byt5_small_glyph-seed{seed}", make)
 
 
+def build_krea2_model(path: str | Path, seed: int = 0) -> Path:
+    """Krea 2 diffusion model (ComfyUI 0.33's comfy.ldm.krea2.model.SingleStreamDiT): 2 blocks, 256 wide, bf16."""
+    return _diffusion_model(path, seed, "krea2", KREA2, "comfy.ldm.krea2.model.SingleStreamDiT", image_model="krea2")
+
+
+def build_qwen3vl_4b(path: str | Path, seed: int = 0) -> Path:
+    """Krea 2's text encoder (ComfyUI 0.33's comfy.text_encoders.qwen3vl Qwen3-VL-4B) in the Hugging Face layout
+    ComfyUI detects it by (model.language_model.*, model.visual.*: its loader renames them), bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.qwen3vl as qwen3vl
+            model = qwen3vl._make_qwen3vl_model("qwen3vl_4b")
+            vision = qwen3vl.QWEN3VL_VISION["qwen3vl_4b"]
+            try:  # the tower's widths are pinned in that table: built narrow here, as tiny_dit_configs loads it
+                qwen3vl.QWEN3VL_VISION["qwen3vl_4b"] = {**vision, **QWEN3VL_4B_VISION}
+                return model(dict(QWEN3VL_4B), torch.float32, "meta", ops)
+            finally:
+                qwen3vl.QWEN3VL_VISION["qwen3vl_4b"] = vision
+        sd = _state_dict(_on_meta(build), seed, torch.bfloat16)
+        return {(f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else f"model.{k}"): v
+                for k, v in sd.items()}
+    return _write(path, f"qwen3vl_4b-seed{seed}", make)
+
+
 def build_umt5_xxl(path: str | Path, seed: int = 0) -> Path:
     """Wan's text encoder (comfy.text_encoders.t5.T5 as umt5: relative attention bias in every block, the layout
     of umt5_xxl_fp16.safetensors), fp16, with a SentencePiece tokenizer as `spiece_model` (see the docstring)."""
@@ -431,6 +474,8 @@ _BUILDERS = {
     "leanlora_tiny_qwen_image_vae.safetensors": build_wan21_vae,
     "leanlora_tiny_wan2.1_t2v.safetensors": build_wan21_t2v_model,
     "leanlora_tiny_umt5_xxl.safetensors": build_umt5_xxl,
+    "leanlora_tiny_krea2.safetensors": build_krea2_model,
+    "leanlora_tiny_qwen3vl_4b.safetensors": build_qwen3vl_4b,
     "leanlora_tiny_hunyuan_image_2.1.safetensors": build_hunyuan_image_model,
     "leanlora_tiny_qwen_2.5_vl_7b_4_layers.safetensors": build_qwen25_vl_7b_4_layers,
     "leanlora_tiny_byt5_small_glyph.safetensors": build_byt5_small_glyph,

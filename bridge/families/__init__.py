@@ -6,13 +6,14 @@ from .chroma import Chroma
 from .flux import Flux
 from .generic import Generic
 from .hunyuan_image import HunyuanImage
+from .krea2 import Krea2
 from .qwen_image import QwenImage
 from .sd_unet import SdUnet
 from .wan import Wan
 from .z_image import ZImage
 from ..trainer_api import LeanLoRAError
 
-FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), HunyuanImage(), Generic()]
+FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), HunyuanImage(), Krea2(), Generic()]
 
 
 def family_for(base):

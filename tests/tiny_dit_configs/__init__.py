@@ -55,6 +55,12 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    1024], 2 res blocks); while a HunyuanImage VAE file narrower than that (decoder.conv_in not 1024 wide) loads, the
    encoder and decoder are built at the file's widths and depth.
 
+6. Krea 2 (ComfyUI 0.33): detection pins the text fusion's heads (txtheads = txtkvheads = 20, for txtdim 2560); for
+   a narrower txtdim they are txtdim // 128 (its real 128-wide heads). Its Qwen3-VL-4B text encoder: a narrow file
+   (model.language_model.*, model.visual.*) gets model_options["qwen3vl_4b_model_config"] from its shapes, is detected
+   as Qwen3-VL-4B (0.33 tells 4B from 8B by the merger's 2560-wide output) and its vision tower, pinned in
+   qwen3vl.QWEN3VL_VISION, is built at the file's widths, depth and DeepStack mergers (on its first layers).
+
 Not shrinkable this way: llama.py's head_dim (a class attribute, 128, so Qwen files keep 128-wide heads; the
 Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128). A file without a vision tower (Qwen-Image's
 tiny one) gets it built at full size but never loaded or touched for text (its memory stays unallocated; ComfyUI
@@ -95,10 +101,43 @@ def _tiny_unet_config(cfg: dict | None, sd: dict, prefix: str) -> dict | None:
                    z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
     elif model == "wan2.1" and sd[f"{prefix}text_embedding.0.weight"].shape[1] != 4096:
         cfg["text_dim"] = sd[f"{prefix}text_embedding.0.weight"].shape[1]
+    elif model == "krea2" and cfg["txtdim"] != 2560:
+        _tiny_krea2_config(cfg)
     elif model == "qwen_image" and sd[f"{prefix}img_in.weight"].shape[0] != 3072:
         cfg["num_attention_heads"] = sd[f"{prefix}img_in.weight"].shape[0] // _HEAD_DIM
         cfg["joint_attention_dim"] = sd[f"{prefix}txt_in.weight"].shape[1]
     return cfg
+
+
+def _tiny_krea2_config(cfg: dict) -> None:
+    """Krea 2's text fusion heads, which ComfyUI 0.33 leaves at the constructor's 20 (2560 / 128): 128 wide."""
+    cfg["txtheads"] = cfg["txtkvheads"] = cfg["txtdim"] // _HEAD_DIM
+
+
+def _qwen3vl_overrides(sd: dict) -> tuple[dict, dict]:
+    """A Qwen3-VL-4B file (Hugging Face layout) narrower than the real one (2560): its language model's config
+    override and its vision tower's widths (16-wide heads; its DeepStack mergers on the first layers), else ({}, {})."""
+    lm, visual = "model.language_model.", "model.visual."
+    if f"{visual}deepstack_merger_list.0.norm.weight" not in sd or f"{lm}embed_tokens.weight" not in sd:
+        return {}, {}
+    vocab, hidden = sd[f"{lm}embed_tokens.weight"].shape
+    if hidden in (2560, 4096):
+        return {}, {}
+    language = {"qwen3vl_4b_model_config": dict(
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=sd[f"{lm}layers.0.mlp.gate_proj.weight"].shape[0],
+        num_hidden_layers=_count(sd, rf"{re.escape(lm)}layers\.(\d+)\."),
+        num_attention_heads=sd[f"{lm}layers.0.self_attn.q_proj.weight"].shape[0] // _HEAD_DIM,
+        num_key_value_heads=sd[f"{lm}layers.0.self_attn.k_proj.weight"].shape[0] // _HEAD_DIM)}
+    width = sd[f"{visual}patch_embed.proj.weight"].shape[0]
+    vision = dict(hidden_size=width, num_heads=max(1, width // 16),
+                  intermediate_size=sd[f"{visual}blocks.0.mlp.linear_fc1.weight"].shape[0],
+                  depth=_count(sd, rf"{re.escape(visual)}blocks\.(\d+)\."),
+                  deepstack_visual_indexes=list(range(_count(sd, rf"{re.escape(visual)}deepstack_merger_list\.(\d+)\."))))
+    return language, vision
+
+
+_QWEN3VL_VISION: dict = {}  # while a narrow Qwen3-VL-4B text encoder loads: its vision tower's widths
 
 
 def _te_overrides(sd: dict) -> dict:
@@ -204,16 +243,25 @@ def _install() -> None:
             model_options = {**model_options, **extra}
         vision = next((found for sd in state_dicts if (found := _vision_overrides(sd))), {})
         _VISION.update(vision)
+        for sd in state_dicts:  # Krea 2's Qwen3-VL-4B
+            language, qwen3vl_vision = _qwen3vl_overrides(sd)
+            if language:
+                _log.info("tiny_dit_configs: tiny Qwen3-VL-4B %s, vision tower %s", language, qwen3vl_vision)
+                model_options = {**model_options, **language}
+                _QWEN3VL_VISION.update(qwen3vl_vision)
         try:
             return load_te(state_dicts, embedding_directory=embedding_directory, clip_type=clip_type,
                            model_options=model_options, **kwargs)
         finally:
             _VISION.clear()
+            _QWEN3VL_VISION.clear()
 
     @functools.wraps(detect_te)
     def detect_te_model(sd):
         if _narrow_umt5(sd):  # Wan's umt5-xxl (CLIPLoader type wan)
             return comfy.sd.TEModel.T5_XXL
+        if _qwen3vl_overrides(sd)[0]:  # 0.33 tells Qwen3-VL-4B by its merger's 2560-wide output: a narrow one is 8B
+            return comfy.sd.TEModel.QWEN3VL_4B
         if "qwen3_4b_model_config" in _te_overrides(sd):  # 0.33 tells Qwen3 sizes by width: a narrow one is "LLAMA3_8"
             return comfy.sd.TEModel.QWEN3_4B
         # a single T5-XXL (CLIPLoader: Chroma) is told from T5-base by its 24th block, which a 2-block file lacks
@@ -231,6 +279,7 @@ def _install() -> None:
         vision_init(self, *args, **{**kwargs, **_VISION})  # Qwen25_7BVLI passes hidden_size=1280 by keyword
 
     qwen_vl.Qwen2VLVisionTransformer.__init__ = narrow_vision_init
+    _install_qwen3vl_vision()
     for f in (detect_unet_config, model_config_from_unet_config, load_text_encoder_state_dicts, detect_te_model):
         f._leanlora_tiny = True
     md.detect_unet_config = detect_unet_config
@@ -316,6 +365,22 @@ def _install_hunyuan_image() -> None:
     comfy.sd.VAE.__init__ = vae_narrow_init
     hunyuan_vae.Encoder.__init__ = narrow(hunyuan_vae.Encoder.__init__)
     hunyuan_vae.Decoder.__init__ = narrow(hunyuan_vae.Decoder.__init__)
+
+
+def _install_qwen3vl_vision() -> None:
+    """ComfyUI 0.33's Qwen3-VL vision tower (Krea 2's text encoder) built at a narrow file's widths while it loads
+    (Qwen3VL builds it from the pinned qwen3vl.QWEN3VL_VISION table); 0.3.75 has no Qwen3-VL."""
+    try:
+        import comfy.text_encoders.qwen3vl as qwen3vl
+    except ImportError:
+        return
+    tower_init = qwen3vl.Qwen3VLVisionModel.__init__
+
+    @functools.wraps(tower_init)
+    def narrow_tower_init(self, config, *args, **kwargs):
+        tower_init(self, {**config, **_QWEN3VL_VISION}, *args, **kwargs)
+
+    qwen3vl.Qwen3VLVisionModel.__init__ = narrow_tower_init
 
 
 _install()

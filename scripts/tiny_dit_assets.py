@@ -54,6 +54,10 @@ QWEN25_7B = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 # derives the heads from the width so)
 QWEN25_VL_VISION = dict(hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2)
 UMT5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_size=32000)  # the pile tokenizer's
+# Anima's Qwen3-0.6B (ComfyUI 0.33): its real query width is twice its hidden width (16 heads x 128 over 1024), the
+# one Qwen3 size so; tests/tiny_dit_configs tells a narrow Qwen3-0.6B from a narrow Qwen3-4B by that
+QWEN3_06B = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=1,
+                 num_key_value_heads=1)
 # Krea 2's Qwen3-VL-4B (ComfyUI 0.33): 36 layers, because Krea 2 conditions on the hidden states before layers 2, 5,
 # ..., 35 (comfy/text_encoders/krea2.py's 12 taps); 128 wide, one 128-wide head, so the model's text fusion keeps its
 # real 128-wide heads (tests/tiny_dit_configs sets txtheads = txtdim // 128). Its vision tower (the file must have one:
@@ -92,6 +96,19 @@ QWEN_IMAGE = dict(image_model="qwen_image", in_channels=64, out_channels=16, num
 WAN21_T2V = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=256,
                  ffn_dim=512, freq_dim=256, text_dim=UMT5XXL["d_model"], out_dim=16, num_heads=2, num_layers=2,
                  window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+# Anima (ComfyUI 0.33's comfy.ldm.anima.model.Anima: Cosmos-Predict2's MiniTrainDIT with an LLM adapter). Detection
+# reads model_channels and num_blocks from the file and pins the rest (Cosmos-Predict2-2B's: 16 heads at width 2048,
+# adaLN-LoRA 256, 1024-wide cross-attention); tests/tiny_dit_configs keeps the real 128-wide heads and reads the
+# cross-attention width from the file. The LLM adapter (Qwen3-0.6B's hidden states attended by T5 token embeddings,
+# 6 blocks, 1024 wide, pinned in Anima.__init__) is built at ANIMA_LLM_ADAPTER's widths, 64-wide heads as the real one.
+ANIMA_LLM_ADAPTER = dict(source_dim=QWEN3_06B["hidden_size"], target_dim=64, model_dim=64, num_layers=2, num_heads=1)
+ANIMA = dict(image_model="anima", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16, out_channels=16,
+             patch_spatial=2, patch_temporal=1, concat_padding_mask=True, model_channels=256, num_blocks=2,
+             num_heads=2, crossattn_emb_channels=ANIMA_LLM_ADAPTER["target_dim"], pos_emb_cls="rope3d",
+             pos_emb_learnable=True, pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True,
+             adaln_lora_dim=256, rope_h_extrapolation_ratio=4.0, rope_w_extrapolation_ratio=4.0,
+             rope_t_extrapolation_ratio=1.0, extra_per_block_abs_pos_emb=False, extra_h_extrapolation_ratio=1.0,
+             extra_w_extrapolation_ratio=1.0, extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
 # Krea 2 (ComfyUI 0.33's comfy.ldm.krea2 SingleStreamDiT): detection reads features, channels, layers, heads and kv
 # heads (128-wide), txtlayers and txtdim from the file and pins the text fusion's txtheads = txtkvheads = 20 (2560 /
 # 128). Grouped-query attention as in the real model (48 heads over 12 kv heads): 2 over 1.
@@ -155,6 +172,11 @@ WORKFLOW = {
         "UNETLoader": {"unet_name": "leanlora_tiny_wan2.1_t2v.safetensors", "weight_dtype": "default"},
         "CLIPLoader": {"clip_name": "leanlora_tiny_umt5_xxl.safetensors", "type": "wan"},
         "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},  # the Wan 2.1 VAE itself
+    },
+    "anima": {  # ComfyUI 0.33 only; CLIPLoader type as Anima's own workflows (ComfyUI detects Qwen3-0.6B by itself)
+        "UNETLoader": {"unet_name": "leanlora_tiny_anima.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_3_06b.safetensors", "type": "stable_diffusion"},
+        "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},  # the Qwen-Image VAE = Wan 2.1's
     },
     "hunyuan_image": {  # ComfyUI 0.33 only; the text encoders as ComfyUI's HunyuanImage 2.1 example loads them
         "UNETLoader": {"unet_name": "leanlora_tiny_hunyuan_image_2.1.safetensors", "weight_dtype": "default"},
@@ -283,6 +305,32 @@ def build_qwen_image_model(path: str | Path, seed: int = 0) -> Path:
 def build_wan21_t2v_model(path: str | Path, seed: int = 0) -> Path:
     """Wan 2.1 text-to-video diffusion model (comfy.ldm.wan.model.WanModel, t2v): 2 blocks, 256 wide, bf16."""
     return _diffusion_model(path, seed, "wan21_t2v", WAN21_T2V, "comfy.ldm.wan.model.WanModel", image_model="wan2.1")
+
+
+def build_anima_model(path: str | Path, seed: int = 0) -> Path:
+    """Anima diffusion model (ComfyUI 0.33's comfy.ldm.anima.model.Anima): 2 blocks, 256 wide, with a 2-block LLM
+    adapter of ANIMA_LLM_ADAPTER's widths in place of the pinned 1024-wide one, bf16."""
+    def make():
+        cfg = {k: v for k, v in ANIMA.items() if k != "image_model"}
+
+        def build(comfy, ops):
+            import comfy.ldm.anima.model as anima
+            model = anima.Anima(dtype=torch.float32, device="meta", operations=ops, image_model="anima", **cfg)
+            model.llm_adapter = anima.LLMAdapter(**ANIMA_LLM_ADAPTER, device="meta", dtype=torch.float32,
+                                                 operations=ops)
+            return model
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"anima-seed{seed}", make)
+
+
+def build_qwen3_06b(path: str | Path, seed: int = 0) -> Path:
+    """Anima's text encoder (ComfyUI 0.33's comfy.text_encoders.llama.Qwen3_06B, keys model.*), bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.llama
+            return comfy.text_encoders.llama.Qwen3_06B(dict(QWEN3_06B), torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"qwen3_06b-seed{seed}", make)
 
 
 def build_hunyuan_image_model(path: str | Path, seed: int = 0) -> Path:
@@ -474,6 +522,8 @@ _BUILDERS = {
     "leanlora_tiny_qwen_image_vae.safetensors": build_wan21_vae,
     "leanlora_tiny_wan2.1_t2v.safetensors": build_wan21_t2v_model,
     "leanlora_tiny_umt5_xxl.safetensors": build_umt5_xxl,
+    "leanlora_tiny_anima.safetensors": build_anima_model,
+    "leanlora_tiny_qwen_3_06b.safetensors": build_qwen3_06b,
     "leanlora_tiny_krea2.safetensors": build_krea2_model,
     "leanlora_tiny_qwen3vl_4b.safetensors": build_qwen3vl_4b,
     "leanlora_tiny_hunyuan_image_2.1.safetensors": build_hunyuan_image_model,

@@ -63,7 +63,7 @@ def _adapter(objects):
 
 def test_the_family_list_is_ordered_with_the_generic_path_last():
     from bridge.families import FAMILIES as LIST
-    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Wan", "HunyuanImage", "Krea2", "Generic"]
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Wan", "HunyuanImage", "Krea2", "Anima", "Generic"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

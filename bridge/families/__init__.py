@@ -2,6 +2,7 @@
 yes trains the model; the generic path comes last. Adding a family: a file here and an entry in FAMILIES."""
 from __future__ import annotations
 
+from .anima import Anima
 from .chroma import Chroma
 from .flux import Flux
 from .generic import Generic
@@ -13,7 +14,7 @@ from .wan import Wan
 from .z_image import ZImage
 from ..trainer_api import LeanLoRAError
 
-FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), HunyuanImage(), Krea2(), Generic()]
+FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), HunyuanImage(), Krea2(), Anima(), Generic()]
 
 
 def family_for(base):

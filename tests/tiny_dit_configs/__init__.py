@@ -61,6 +61,14 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    as Qwen3-VL-4B (0.33 tells 4B from 8B by the merger's 2560-wide output) and its vision tower, pinned in
    qwen3vl.QWEN3VL_VISION, is built at the file's widths, depth and DeepStack mergers (on its first layers).
 
+7. Anima (ComfyUI 0.33): detection pins Cosmos-Predict2-2B's 16 heads (only at width 2048) and 1024-wide
+   cross-attention; for another width the heads are model_channels // 128 (its real 128-wide heads) and the
+   cross-attention width is read from the file. Anima.__init__ pins its LLM adapter (6 blocks, 1024 wide, over
+   Qwen3-0.6B's 1024-wide states): such a file's adapter is built at its widths and depth (64-wide heads, as the real
+   one's), passed as the config key leanlora_tiny_llm_adapter that only these files get. Its narrow Qwen3-0.6B text
+   encoder (query twice as wide as its hidden states, the one Qwen3 size so) gets
+   model_options["qwen3_06b_model_config"] and is detected as Qwen3-0.6B (0.33 tells Qwen3 sizes by width).
+
 Not shrinkable this way: llama.py's head_dim (a class attribute, 128, so Qwen files keep 128-wide heads; the
 Qwen2.5-VL-7B detection also needs k_proj.bias of 512 = 4 kv heads x 128). A file without a vision tower (Qwen-Image's
 tiny one) gets it built at full size but never loaded or touched for text (its memory stays unallocated; ComfyUI
@@ -101,6 +109,8 @@ def _tiny_unet_config(cfg: dict | None, sd: dict, prefix: str) -> dict | None:
                    z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32)
     elif model == "wan2.1" and sd[f"{prefix}text_embedding.0.weight"].shape[1] != 4096:
         cfg["text_dim"] = sd[f"{prefix}text_embedding.0.weight"].shape[1]
+    elif model == "anima" and cfg["model_channels"] != 2048:
+        _tiny_anima_config(cfg, sd, prefix)
     elif model == "krea2" and cfg["txtdim"] != 2560:
         _tiny_krea2_config(cfg)
     elif model == "qwen_image" and sd[f"{prefix}img_in.weight"].shape[0] != 3072:
@@ -140,8 +150,42 @@ def _qwen3vl_overrides(sd: dict) -> tuple[dict, dict]:
 _QWEN3VL_VISION: dict = {}  # while a narrow Qwen3-VL-4B text encoder loads: its vision tower's widths
 
 
+def _tiny_anima_config(cfg: dict, sd: dict, prefix: str) -> None:
+    """Anima's heads (128 wide), cross-attention width and LLM adapter, read from a narrow file (see the docstring)."""
+    adapter = f"{prefix}llm_adapter."
+    model_dim = sd[f"{adapter}blocks.0.self_attn.q_proj.weight"].shape[0]
+    cfg.update(num_heads=cfg["model_channels"] // _HEAD_DIM,
+               crossattn_emb_channels=sd[f"{prefix}blocks.0.cross_attn.k_proj.weight"].shape[1],
+               leanlora_tiny_llm_adapter=dict(
+                   source_dim=sd[f"{adapter}blocks.0.cross_attn.k_proj.weight"].shape[1],
+                   target_dim=sd[f"{adapter}embed.weight"].shape[1], model_dim=model_dim,
+                   num_layers=_count(sd, rf"{re.escape(adapter)}blocks\.(\d+)\."), num_heads=max(1, model_dim // 64)))
+
+
+def _qwen3_06b(sd: dict) -> bool:
+    """A Qwen3 state dict whose query is twice its hidden width: Qwen3-0.6B's 16 x 128 over 1024 (Qwen3-1.7B/4B/8B
+    are 1x to 1.6x), narrow or not."""
+    q_proj, embed = sd.get("model.layers.0.self_attn.q_proj.weight"), sd.get("model.embed_tokens.weight")
+    return (q_proj is not None and embed is not None and "model.layers.0.self_attn.q_norm.weight" in sd
+            and q_proj.shape[0] == 2 * embed.shape[1])
+
+
+def _qwen3_06b_overrides(sd: dict) -> dict:
+    """{"qwen3_06b_model_config": {...}} for a Qwen3-0.6B narrower than the real one (1024), else {}."""
+    if not _qwen3_06b(sd) or sd["model.embed_tokens.weight"].shape[1] == 1024:
+        return {}
+    vocab, hidden = sd["model.embed_tokens.weight"].shape
+    q_proj = sd["model.layers.0.self_attn.q_proj.weight"]
+    return {"qwen3_06b_model_config": dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=sd["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        num_hidden_layers=_count(sd, r"model\.layers\.(\d+)\."), num_attention_heads=q_proj.shape[0] // _HEAD_DIM,
+        num_key_value_heads=sd["model.layers.0.self_attn.k_proj.weight"].shape[0] // _HEAD_DIM)}
+
+
 def _te_overrides(sd: dict) -> dict:
     """{"<model_name>_model_config": {...}} for a state dict narrower than the real encoder, else {}."""
+    if _qwen3_06b(sd):  # Anima's text encoder: a real one is left as it is (not taken for a narrow Qwen3-4B)
+        return _qwen3_06b_overrides(sd)
     if "model.embed_tokens.weight" in sd and "model.layers.0.self_attn.q_proj.weight" in sd:  # Qwen (llama.py)
         vocab, hidden = sd["model.embed_tokens.weight"].shape
         name, real = ("qwen3_4b", 2560) if "model.layers.0.self_attn.q_norm.weight" in sd else ("qwen25_7b", 3584)
@@ -260,6 +304,8 @@ def _install() -> None:
     def detect_te_model(sd):
         if _narrow_umt5(sd):  # Wan's umt5-xxl (CLIPLoader type wan)
             return comfy.sd.TEModel.T5_XXL
+        if _qwen3_06b_overrides(sd):  # Anima's (0.33 only): 0.33 tells Qwen3 sizes by width
+            return comfy.sd.TEModel.QWEN3_06B
         if _qwen3vl_overrides(sd)[0]:  # 0.33 tells Qwen3-VL-4B by its merger's 2560-wide output: a narrow one is 8B
             return comfy.sd.TEModel.QWEN3VL_4B
         if "qwen3_4b_model_config" in _te_overrides(sd):  # 0.33 tells Qwen3 sizes by width: a narrow one is "LLAMA3_8"
@@ -279,6 +325,7 @@ def _install() -> None:
         vision_init(self, *args, **{**kwargs, **_VISION})  # Qwen25_7BVLI passes hidden_size=1280 by keyword
 
     qwen_vl.Qwen2VLVisionTransformer.__init__ = narrow_vision_init
+    _install_anima_adapter()
     _install_qwen3vl_vision()
     for f in (detect_unet_config, model_config_from_unet_config, load_text_encoder_state_dicts, detect_te_model):
         f._leanlora_tiny = True
@@ -381,6 +428,34 @@ def _install_qwen3vl_vision() -> None:
         tower_init(self, {**config, **_QWEN3VL_VISION}, *args, **kwargs)
 
     qwen3vl.Qwen3VLVisionModel.__init__ = narrow_tower_init
+
+
+_LLM_ADAPTER: dict = {}  # while a narrow Anima builds: its LLM adapter's widths and depth
+
+
+def _install_anima_adapter() -> None:
+    """ComfyUI 0.33's Anima with a narrow file's LLM adapter (Anima.__init__ builds it at fixed widths): the adapter's
+    config arrives as unet_config["leanlora_tiny_llm_adapter"], which only such files get (_tiny_anima_config)."""
+    try:
+        import comfy.ldm.anima.model as anima
+    except ImportError:
+        return  # 0.3.75 has no Anima
+    anima_init, adapter_init = anima.Anima.__init__, anima.LLMAdapter.__init__
+
+    @functools.wraps(anima_init)
+    def narrow_anima_init(self, *args, leanlora_tiny_llm_adapter=None, **kwargs):
+        _LLM_ADAPTER.update(leanlora_tiny_llm_adapter or {})
+        try:
+            anima_init(self, *args, **kwargs)
+        finally:
+            _LLM_ADAPTER.clear()
+
+    @functools.wraps(adapter_init)
+    def narrow_adapter_init(self, *args, **kwargs):
+        adapter_init(self, *args, **{**kwargs, **_LLM_ADAPTER})  # Anima passes only device, dtype and operations
+
+    anima.Anima.__init__ = narrow_anima_init
+    anima.LLMAdapter.__init__ = narrow_adapter_init
 
 
 _install()

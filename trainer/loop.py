@@ -75,6 +75,9 @@ class StepParts:
     accumulation: int = 1
     max_grad_norm: float | None = 1.0
     lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None
+    # data-parallel (distributed.Distributed.reduce): (params, step loss) -> the whole batch's loss, after the
+    # micro-steps and before clipping, with every rank's gradients summed into each rank's
+    reduce: Callable[[list[torch.nn.Parameter], torch.Tensor], torch.Tensor] | None = None
 
 
 class LoopEvents:
@@ -167,6 +170,8 @@ def train_loop(parts: StepParts, batches: Iterator, steps: int, events: LoopEven
                 micro_step.zero_grad(optimizer)  # a half-accumulated step is dropped, earlier ones are kept
                 result.cancelled = True
                 break
+            if parts.reduce is not None:
+                step_loss = parts.reduce(params, step_loss)
             finite = torch.isfinite(step_loss)
             if max_grad_norm:
                 if precision.scaler is not None:

@@ -91,6 +91,9 @@ class TrainingSession:
         # the host RAM plan (memory/host_ram.HostRamPlan, set by the run before start): the ladder leaves out what
         # the `ram` limit cannot hold
         self.host_ram = None
+        # a data-parallel run's rank (trainer/distributed.py, set by the run before start): the batches drawn are
+        # world x batch_size, each step trains this rank's share and sums the gradients over the ranks
+        self.distributed = None
 
     def configure(self, memory: MemorySettings) -> None:
         """Moves to `memory` from the current settings, through INSTALL_ORDER's steps in turn (a step may adjust the
@@ -208,7 +211,8 @@ class TrainingSession:
 
     def _install_batches(self, old, memory):
         if old is None or old.batch_size != memory.batch_size:
-            self.data = batches(self.cache, memory.batch_size, self.repeats, self.generator,
+            self.data = batches(self.cache, memory.batch_size * (self.distributed.world if self.distributed else 1),
+                                self.repeats, self.generator,
                                 self.adapter.sequence_conditioning, self.train.caption_dropout)
         return memory
 
@@ -237,7 +241,8 @@ class TrainingSession:
         if note and note not in self.notes:
             self.notes.append(note)
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())
-        self.step = BatchStep(self.inputs, self.micro_step)
+        self.step = BatchStep(self.inputs, self.micro_step) if self.distributed is None else \
+            self.distributed.sharded(self.inputs, self.micro_step)
         return memory
 
     INSTALL_ORDER: tuple[Install, ...] = (
@@ -465,7 +470,8 @@ class TrainingSession:
             try:
                 with memory.computing() if memory is not None else contextlib.nullcontext(), self.training_kernels():
                     parts = StepParts(self.params, self.step, self.optimizer, self.precision,
-                                      self.memory.gradient_accumulation, lr_schedule=self.lr_schedule)
+                                      self.memory.gradient_accumulation, lr_schedule=self.lr_schedule,
+                                      reduce=self.distributed.reduce if self.distributed is not None else None)
                     result = train_loop(parts, self.data, until or self.train.steps, _Counted(self, events),
                                         first_step=self.steps_done)
                 if result.diverged_at is not None:  # the weights went back to the last step checked finite

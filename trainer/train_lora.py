@@ -19,6 +19,7 @@ from . import __version__
 from .cache import CacheStats, build_cache, control_encoder_for
 from .cache_store import LatentTextStore
 from .dataset import Dataset
+from .distributed import Distributed
 from .errors import LeanLoRAError, TrainingCancelled, is_out_of_memory, one_line
 from .memory.estimate import estimate_error
 from .files import SAVE_ERRORS, check_writable, non_finite_tensors, sanitize_name, save_with_fallback
@@ -135,6 +136,11 @@ class Run(RunEvents):
         self.step_files: list[Path] = []  # this run's <name>_step<N> files, oldest first (keep_last_saves prunes)
         self.estimate = self.failure = self.diverged_at = None
         self.cancelled = self.from_start = self.released = False
+        # launched by torchrun / accelerate: this process's rank (None for one process); rank 0 alone saves and samples
+        self.distributed = Distributed.from_environment(self.device)
+        self.is_main = self.distributed is None or self.distributed.is_main
+        if not self.is_main:
+            self.sample_every, self.on_sample = 0, None
 
     def phase(self, text: str) -> None:
         self.emit(kind="phase", text=text)
@@ -168,6 +174,8 @@ class Run(RunEvents):
                    f"{lora.targets.value}" + (f", factor {lora.factor}" if lora.type is AdapterKind.LOKR else ""),
                    f"learning rate {train.learning_rate:g}, schedule {train.lr_schedule}, warm-up {train.warmup_steps}"
                    " steps", memory.describe(), *device_notes]
+        if self.distributed is not None:
+            report.append(self.distributed.describe())
         if train.min_snr_gamma:  # refused for flow models here
             LossFunction.of(train.loss, train.huber_c, train.min_snr_gamma, adapter.identity().prediction)
         if train.objective_changes():
@@ -183,7 +191,8 @@ class Run(RunEvents):
                                                            for key, value in train.option_changes().items()))
         held_out_count(train.validation_fraction, len(self.dataset.samples))  # too few images
         self.dataset_id = dataset_fingerprint(self.dataset)
-        self.resume = Resume.of(train.resume_from, self.dataset_id, len(self.dataset.samples), train.steps)
+        self.resume = Resume.of(train.resume_from, self.dataset_id, len(self.dataset.samples), train.steps,
+                                world_size=self.distributed.world if self.distributed is not None else 1)
         self.first_step, self.losses, self.started_at = self.resume.beginning(time.time())
 
     def cache(self) -> None:
@@ -206,7 +215,7 @@ class Run(RunEvents):
         if store is not None and store.disk_problem:  # the disk layer is optional: training goes on from RAM
             self.warn(f"WARNING: latent cache on disk off for this run: {store.disk_problem}; cached in RAM only")
         adapter.release_encoders()
-        if self.stop_asked():
+        if self.should_stop():
             raise TrainingCancelled("cancelled while caching; nothing was trained, no LoRA was saved")
         self.all_cached, self.cached_images = cache, len(cache)
         self.cached, self.held_out = split_validation(cache, train.validation_fraction, train.seed)  # RNG of its own
@@ -251,6 +260,7 @@ class Run(RunEvents):
         self.session = session = TrainingSession(adapter, unet, params, self.cached, self.dataset.repeats, train,
                                                  text_encoder=self.text_encoder, text_encoder_lr=lora.text_encoder_lr)
         self.record.recoveries = session.recoveries
+        session.distributed = self.distributed
         if self.held_out:
             self.validation = ValidationSet.build([self.all_cached[i] for i in self.held_out],
                                                   train.validation_every_steps, session.sampling_on_cpu, train.seed,
@@ -267,7 +277,9 @@ class Run(RunEvents):
             "warmup_steps": str(train.warmup_steps),
             # a resume checks it is on or off as the state trained (check_resumable)
             **({"text_encoder_lr": repr(lora.text_encoder_lr)} if lora.trains_text_encoder else {}),
-            **train.objective_values(), **train.option_values()}
+            **train.objective_values(), **train.option_values(),
+            # a resume refuses another number of processes (training_state.Resume.of)
+            **({"world_size": str(self.distributed.world)} if self.distributed is not None else {})}
         self.exporter = LoraExporter(adapter, unet, lora, presets[lora.targets], self.dataset, train, self.started_at,
                                      self.continued, len(self.held_out), self.text_encoder)
 
@@ -331,6 +343,8 @@ class Run(RunEvents):
         torch.manual_seed(train.seed)
         for text in self.resume.restore(session, self.state_settings, self.validation):
             self.warn(text)
+        if self.distributed is not None:
+            self.distributed.broadcast(session.params)
 
     def check_host_ram(self, estimate) -> None:
         """Before step 1: what the plan holds in host RAM, against Memory Settings' `ram` (memory/host_ram.py).
@@ -383,8 +397,16 @@ class Run(RunEvents):
         stem = f"{self.exporter.stem}_partial_step{steps_done}" if self.partial else self.exporter.stem
         with session.evaluation_weights():  # the saved LoRA: schedule-free's average or the EMA where on
             self.state_dict, metadata = self.exporter.contents(steps_done, self.partial, stem)
-        self.path, self.save_note = save_with_fallback(self.state_dict, self.loras_dir, stem, metadata,
-                                                       self.fallback_dir)
+        if not self.is_main:  # rank 0 writes the file and state; the others learn where (or why not)
+            self.path, self.save_note = self.distributed.saved_by_main(None, self.failure is None)
+            return
+        try:
+            self.path, self.save_note = save_with_fallback(self.state_dict, self.loras_dir, stem, metadata,
+                                                           self.fallback_dir)
+        except Exception as error:
+            if self.distributed is not None:
+                self.distributed.saved_by_main(error, self.failure is None)
+            raise
         if self.partial or self.train.save_every_steps:  # resumable: a stopped run always, a finished one when saving
             try:
                 self.write_state(self.path)
@@ -392,6 +414,8 @@ class Run(RunEvents):
             except SAVE_ERRORS as error:
                 self.report.append(f"WARNING: the training state could not be written beside {self.path} ({error}); "
                                    "the LoRA is saved, but this run cannot be resumed exactly")
+        if self.distributed is not None:
+            self.distributed.saved_by_main((self.path, self.save_note), self.failure is None)
 
     def release(self) -> None:
         """The training copy off the device, then everything the session holds (once)."""
@@ -462,7 +486,12 @@ class Run(RunEvents):
     # --- the loop's events (loop.LoopEvents, session.RunEvents) --------------------------------------------------
 
     def should_stop(self) -> bool:
-        return self.stop_asked()
+        """Data-parallel: whether any rank was asked, agreed by all before each step (so all stop at the same one)."""
+        if self.distributed is None:
+            return self.stop_asked()
+        memory = self.session.memory if self.session is not None else None
+        return self.distributed.agree(self.stop_asked(), (memory.batch_size, memory.gradient_accumulation)
+                                      if memory is not None else (0, 0))
 
     def on_recovery(self, recovery) -> None:
         self.phase(f"recovered ({recovery.cause}): {recovery.rung}")
@@ -478,6 +507,8 @@ class Run(RunEvents):
     def on_evaluate(self, step: int) -> None:
         """The validation loss at this step's weights; out of memory skips it (training goes on)."""
         session = self.session
+        if not self.is_main:  # every rank holds the same weights: rank 0's curve is the run's
+            return
         try:
             with session.evaluation_weights():
                 value = self.validation.evaluate(session.forward_loss, step)
@@ -494,6 +525,8 @@ class Run(RunEvents):
 
     def on_save(self, step: int) -> None:
         """Between steps, every `save_every`: a LoRA file every save_every_steps, samples every sample_every."""
+        if not self.is_main:
+            return
         if self.train.save_every_steps and step % self.train.save_every_steps == 0:
             self.save_step(step)
         if self.sample_every and step % self.sample_every == 0:

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .dataset import MASK_SUFFIX
+from .distributed import refused_world
 from .errors import LeanLoRAError, one_line
 from .files import sanitize_name, save_safetensors_atomic
 from .optimizers import build_lr_schedule
@@ -419,13 +420,17 @@ class Resume:
         self.path, self.state, self.total_steps = path, state, total_steps
 
     @classmethod
-    def of(cls, path: Path | None, dataset_id: str, images: int, total_steps: int) -> Resume:
-        """`path` (Train's resume_from; None: off) read, its values checked and its dataset compared."""
+    def of(cls, path: Path | None, dataset_id: str, images: int, total_steps: int, world_size: int = 1) -> Resume:
+        """`path` (Train's resume_from; None: off) read, its values checked and its dataset compared; a state
+        written by another number of processes (data-parallel: distributed.py) is refused."""
         if path is None:
             return cls()
         path = Path(path)
         state = load_training_state(path)
         check_state_values(state, path, images)
+        trained_world = state.settings.get("world_size", "1")  # a state of one process records none
+        if trained_world != str(world_size):
+            raise refused_world(path.name, trained_world, world_size)
         check_resumable(state, path, {"dataset": dataset_id}, total_steps, checks=("dataset",))
         return cls(path, state, total_steps)
 

@@ -73,6 +73,18 @@ FAMILIES = {
                  "qwen_2.5_vl_7b_fp8_scaled.safetensors (CLIPLoader type qwen_image); models/vae: "
                  "qwen_image_vae.safetensors",
     },
+    "anima": {  # ComfyUI 0.33 and later
+        "title": "Anima",
+        "loaders": {"UNETLoader": {"unet_name": "anima-base-v1.0.safetensors", "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "qwen_3_06b_base.safetensors", "type": "stable_diffusion"},
+                    "VAELoader": {"vae_name": "qwen_image_vae.safetensors"}},
+        # Anima's model card: 30-50 steps, CFG 4-5, er_sde; its ComfyUI workflows sample an EmptyLatentImage
+        "sampler": {"steps": 30, "cfg": 4.0, "sampler_name": "er_sde"},
+        "latent": {"class_type": "EmptyLatentImage"},
+        "files": "models/diffusion_models: anima-base-v1.0.safetensors; models/text_encoders: "
+                 "qwen_3_06b_base.safetensors (CLIPLoader type stable_diffusion); models/vae: "
+                 "qwen_image_vae.safetensors (needs ComfyUI 0.33 or later)",
+    },
 }
 
 

@@ -114,14 +114,14 @@ ANIMA = dict(image_model="anima", max_img_h=240, max_img_w=240, max_frames=128, 
 # 128). Grouped-query attention as in the real model (48 heads over 12 kv heads): 2 over 1.
 KREA2 = dict(image_model="krea2", features=256, channels=16, patch=2, layers=2, heads=2, kvheads=1, txtlayers=12,
              txtdim=QWEN3VL_4B["hidden_size"], txtheads=1, txtkvheads=1)
-# HunyuanImage 2.1 (ComfyUI 0.33: comfy.ldm.hunyuan_video.model.HunyuanVideo with 2-D 1x1 patches): detection
+# HunyuanImage 2.1 (comfy.ldm.hunyuan_video.model.HunyuanVideo with 2-D 1x1 patches): detection
 # reads the widths from the file (num_heads = hidden_size // 128) and pins the RoPE axes [64, 64], theta 256 and
 # mlp_ratio 4; the byT5 mapper is at its real widths (1472 -> 2048 -> 2048 -> hidden_size: pinned in code).
 HUNYUAN_IMAGE = dict(image_model="hunyuan_video", in_channels=64, out_channels=64, vec_in_dim=None,
                      context_in_dim=QWEN25_7B_HUNYUAN["hidden_size"], hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2,
                      depth_single_blocks=2, axes_dim=[64, 64], theta=256, patch_size=[1, 1], qkv_bias=True,
                      guidance_embed=False, byt5=True, meanflow=False, use_cond_type_embedding=False,
-                     vision_in_dim=None, meanflow_sum=False)
+                     vision_in_dim=None, meanflow_sum=False)  # meanflow_sum: 0.33's (HunyuanVideo 1.5), no weights
 
 # VAEs, as comfy.sd.VAE builds them from these files.
 FLUX_AE = dict(double_z=True, z_channels=16, resolution=256, in_channels=3, out_ch=3, ch=128, ch_mult=[1, 2, 4, 4],
@@ -178,7 +178,7 @@ WORKFLOW = {
         "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_3_06b.safetensors", "type": "stable_diffusion"},
         "VAELoader": {"vae_name": "leanlora_tiny_qwen_image_vae.safetensors"},  # the Qwen-Image VAE = Wan 2.1's
     },
-    "hunyuan_image": {  # ComfyUI 0.33 only; the text encoders as ComfyUI's HunyuanImage 2.1 example loads them
+    "hunyuan_image": {  # the text encoders as ComfyUI's HunyuanImage 2.1 example loads them
         "UNETLoader": {"unet_name": "leanlora_tiny_hunyuan_image_2.1.safetensors", "weight_dtype": "default"},
         "DualCLIPLoader": {"clip_name1": "leanlora_tiny_qwen_2.5_vl_7b_4_layers.safetensors",
                            "clip_name2": "leanlora_tiny_byt5_small_glyph.safetensors", "type": "hunyuan_image"},
@@ -334,10 +334,15 @@ def build_qwen3_06b(path: str | Path, seed: int = 0) -> Path:
 
 
 def build_hunyuan_image_model(path: str | Path, seed: int = 0) -> Path:
-    """HunyuanImage 2.1 diffusion model (ComfyUI 0.33's comfy.ldm.hunyuan_video.model.HunyuanVideo, 1x1 patches, a
-    byT5 mapper): 2 double + 2 single blocks, 256 wide, bf16."""
-    return _diffusion_model(path, seed, "hunyuan_image_2.1", HUNYUAN_IMAGE, "comfy.ldm.hunyuan_video.model.HunyuanVideo",
-                            image_model="hunyuan_video")
+    """HunyuanImage 2.1 diffusion model (comfy.ldm.hunyuan_video.model.HunyuanVideo, 1x1 patches, a byT5 mapper):
+    2 double + 2 single blocks, 256 wide, bf16. The same file on 0.3.75 and 0.33: the settings this ComfyUI's
+    HunyuanVideoParams has no field for (0.33's HunyuanVideo 1.5 ones) build no weights."""
+    import dataclasses
+    _import_comfy()
+    import comfy.ldm.hunyuan_video.model as hunyuan_video
+    known = {field.name for field in dataclasses.fields(hunyuan_video.HunyuanVideoParams)} | {"image_model"}
+    return _diffusion_model(path, seed, "hunyuan_image_2.1", {k: v for k, v in HUNYUAN_IMAGE.items() if k in known},
+                            "comfy.ldm.hunyuan_video.model.HunyuanVideo", image_model="hunyuan_video")
 
 
 def build_qwen25_vl_7b_4_layers(path: str | Path, seed: int = 0) -> Path:
@@ -468,7 +473,7 @@ def build_qwen25_vl_7b_vision(path: str | Path, seed: int = 0) -> Path:
 
 
 def build_hunyuan_image_vae(path: str | Path, seed: int = 0) -> Path:
-    """The HunyuanImage 2.1 VAE (ComfyUI 0.33's comfy.ldm.hunyuan_video.vae Encoder/Decoder in an AutoencodingEngine,
+    """The HunyuanImage 2.1 VAE (comfy.ldm.hunyuan_video.vae Encoder/Decoder in an AutoencodingEngine,
     as comfy.sd.VAE builds it) at HUNYUAN_IMAGE_VAE's widths, bf16; loads with tests/tiny_dit_configs."""
     def make():
         def build(comfy, ops):

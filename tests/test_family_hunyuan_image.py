@@ -1,10 +1,10 @@
-"""HunyuanImage 2.1 (ComfyUI 0.33 only): what is particular to the family beside the conformance checks
-(tests/test_families_033.py). The tiny HunyuanImage 2.1, its 4-layer Qwen2.5-VL-7B and 1-block byT5 glyph encoder
+"""HunyuanImage 2.1: what is particular to the family beside the conformance checks (tests/test_families_033.py). The tiny HunyuanImage 2.1, its 4-layer Qwen2.5-VL-7B and 1-block byT5 glyph encoder
 (DualCLIPLoader hunyuan_image) and its 6-level VAE (scripts/tiny_dit_assets.py, narrow files via
 tests/tiny_dit_configs) load through 0.33's stock loader functions: 64-channel latents at 1/32 of the image, the
 byT5 glyph features of quoted text, ComfyUI's fixed shift 5; the refiner and the distilled model are refused naming
-the base files; HunyuanVideo, the same network class, is not taken for it; sd-scripts' names continue. Skipped on
-0.3.75, which has no HunyuanImage 2.1."""
+the base files; HunyuanVideo, the same network class, is not taken for it; sd-scripts' names continue. ComfyUI 0.3.75
+loads HunyuanImage 2.1 too (its model_base.HunyuanImage21 is 0.33's), so these run on both versions (marker
+comfy033: scripts/test.sh's 0.33 pass runs them again)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +23,7 @@ from trainer.train_lora import train_lora
 
 pytestmark = [pytest.mark.comfy033,
               pytest.mark.skipif(not hasattr(comfy.model_base, "HunyuanImage21"),
-                                 reason="ComfyUI 0.3.75 has no HunyuanImage 2.1 (comfy.model_base.HunyuanImage21 is "
-                                        "ComfyUI 0.33's)")]
+                                 reason="this ComfyUI has no HunyuanImage 2.1 (comfy.model_base.HunyuanImage21)")]
 
 FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible
 LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")

@@ -1,5 +1,5 @@
-"""HunyuanImage 2.1 (Tencent's 17B text-to-image DiT) as ComfyUI 0.33 loads it: model_base.HunyuanImage21 over
-comfy/ldm/hunyuan_video's HunyuanVideo network with 2-D 1x1 patches (20 double-stream and 40 single-stream blocks
+"""HunyuanImage 2.1 (Tencent's 17B text-to-image DiT) as ComfyUI loads it (0.3.75 and 0.33): model_base.HunyuanImage21
+over comfy/ldm/hunyuan_video's HunyuanVideo network with 2-D 1x1 patches (20 double-stream and 40 single-stream blocks
 in the full model, FLUX.1's own DoubleStreamBlock / SingleStreamBlock from comfy.ldm.flux.layers), flow matching at
 ComfyUI's shift 5, Qwen2.5-VL-7B text features through a token refiner, byT5 glyph features for quoted text
 (`txt_byt5`: HunyuanImageTokenizer encodes the text between quotes, so only captions with quotes carry them), and
@@ -48,7 +48,7 @@ class HunyuanImage(Flux):
     graph_blocker = "CUDA graphs are not verified on HunyuanImage 2.1 yet"  # not measured on a GPU
 
     def matches(self, base) -> bool:
-        image = getattr(comfy.model_base, "HunyuanImage21", None)  # ComfyUI 0.33; absent in 0.3.75
+        image = getattr(comfy.model_base, "HunyuanImage21", None)  # absent from a ComfyUI before HunyuanImage 2.1
         return image is not None and isinstance(base, image)  # the refiner too: unsupported() names it
 
     def unsupported(self, base) -> str | None:

@@ -85,6 +85,18 @@ FAMILIES = {
                  "qwen_3_06b_base.safetensors (CLIPLoader type stable_diffusion); models/vae: "
                  "qwen_image_vae.safetensors (needs ComfyUI 0.33 or later)",
     },
+    "krea2": {  # ComfyUI 0.33 and later
+        "title": "Krea 2",
+        "loaders": {"UNETLoader": {"unet_name": "krea2_turbo_fp8_scaled.safetensors", "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "qwen3vl_4b_fp8_scaled.safetensors", "type": "krea2"},
+                    "VAELoader": {"vae_name": "qwen_image_vae.safetensors"}},
+        # ComfyUI's Krea-2 text-to-image template (Krea-2 Turbo, distilled): 8 steps at cfg 1 on an EmptyLatentImage
+        "sampler": {"steps": 8, "cfg": 1.0},
+        "latent": {"class_type": "EmptyLatentImage"},
+        "files": "models/diffusion_models: krea2_turbo_fp8_scaled.safetensors; models/text_encoders: "
+                 "qwen3vl_4b_fp8_scaled.safetensors (CLIPLoader type krea2); models/vae: qwen_image_vae.safetensors "
+                 "(needs ComfyUI 0.33 or later)",
+    },
 }
 
 

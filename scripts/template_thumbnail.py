@@ -44,7 +44,8 @@ TEMPLATES = {
                                                   (f"your {title}\nfiles", "your images\n+ captions",
                                                    "card: auto\n+ LoRA shape"), ("with LoRA", "models/loras"))
        for family, title in (("z_image", "Z-Image"), ("flux_dev", "FLUX.1-dev"), ("chroma", "Chroma"),
-                             ("qwen_image", "Qwen-Image"), ("wan", "Wan 2.1"), ("anima", "Anima"))},
+                             ("qwen_image", "Qwen-Image"), ("wan", "Wan 2.1"), ("anima", "Anima"),
+                             ("krea2", "Krea 2"))},
     "leanlora_qwen_image_edit_train_then_edit": ("LeanLoRA: Qwen-Image-Edit, pairs",
                                                  ("your Qwen-Image-\nEdit files", "before/after\npairs",
                                                   "card: auto\n+ LoRA shape"), ("your image,\nedited", "models/loras")),

@@ -97,6 +97,21 @@ FAMILIES = {
                  "qwen3vl_4b_fp8_scaled.safetensors (CLIPLoader type krea2); models/vae: qwen_image_vae.safetensors "
                  "(needs ComfyUI 0.33 or later)",
     },
+    "hunyuan_image": {
+        "title": "HunyuanImage 2.1",
+        "loaders": {"UNETLoader": {"unet_name": "hunyuanimage2.1_bf16.safetensors", "weight_dtype": "fp8_e4m3fn"},
+                    "DualCLIPLoader": {"clip_name1": "qwen_2.5_vl_7b.safetensors",
+                                       "clip_name2": "byt5_small_glyphxl_fp16.safetensors", "type": "hunyuan_image"},
+                    "VAELoader": {"vae_name": "hunyuan_image_2.1_vae_fp16.safetensors"}},
+        # Tencent's settings for the base model (50 steps, guidance 3.5; ComfyUI applies its shift 5) at its native
+        # 2048x2048, on ComfyUI's EmptyHunyuanImageLatent (64 channels, 1/32 of the image)
+        "sampler": {"steps": 50, "cfg": 3.5},
+        "latent": {"class_type": "EmptyHunyuanImageLatent", "inputs": {"width": 2048, "height": 2048}},
+        "files": "models/diffusion_models: hunyuanimage2.1_bf16.safetensors (weight_dtype fp8 keeps it at 17 GB; "
+                 "not the refiner or the distilled model); models/text_encoders: qwen_2.5_vl_7b.safetensors + "
+                 "byt5_small_glyphxl_fp16.safetensors (DualCLIPLoader type hunyuan_image); models/vae: "
+                 "hunyuan_image_2.1_vae_fp16.safetensors",
+    },
 }
 
 

@@ -47,7 +47,7 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    vision tower (visual.*) is narrower than the real 1280 loads, the tower is built at the file's widths and depth
    (16-wide heads), so Qwen-Image-Edit's control images go through a tiny tower (ComfyUI pins it in llama.py).
 
-7. HunyuanImage 2.1: its diffusion model needs nothing (detection derives the heads from the width).
+8. HunyuanImage 2.1: its diffusion model needs nothing (detection derives the heads from the width).
    Its byT5-small glyph encoder's depth and feed-forward come from byt5_config_small_glyph.json, and the encoder class
    gets no model name to look up an override by: while a byT5 file shallower than the real 12 blocks loads, the
    encoder is built with model_options["byt5_small_model_config"] read from the file (its width stays the real 1472:
@@ -365,7 +365,7 @@ def _hunyuan_vae_widths(sd: dict) -> dict:
 
 
 def _install_hunyuan_image() -> None:
-    """HunyuanImage 2.1's narrow byT5 encoder and VAE (see the docstring, 7), in a ComfyUI that has them."""
+    """HunyuanImage 2.1's narrow byT5 encoder and VAE (see the docstring, 8), in a ComfyUI that has them."""
     try:
         import comfy.ldm.hunyuan_video.vae as hunyuan_vae
         import comfy.text_encoders.hunyuan_image as hunyuan_image

@@ -86,16 +86,19 @@ FAMILIES = {
                  "qwen_image_vae.safetensors (needs ComfyUI 0.33 or later)",
     },
     "krea2": {  # ComfyUI 0.33 and later
-        "title": "Krea 2",
-        "loaders": {"UNETLoader": {"unet_name": "krea2_turbo_fp8_scaled.safetensors", "weight_dtype": "default"},
+        "title": "Krea 2", "comfyui": "0.33",
+        # an unquantized file: ComfyUI's own templates load krea2_turbo_fp8_scaled / _int8_convrot, quantized layers
+        # LeanLoRA cannot train yet (the family refuses them, naming this); fp8 weight_dtype keeps it at about 12 GB
+        "loaders": {"UNETLoader": {"unet_name": "krea2_turbo_bf16.safetensors", "weight_dtype": "fp8_e4m3fn"},
                     "CLIPLoader": {"clip_name": "qwen3vl_4b_fp8_scaled.safetensors", "type": "krea2"},
                     "VAELoader": {"vae_name": "qwen_image_vae.safetensors"}},
         # ComfyUI's Krea-2 text-to-image template (Krea-2 Turbo, distilled): 8 steps at cfg 1 on an EmptyLatentImage
         "sampler": {"steps": 8, "cfg": 1.0},
         "latent": {"class_type": "EmptyLatentImage"},
-        "files": "models/diffusion_models: krea2_turbo_fp8_scaled.safetensors; models/text_encoders: "
-                 "qwen3vl_4b_fp8_scaled.safetensors (CLIPLoader type krea2); models/vae: qwen_image_vae.safetensors "
-                 "(needs ComfyUI 0.33 or later)",
+        "files": "models/diffusion_models: an unquantized (bf16) Krea 2 file, not the fp8-scaled or int8 ones "
+                 "ComfyUI's Krea 2 templates use (LeanLoRA cannot train quantized layers yet; weight_dtype fp8 keeps "
+                 "it at about 12 GB); models/text_encoders: qwen3vl_4b_fp8_scaled.safetensors (CLIPLoader type "
+                 "krea2); models/vae: qwen_image_vae.safetensors (needs ComfyUI 0.33 or later)",
     },
     "hunyuan_image": {
         "title": "HunyuanImage 2.1",

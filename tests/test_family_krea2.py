@@ -166,3 +166,27 @@ def test_krea2_trains_on_fp8_weights_as_loaded(comfy_base, krea2, two_images, tm
                          tmp_path, lambda **event: None, lambda: False)
     assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses))
 
+
+
+def test_a_quantized_krea2_file_is_refused_naming_what_to_load(krea2, comfy_base, tmp_path):
+    """An fp8-scaled file (each matrix in fp8 with its scale, as ComfyUI's krea2_turbo_fp8_scaled): 0.33 loads it as
+    quantized layers, which LoRA cannot wrap; Train says so and what to load, before any work."""
+    import comfy.sd
+    from trainer.errors import LeanLoRAError
+    scaled = {}
+    for key, tensor in load_file(str(comfy_base / "models" / "diffusion_models" /
+                                     "leanlora_tiny_krea2.safetensors")).items():
+        if key.endswith(".weight") and tensor.dim() == 2:
+            scale = tensor.float().abs().max() / 448
+            scaled[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            scaled[key[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            scaled[key] = tensor
+    scaled["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    file = tmp_path / "krea2_fp8_scaled.safetensors"
+    save_file(scaled, str(file))
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(file))
+    with pytest.raises(LeanLoRAError, match=r"this Krea 2 file is quantized .*load an unquantized \(bf16\) Krea 2 "
+                                            r"file, with Load Diffusion Model's weight_dtype fp8_e4m3fn"):
+        _adapter((model, *krea2[1:]))

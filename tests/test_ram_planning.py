@@ -1,0 +1,203 @@
+"""Host RAM planned like VRAM (issue 44 item 5; trainer/memory/host_ram.py): Memory Settings' `ram` limit, the
+host RAM estimate of a plan against the job's measured resident peak, auto-fit leaving out what the limit cannot
+hold, a plan over it refused before step 1, and the limit from the widget or a config file through to the report.
+CPU only: a simulated card (trainer/device/card.py) stands for the GPU where the plan needs one."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from leanlora import cli, config, library
+from test_pure_torch_training import EAGER, TinyAdapter, train
+from trainer.errors import LeanLoRAError
+from trainer.device.card import GIB, SimulatedCard
+from trainer.memory.host_ram import HostRamPlan
+from trainer.settings import AutoFit, BaseWeights, LatentCache, MemorySettings, RamLimit
+from helpers import node_module
+
+MIB = 2 ** 20
+
+
+class BallastAdapter(TinyAdapter):
+    """TinyAdapter whose training copy also holds `ballast` bytes of frozen fp32 weights of its own (a copy made
+    for training, as a model the host application does not share would be), so host RAM is measurable."""
+
+    def __init__(self, ballast: int):
+        super().__init__()
+        self.ballast = ballast
+
+    def training_unet(self):
+        unet = super().training_unet()
+        side = 2048
+        layers = max(1, self.ballast // (side * side * 4))
+        torch.manual_seed(1)
+        unet.ballast = torch.nn.ModuleList(torch.nn.Linear(side, side, bias=False) for _ in range(layers))
+        return unet.requires_grad_(False)
+
+
+def test_the_host_ram_estimate_of_a_run_is_its_measured_resident_peak_within_the_stated_tolerance(tmp_path):
+    """A CPU run whose training copy holds 256 MiB of weights of its own: the estimate (the copy, the latent cache,
+    the LoRA and optimizer state a CPU run keeps in RAM) against how far the job's resident set rose. Tolerance:
+    the measured rise is within 5% of the estimate, + 32 MiB above it for what PyTorch's CPU kernels, autograd and
+    the allocator take beside the counted tensors (measured: 255.8 MiB risen for 256.0 estimated)."""
+    gc.collect()
+    outcome, _ = train(tmp_path / "data", tmp_path / "loras", BallastAdapter(256 * MIB), EAGER, steps=3)
+    estimated, grown = outcome.run.host_ram.total, outcome.run.host_ram_grown
+    assert outcome.run.host_ram.training_copy >= 256 * MIB
+    assert grown is not None and 0.95 * estimated <= grown <= 1.05 * estimated + 32 * MIB, \
+        f"estimated {estimated / MIB:.0f} MiB, the job's resident set rose {grown / MIB:.0f} MiB"
+    assert f"host RAM estimate (GiB): training copy's own tensors {outcome.run.host_ram.training_copy / GIB:.2f}" \
+        in outcome.report
+    assert f"host RAM of this job: peak {outcome.run.host_ram_peak / GIB:.2f} GiB resident, {grown / GIB:.2f} GiB " \
+           f"above its start; estimated {estimated / GIB:.2f} GiB" in outcome.report
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory):
+    import tiny_dit_assets
+    return tiny_dit_assets.build_family(tmp_path_factory.mktemp("ram_flux"), "flux_dev")
+
+
+def test_streamed_fp8_copies_of_a_comfyui_model_are_the_host_bytes_streaming_keeps(tiny_flux):
+    """FLUX.1's tiny model as ComfyUI loads it (not fp8): the estimate of fp8 weights streamed at 40% is the host
+    bytes the converted, streamed layers hold once the rest is placed on the (simulated) card, none of it ComfyUI's
+    own memory; the copy's own tensors before placement are none (it shares ComfyUI's), and an fp8 file's streamed
+    weights are ComfyUI's pages: no copy."""
+    import tiny_dit_assets
+    from bridge.comfy_adapter import ComfyAdapter
+    from trainer.step.frozen_weights import place_on_device
+    memory = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.4)
+    adapter = ComfyAdapter(*tiny_dit_assets.load_family(tiny_flux, "flux_dev", {}))
+    unet = adapter.training_unet()
+    with SimulatedCard(gib=1.0, context_gib=0.0).installed():
+        estimate = HostRamPlan(adapter, unet, [], RamLimit()).estimate(memory)
+        assert estimate.training_copy == 0 and estimate.streamed > 0
+        adapter.set_compute_dtype(unet, torch.bfloat16)
+        adapter.store_weights_fp8(unet)
+        adapter.stream_weights_from_cpu(unet, memory.stream_share)
+        place_on_device(unet, torch.device("cpu"))
+        comfy = adapter.shared_host_storages()
+        streamed = sum(t.numel() * t.element_size() for layer in unet.modules()
+                       if getattr(layer, "leanlora_streamed", False)
+                       for t in (layer.weight, getattr(layer, "bias", None))
+                       if t is not None and t.untyped_storage().data_ptr() not in comfy)
+        fp8_file = ComfyAdapter(*tiny_dit_assets.load_family(tiny_flux, "flux_dev", {"dtype": torch.float8_e4m3fn}))
+        assert HostRamPlan(fp8_file, fp8_file.training_unet(), [], RamLimit()).estimate(memory).streamed == 0
+    assert streamed == estimate.streamed
+
+
+def _plan(ram: RamLimit) -> HostRamPlan:
+    adapter = BallastAdapter(0)
+    return HostRamPlan(adapter, adapter.training_unet(), [], ram)
+
+
+def test_a_ram_limit_without_room_for_the_offload_buffers_makes_auto_fit_stream_instead():
+    """At the ladder's activation-offload rung (fp8 weights, AdamW8bit, every block recomputed) on a card: with
+    room in host RAM for what one forward pass offloads, offload is the next rung; without it, the rung after
+    (streaming from CPU) with offload left off, and the report says why."""
+    memory = MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights=BaseWeights.FP8)
+    offloaded = 512 * MIB
+    with SimulatedCard(gib=1.0, context_gib=0.0).installed():
+        roomy = _plan(RamLimit(4))
+        taken, _ = roomy.next_rung_within(memory, offloaded)
+        assert taken.activation_offload and taken.base_weights is BaseWeights.FP8 and not roomy.lines
+        tight = _plan(RamLimit(0.25))
+        instead, description = tight.next_rung_within(memory, offloaded)
+        assert not instead.activation_offload and instead.base_weights is BaseWeights.FP8_STREAMED
+        assert description.startswith("frozen base weights streamed from CPU memory")
+        assert tight.lines == ["auto-fit: activation offload left out: with it the run would take 0.50 GiB of host "
+                               "RAM, over the 0.25 GiB limit (ram 0.25 GiB)"]
+        # the walk goes on from there: offload stays out, streaming grows
+        further, _ = tight.next_rung_within(instead)
+        assert not further.activation_offload and further.stream_share > instead.stream_share
+
+
+def _settings(card: AutoFit | None, ram: RamLimit) -> MemorySettings:
+    return MemorySettings("no", False, 1, 1, latent_cache=LatentCache.OFF, fast_path="off", ram=ram,
+                          **({"auto_fit": card} if card else {}))
+
+
+def test_a_plan_auto_fit_cannot_fit_in_the_ram_limit_is_refused_before_step_1_naming_the_numbers(tmp_path):
+    """Auto-fit on a (simulated) card with a `ram` limit below what the training copy alone holds: refused before
+    any step, naming the RAM needed, the limit and what to change; no LoRA is written."""
+    card = SimulatedCard(gib=1.0, context_gib=0.0)
+    memory = _settings(AutoFit(card_gib=1.0), RamLimit(0.01))
+    with card.installed(), pytest.raises(LeanLoRAError) as refused:
+        train(tmp_path / "data", tmp_path / "loras", BallastAdapter(32 * MIB), memory, steps=2)
+    message = str(refused.value)
+    assert message.startswith("host RAM: this run needs about 0.03 GiB of host RAM (training copy's own tensors "
+                              "0.03 GiB"), message
+    assert "the limit is 0.01 GiB (ram 0.01 GiB), and no plan auto-fit can choose needs less. Before step 1, " \
+           "nothing trained" in message
+    assert "close other programs or unload other models to free RAM, or raise `ram`" in message
+    assert not list((tmp_path / "loras").glob("*.safetensors"))
+    refused.value.__cause__ = refused.value.__context__ = refused.value.__traceback__ = None
+    del refused
+    gc.collect()
+    assert card.allocated() == 0
+
+
+def test_settings_given_as_they_are_run_as_set_over_the_ram_limit_with_a_warning(tmp_path):
+    outcome, events = train(tmp_path / "data", tmp_path / "loras", BallastAdapter(32 * MIB),
+                            _settings(None, RamLimit(0.01)), steps=2)
+    assert not outcome.partial and len(outcome.losses) == 2 and outcome.lora_path.is_file()
+    assert outcome.run.host_ram.total > outcome.run.host_ram_limit == int(0.01 * GIB)
+    warning = next(line for line in outcome.report.split("\n") if line.startswith("WARNING: host RAM"))
+    assert "the settings run as set (card manual)" in warning
+    assert any(event["kind"] == "phase" and event["text"] == warning for event in events)
+
+
+class PackAdapter(TinyAdapter):
+    """TinyAdapter for the node's own trainer: its enums are the pack's (imported under the tests' package name)."""
+
+    def __init__(self, pack_objective):
+        super().__init__()
+        self.timestep_sampling = pack_objective.TimestepSampling.UNIFORM
+
+    def set_attention(self, backend, compiled=False):
+        assert backend.value == "auto"
+        return None
+
+
+def test_the_ram_widget_reaches_the_run_and_the_report(tmp_path):
+    node = node_module("settings").LeanLoRAMemorySettings
+    spec = node.INPUT_TYPES()["optional"]["ram"]
+    assert spec[0][0] == "auto (free RAM)" and spec[1]["default"] == "auto (free RAM)" and "16 GiB" in spec[0]
+    memory, = node().execute(card="manual", mixed_precision="no", gradient_checkpointing=False, latent_cache="off",
+                             fast_path="off", ram="16 GiB")
+    assert memory.ram.gib == 16 and "host RAM limit 16 GiB" in memory.describe()
+    auto, = node().execute(card="manual")
+    assert auto.ram.gib is None  # the default: the machine's free RAM
+    # the node's own trainer (the pack under the tests' name) runs with the node's output
+    import importlib
+    import tiny_assets
+    from helpers import PACK
+    from trainer.dataset import scan_folder
+    pack = lambda name: importlib.import_module(f"{PACK}.trainer.{name}")  # noqa: E731
+    dataset = scan_folder(tiny_assets.build_tiny_dataset(tmp_path / "data", n=2), 64)
+    outcome = pack("train_lora").train_lora(
+        PackAdapter(pack("objective")), dataset, memory, pack("settings").LoraSettings(rank=4, alpha=4.0),
+        pack("settings").TrainSettings(steps=1, learning_rate=1e-3, seed=0, output_name="ram"), tmp_path / "loras",
+        lambda **event: None, lambda: False)
+    assert outcome.run.requested.ram.gib == 16 and outcome.run.host_ram_limit == 16 * GIB
+    assert "; limit: ram 16 GiB" in outcome.report and ", limit 16.00 GiB" in outcome.report
+
+
+def test_the_auto_limit_is_the_free_ram_beside_what_the_run_holds():
+    plan = _plan(RamLimit())
+    assert plan.limit.limit is None or plan.limit.limit >= plan.copy.own + plan.latent_cache
+    assert plan.limit.source.startswith("ram auto")
+
+
+def test_the_ram_key_of_a_config_file_reaches_memory_settings():
+    """Headless runs (leanlora/config.py): `ram` is Memory Settings' widget, given as its label or a number of
+    GiB; a size the widget does not list is refused naming the key."""
+    for given in ("24 GiB", 24, 24.0):
+        values = config.complete(config.parse({"ram": given, "card": "manual"}))
+        memory, = library.pack("nodes.settings").LeanLoRAMemorySettings().execute(**cli.node_inputs(values)["memory"])
+        assert memory.ram.gib == 24, given
+    assert config.complete(config.parse({}))["ram"] == "auto (free RAM)"
+    with pytest.raises(library.ConfigError, match=r"^ram: Value not in list: '25 GiB' not in"):
+        config.complete(config.parse({"ram": 25}))

@@ -33,9 +33,9 @@ import torch
 from ..errors import LeanLoRAError
 from ..settings import BaseWeights, MemorySettings, RamLimit
 from ..step.precision import DTYPES
-from .card import GIB, is_gpu
+from ..device.card import GIB, is_gpu
 from .ladder import next_rung
-from .vram import available_ram_bytes
+from ..device.vram import available_ram_bytes
 
 # Offloaded activations are held twice under CUDA graphs: the eager warm-up step's pinned buffers stay cached in
 # PyTorch's pinned-memory pool, and the captured graph copies into preallocated buffers of its own

@@ -197,3 +197,20 @@ def test_the_training_copys_self_attention_computes_what_comfyuis_computes_and_b
     query.requires_grad_(True)
     unet(x, timestep, context).square().mean().backward()
     assert query.grad is not None and query.grad.abs().sum() > 0
+
+
+def test_an_anima_with_extra_input_channels_is_refused_before_training(anima_files, anima):
+    """The tiny file with a patch embedding for one more latent channel (a conditioned variant), loaded as ComfyUI
+    loads it: Train says what it cannot build instead of failing inside the first step."""
+    import comfy.sd
+    from trainer.errors import LeanLoRAError
+    state = load_file(str(anima_files["unet_name"]))
+    embed = state["x_embedder.proj.1.weight"]  # (width, (16 channels + padding mask) x 2 x 2)
+    state["x_embedder.proj.1.weight"] = torch.zeros(embed.shape[0], embed.shape[1] + 4, dtype=embed.dtype)
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model_state_dict(state)
+    assert type(model.model) is comfy.model_base.Anima
+    _, clip, vae = anima
+    with pytest.raises(LeanLoRAError, match=r"LeanLoRA Train: this Anima model takes 17 input channels and its "
+                                            r"latents have 16: a variant with extra input channels is not supported"):
+        _adapter((model, clip, vae))

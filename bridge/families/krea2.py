@@ -57,9 +57,10 @@ class Krea2(TransformerFamily):
 
     def describe(self, base) -> str:
         unet = base.diffusion_model
+        shift = getattr(base.model_sampling, "shift", None)  # a sampling node the user put before Train may set it
         return (f"Krea 2 ({len(unet.blocks)} blocks + {len(self._text_fusion(unet))} text fusion blocks, "
                 f"{sum(p.numel() for p in unet.parameters()) / 1e9:.2f}B parameters, dtype {unet.dtype}), "
-                f"flow matching at shift {base.model_sampling.shift:g}")
+                f"flow matching{f' at shift {shift:g}' if shift else ''}")
 
     @staticmethod
     def _text_fusion(unet: torch.nn.Module) -> list[torch.nn.Module]:

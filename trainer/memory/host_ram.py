@@ -229,9 +229,10 @@ class HostRamPlan:
 
 
 def next_rung_for(session, probed=None) -> tuple[MemorySettings, str] | None:
-    """ladder.next_rung for the session's settings, within its host RAM limit where it has one (session.host_ram).
-    `probed`: the latest probe's MemoryEstimate, whose activations are what offload would move."""
-    host = session.host_ram
+    """ladder.next_rung for the session's settings, within its host RAM limit where it has one (session.host_ram;
+    a session without a plan, as the bench's and the tests' stand-ins, walks the plain ladder). `probed`: the latest
+    probe's MemoryEstimate, whose activations are what offload would move."""
+    host = getattr(session, "host_ram", None)
     if host is None:
         return next_rung(session.memory, session.adapter.device)
     activations = probed.activations if probed is not None else None

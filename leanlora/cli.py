@@ -2,15 +2,20 @@
 
 `train` loads the model with ComfyUI's loaders, runs the Dataset, Memory Settings and LoRA Config nodes and then the
 Train node itself (nodes/train.py -> trainer/train_lora.py), so progress lines, saves, samples, resume and the report
-are the node's. Ctrl-C stops within one step and keeps a partial LoRA, as the node's Cancel does."""
+are the node's. Ctrl-C stops within one step and keeps a partial LoRA, as the node's Cancel does.
+
+Under a launcher (`torchrun --nproc_per_node N -m leanlora train CONFIG`, or accelerate launch) each process is one
+rank of a data-parallel run (trainer/distributed.py) on its own GPU: rank 0 prints, saves and samples."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from . import library
@@ -60,25 +65,64 @@ def _logging(stream, level):
         root.setLevel(old_level)
 
 
+def _launched_rank() -> int | None:
+    """This process's rank where a launcher started several (WORLD_SIZE > 1), else None."""
+    if int(os.environ.get("WORLD_SIZE") or 1) <= 1:
+        return None
+    return int(os.environ.get("RANK") or 0)
+
+
+def _one_gpu_per_rank(comfyui_args: str) -> None:
+    """Under a launcher, each rank sees the GPU of its LOCAL_RANK alone (ComfyUI trains on the GPU it sees first),
+    before torch is imported; --cuda-device in ComfyUI's arguments wins."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if _launched_rank() is None or local_rank is None or "--cuda-device" in comfyui_args or "torch" in sys.modules:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else None
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[int(local_rank) % len(devices)] if devices else local_rank
+
+
 @contextlib.contextmanager
 def _ctrl_c_stops():
-    """The first Ctrl-C asks the run to stop (ComfyUI's interrupt: the node's Cancel), the second quits."""
+    """The first Ctrl-C asks the run to stop (ComfyUI's interrupt: the node's Cancel), the second quits. Under a
+    launcher a stop is asked of every rank before the next step (trainer/distributed.py), never inside a step (the
+    ranks would part at different collectives); SIGTERM (the launcher ending its ranks) asks it too, and only a
+    Ctrl-C 2 s or more after the first quits at once."""
     import comfy.model_management
+    distributed = library.pack("trainer.distributed") if _launched_rank() is not None else None
+    first_asked = []  # when the stop was first asked
 
     def stop(signum, frame):
-        if comfy.model_management.processing_interrupted():
+        asked = distributed.STOP.is_set() if distributed else comfy.model_management.processing_interrupted()
+        # torchrun passes the terminal's Ctrl-C on to its ranks, which had it already: that copy is no second Ctrl-C
+        if asked:
+            forwarded = distributed is not None and (signum != signal.SIGINT or not first_asked
+                                                     or time.monotonic() - first_asked[0] < 2)
+            if forwarded:
+                return
             raise KeyboardInterrupt
-        print("LeanLoRA: stopping after this step (Ctrl-C again to quit at once)", flush=True)
-        comfy.model_management.interrupt_current_processing(True)
+        first_asked.append(time.monotonic())
+        if _launched_rank() in (None, 0):
+            print("LeanLoRA: stopping after this step (Ctrl-C again to quit at once)", flush=True)
+        if distributed:
+            distributed.STOP.set()
+        else:
+            comfy.model_management.interrupt_current_processing(True)
+    signals = (signal.SIGINT, signal.SIGTERM) if distributed else (signal.SIGINT,)
     try:
-        previous = signal.signal(signal.SIGINT, stop)
+        previous = {number: signal.signal(number, stop) for number in signals}
     except ValueError:  # not the main thread: no handler
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if distributed:
+            distributed.STOP.clear()
+            distributed.leave()
 
 
 def _file_in(kind: str, value: str) -> str:
@@ -128,6 +172,7 @@ def train(values: dict) -> int:
     comfy.model_management.interrupt_current_processing(False)
     try:
         output = node.LeanLoRATrain().execute(model, clip, vae, dataset, memory, lora_config, **inputs["train"])
+        stopped_by_signal = _launched_rank() is not None and library.pack("trainer.distributed").STOP.is_set()
     except comfy.model_management.InterruptProcessingException:
         print("LeanLoRA: stopped before step 1: nothing was learned, nothing saved", flush=True)
         return STOPPED
@@ -136,9 +181,10 @@ def train(values: dict) -> int:
         comfy.model_management.interrupt_current_processing(False)
     lora_name = output["result"][3]
     saved = Path(folder_paths.get_folder_paths("loras")[0]) / lora_name
-    if stopped:
+    if stopped or stopped_by_signal:
         return STOPPED  # the node logged "stopped; partial saved to ...; set resume to continue"
-    print(f"LeanLoRA: saved {saved}", flush=True)
+    if _launched_rank() in (None, 0):  # rank 0 saved it
+        print(f"LeanLoRA: saved {saved}", flush=True)
     return 0
 
 
@@ -160,6 +206,8 @@ def _write(text: str, output: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "train":
+            _one_gpu_per_rank(args.comfyui_args)
         with _logging(sys.stderr, logging.WARNING):  # stdout stays the config's (--print-config)
             _comfyui(args, getattr(args, "config", None))
         from . import config
@@ -171,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 _write(config.to_toml(values), None)
                 return 0
-            with _logging(sys.stdout, logging.INFO), _ctrl_c_stops():  # the node's progress lines
+            # the node's progress lines (rank 0's where a launcher started several: the others print warnings)
+            with _logging(sys.stdout, logging.INFO if _launched_rank() in (None, 0) else logging.WARNING), \
+                    _ctrl_c_stops():
                 return train(values)
         if args.command == "config-from-workflow":
             workflow = json.loads(Path(args.workflow).read_text(encoding="utf-8"))

@@ -1,7 +1,12 @@
 """Data-parallel training (issue 43 item 2) on the CPU: two gloo processes, each launched as torchrun would (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT), train the tiny SD1.5 checkpoint through the real trainer and give the LoRA of one
 process with the doubled batch; a rank killed mid-run resumes to the same LoRA; a resume by another number of
-processes is refused; a Cancel on one rank stops both at the same step with a partial LoRA."""
+processes is refused; a Cancel on one rank stops both at the same step with a partial LoRA; torchrun runs the
+headless command on two ranks."""
+import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 import tiny_assets as tiny_assets_lib
+from comfy_headless import comfyui_path
 from distributed_worker import run_ranks
+from leanlora import cli
 from trainer.dataset import scan_folder
 from trainer.distributed import Distributed, World, world_from_environment
 from trainer.errors import LeanLoRAError
@@ -17,6 +24,7 @@ from trainer.settings import LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX, Resume, load_training_state
 
+REPO = Path(__file__).resolve().parents[1]
 STEPS, ACCUMULATION = 6, 2
 # 3 images, 2 a batch: every other micro-batch holds one image, so rank 1 then trains none (the uneven split)
 IMAGES, PER_RANK = 3, 1
@@ -134,3 +142,33 @@ def test_the_launchers_environment_and_the_split_of_a_batch():
         assert all(end == start for (_, end), (start, _) in zip(shares, shares[1:]))
         sizes = [end - start for start, end in shares]
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def _config(tiny_assets, folders, batch_size: int, loras: Path) -> str:
+    return "\n".join([f'checkpoint = "{tiny_assets["checkpoint"]}"', f'output_dir = "{loras}"',
+                      f'folder = "{folders["dataset"]}"', "resolution = 64", 'card = "manual"',
+                      'mixed_precision = "no"', f"batch_size = {batch_size}", f"gradient_accumulation = {ACCUMULATION}",
+                      "rank = 4", "alpha = 4.0", "steps = 4", "learning_rate = 1e-3", 'output_name = "cli_ddp"']) + "\n"
+
+
+def test_torchrun_runs_the_headless_command_on_two_ranks(tiny_assets, folders, tmp_path):
+    import folder_paths
+    two, one = tmp_path / "two.toml", tmp_path / "one.toml"
+    two.write_text(_config(tiny_assets, folders, PER_RANK, tmp_path / "two"))
+    one.write_text(_config(tiny_assets, folders, 2 * PER_RANK, tmp_path / "one"))
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "leanlora", "train", str(two)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "COMFYUI_PATH": str(comfyui_path()), "OMP_NUM_THREADS": "1"})
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    saved = tmp_path / "two" / "cli_ddp.safetensors"
+    assert launched.stdout.count("LeanLoRA: saved ") == 1 and f"LeanLoRA: saved {saved}" in launched.stdout
+    assert "data-parallel: rank 0 of 2 processes (gloo)" in launched.stdout  # rank 0's report; rank 1 prints none
+    assert "rank 1 of 2" not in launched.stdout + launched.stderr
+    tables = copy.deepcopy(folder_paths.folder_names_and_paths)
+    try:
+        assert cli.main(["train", str(one)]) == 0
+    finally:
+        folder_paths.folder_names_and_paths.clear()
+        folder_paths.folder_names_and_paths.update(tables)
+    _assert_close_loras(saved, tmp_path / "one" / "cli_ddp.safetensors")

@@ -11,6 +11,7 @@ state; a Cancel on any rank stops every rank before the next step."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping
@@ -24,6 +25,9 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 # Rank 0 saves and renders samples between steps while the others wait at the next collective: a sample on a slow
 # card can take minutes, so the wait allowed is far above torch's default 10 minutes
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+# A stop asked by a signal (the headless runner's Ctrl-C or the launcher's SIGTERM): read before each step and agreed by
+# every rank (Distributed.agree), so all stop at the same step and rank 0 keeps the partial LoRA
+STOP = threading.Event()
 LAUNCH_HINT = "launch with `torchrun --nproc_per_node N -m leanlora train CONFIG` (or accelerate launch), which sets them"
 
 
@@ -94,8 +98,10 @@ class Distributed:
                 raise LeanLoRAError(f"could not join the launcher's {world.size} processes as rank {world.rank} "
                                     f"({backend} on {device}, MASTER_ADDR {os.environ['MASTER_ADDR']}:"
                                     f"{os.environ['MASTER_PORT']}): {error}") from error
-        stop_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else None
-        return cls(world, device, stop_group)
+        global _stop_group
+        if backend != "gloo" and _stop_group is None:  # made once: every rank makes its groups in the same order
+            _stop_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        return cls(world, device, _stop_group if backend != "gloo" else None)
 
     def describe(self) -> str:
         return (f"data-parallel: rank {self.rank} of {self.world} processes ({dist.get_backend()}); each step trains "
@@ -145,7 +151,7 @@ class Distributed:
     def agree(self, stop: bool, layout: tuple[int, int]) -> bool:
         """Before each step: whether any rank asks to stop, on every rank. `layout` (batch size, gradient
         accumulation) must be every rank's: a rank whose memory plan differs would train other images."""
-        flags = torch.tensor([float(stop), *layout, *(-value for value in layout)], dtype=torch.float64)
+        flags = torch.tensor([float(stop or STOP.is_set()), *layout, *(-value for value in layout)], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.stop_group)
         highest, lowest = flags[1:3].tolist(), (-flags[3:5]).tolist()
         if highest != lowest:
@@ -171,6 +177,17 @@ class Distributed:
         if isinstance(sent[0], str):
             raise LeanLoRAError(f"rank 0 could not save the LoRA ({sent[0]}); rank {self.rank} saved nothing")
         return tuple(sent[0])
+
+
+_stop_group = None  # the gloo group of the stop flag beside NCCL's (one per process)
+
+
+def leave() -> None:
+    """The end of a launched process's runs: its process group goes (the launcher's processes then exit cleanly)."""
+    global _stop_group
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _stop_group = None
 
 
 def refused_world(state_name: str, state_world: str, world: int) -> LeanLoRAError:

@@ -120,7 +120,9 @@ class SampleRenderer:
 
     def _sample(self, patched, positives, negative) -> list[np.ndarray]:
         settings = self.settings
-        latent_size = settings.size // 8
+        # pixels per latent position: 8, FLUX.2's 16 (0.3.75's latent formats do not say: all 8 there)
+        downscale = getattr(patched.get_model_object("latent_format"), "spacial_downscale_ratio", 8)
+        latent_size = settings.size // downscale
         images = []
         for positive in positives:
             self._stop_if_cancelled()

@@ -73,6 +73,18 @@ FAMILIES = {
                  "qwen_2.5_vl_7b_fp8_scaled.safetensors (CLIPLoader type qwen_image); models/vae: "
                  "qwen_image_vae.safetensors",
     },
+    "flux2_klein": {  # ComfyUI 0.33 only: written from a 0.33 server's object_info (--family flux2_klein)
+        "title": "FLUX.2 klein", "comfyui": "0.33",
+        "loaders": {"UNETLoader": {"unet_name": "flux-2-klein-base-4b.safetensors", "weight_dtype": "default"},
+                    "CLIPLoader": {"clip_name": "qwen_3_4b.safetensors", "type": "flux2"},
+                    "VAELoader": {"vae_name": "flux2-vae.safetensors"}},
+        # ComfyUI's FLUX.2 klein 4B (base) text-to-image template: 20 euler steps at cfg 5, its empty latent
+        "sampler": {"steps": 20, "cfg": 5.0},
+        "latent": {"class_type": "EmptyFlux2LatentImage", "inputs": {}},
+        "files": "models/diffusion_models: flux-2-klein-base-4b.safetensors (the base model trains; or klein 9B "
+                 "base with qwen_3_8b, or FLUX.2 dev with its Mistral file); models/text_encoders: "
+                 "qwen_3_4b.safetensors (CLIPLoader type flux2); models/vae: flux2-vae.safetensors",
+    },
     "anima": {  # ComfyUI 0.33 and later
         "title": "Anima",
         "loaders": {"UNETLoader": {"unet_name": "anima-base-v1.0.safetensors", "weight_dtype": "default"},
@@ -266,13 +278,16 @@ def edit_template(name: str, object_info: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--object-info", required=True, help="server URL or a saved object_info.json")
+    parser.add_argument("--family", action="append", choices=list(FAMILIES),
+                        help="write only this family's template (repeatable); a family marked for a newer ComfyUI "
+                             "(FAMILIES' 'comfyui') is written only when named, from that version's object_info")
     args = parser.parse_args(argv)
     info = load_object_info(args.object_info)
-    for family in FAMILIES:
+    for family in args.family or [name for name, spec in FAMILIES.items() if "comfyui" not in spec]:
         path = template_path(family)
         path.write_text(json.dumps(family_template(family, info), indent=1) + "\n")
         print(path)
-    for name in EDITS:
+    for name in EDITS if not args.family else ():
         path = edit_template_path(name)
         path.write_text(json.dumps(edit_template(name, info), indent=1) + "\n")
         print(path)

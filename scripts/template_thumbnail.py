@@ -44,8 +44,8 @@ TEMPLATES = {
                                                   (f"your {title}\nfiles", "your images\n+ captions",
                                                    "card: auto\n+ LoRA shape"), ("with LoRA", "models/loras"))
        for family, title in (("z_image", "Z-Image"), ("flux_dev", "FLUX.1-dev"), ("chroma", "Chroma"),
-                             ("qwen_image", "Qwen-Image"), ("wan", "Wan 2.1"), ("anima", "Anima"),
-                             ("krea2", "Krea 2"))},
+                             ("flux2_klein", "FLUX.2 klein"), ("qwen_image", "Qwen-Image"), ("wan", "Wan 2.1"),
+                             ("anima", "Anima"), ("krea2", "Krea 2"))},
     # its name is too long for the families' title above (the image is 512 wide)
     "leanlora_hunyuan_image_train_then_generate": ("LeanLoRA: HunyuanImage 2.1",
                                                    ("your HunyuanImage\nfiles", "your images\n+ captions",

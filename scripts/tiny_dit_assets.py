@@ -58,13 +58,6 @@ UMT5XXL = dict(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_s
 # one Qwen3 size so; tests/tiny_dit_configs tells a narrow Qwen3-0.6B from a narrow Qwen3-4B by that
 QWEN3_06B = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=1,
                  num_key_value_heads=1)
-# Krea 2's Qwen3-VL-4B (ComfyUI 0.33): 36 layers, because Krea 2 conditions on the hidden states before layers 2, 5,
-# ..., 35 (comfy/text_encoders/krea2.py's 12 taps); 128 wide, one 128-wide head, so the model's text fusion keeps its
-# real 128-wide heads (tests/tiny_dit_configs sets txtheads = txtdim // 128). Its vision tower (the file must have one:
-# ComfyUI tells Qwen3-VL by its DeepStack mergers) is 16-wide heads like Qwen2.5-VL's tiny one, DeepStack on layers 0, 1.
-QWEN3VL_4B = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=36, num_attention_heads=1,
-                  num_key_value_heads=1)
-QWEN3VL_4B_VISION = dict(hidden_size=32, intermediate_size=64, depth=2, num_heads=2, deepstack_visual_indexes=[0, 1])
 # HunyuanImage 2.1's byT5-small glyph encoder (byt5_config_small_glyph.json): one block with a small feed-forward;
 # its width stays the real 1472 (the diffusion model's byT5 mapper pins that input width) and its 6 x 64 attention
 # width is what comfy.sd.detect_te_model tells byT5 by
@@ -72,6 +65,13 @@ BYT5_SMALL_GLYPH = dict(num_layers=1, d_ff=64)
 # HunyuanImage 2.1 reads Qwen2.5-VL-7B's third-to-last hidden state (layer_idx -3, which SDClipModel accepts only
 # with 4 or more layers), so its tiny one has 4; Qwen-Image's 2-layer one cannot serve both
 QWEN25_7B_HUNYUAN = dict(QWEN25_7B, num_hidden_layers=4)
+# Krea 2's Qwen3-VL-4B (ComfyUI 0.33): 36 layers, because Krea 2 conditions on the hidden states before layers 2, 5,
+# ..., 35 (comfy/text_encoders/krea2.py's 12 taps); 128 wide, one 128-wide head, so the model's text fusion keeps its
+# real 128-wide heads (tests/tiny_dit_configs sets txtheads = txtdim // 128). Its vision tower (the file must have one:
+# ComfyUI tells Qwen3-VL by its DeepStack mergers) is 16-wide heads like Qwen2.5-VL's tiny one, DeepStack on layers 0, 1.
+QWEN3VL_4B = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=36, num_attention_heads=1,
+                  num_key_value_heads=1)
+QWEN3VL_4B_VISION = dict(hidden_size=32, intermediate_size=64, depth=2, num_heads=2, deepstack_visual_indexes=[0, 1])
 
 # Diffusion models: what ComfyUI's detection (+ tests/tiny_dit_configs) derives from the files' shapes. Widths are
 # multiples of the real 128-wide heads; Z-Image's must be >= 256 (its modulation input is min(dim, 256) while the
@@ -109,6 +109,18 @@ ANIMA = dict(image_model="anima", max_img_h=240, max_img_w=240, max_frames=128, 
              adaln_lora_dim=256, rope_h_extrapolation_ratio=4.0, rope_w_extrapolation_ratio=4.0,
              rope_t_extrapolation_ratio=1.0, extra_per_block_abs_pos_emb=False, extra_h_extrapolation_ratio=1.0,
              extra_w_extrapolation_ratio=1.0, extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+# FLUX.2 klein (comfy.ldm.flux.model.Flux, image_model "flux2"): 0.33's detection reads every width from the file
+# (num_heads = hidden_size // 128, the four 32-wide RoPE axes) and pins the rest (mlp_ratio 3, SiLU-gated MLPs, no
+# biases, one shared modulation per stream). 128-channel latents (the FLUX.2 VAE's 32 channels, 2x2 patched), patch
+# 1; the text is three of Qwen3's hidden states stacked (3 x its width). klein has no guidance embedding (dev has).
+FLUX2_KLEIN = dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None,
+                   context_in_dim=3 * 64, hidden_size=256, mlp_ratio=3.0, num_heads=2, depth=2,
+                   depth_single_blocks=2, axes_dim=[32, 32, 32, 32], theta=2000, patch_size=1, qkv_bias=False,
+                   guidance_embed=False, txt_ids_dims=[3], global_modulation=True, mlp_silu_act=True,
+                   ops_bias=False, default_ref_method="index", ref_index_scale=10.0)
+# klein 4B's text encoder: Qwen3-4B tapped at layers 9, 18 and 27 (comfy.text_encoders.flux.Qwen3_4BModel), so it
+# keeps 28 layers; Z-Image's 3-layer tiny Qwen3-4B cannot serve both
+QWEN3_4B_KLEIN = dict(QWEN3_4B, num_hidden_layers=28)
 # Krea 2 (ComfyUI 0.33's comfy.ldm.krea2 SingleStreamDiT): detection reads features, channels, layers, heads and kv
 # heads (128-wide), txtlayers and txtdim from the file and pins the text fusion's txtheads = txtkvheads = 20 (2560 /
 # 128). Grouped-query attention as in the real model (48 heads over 12 kv heads): 2 over 1.
@@ -134,6 +146,12 @@ WAN21_VAE = dict(dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn
 HUNYUAN_IMAGE_VAE = dict(in_channels=3, out_channels=3, z_channels=64, block_out_channels=[32, 32, 32, 32, 64, 128],
                          num_res_blocks=1, ffactor_spatial=32, downsample_match_channel=True,
                          upsample_match_channel=True)
+# The FLUX.2 VAE (comfy.sd.VAE: an AutoencoderKL with 32 latent channels and a batch norm over the 2x2-patched
+# latent, 16x down): its encoder's widths are pinned (ch 128) like FLUX.1's "ae"; the decoder's width is read from the
+# file (ComfyUI's "full_encoder_small_decoder"), so the decoder is narrow
+FLUX2_VAE = dict(double_z=True, z_channels=32, resolution=256, in_channels=3, out_ch=3, ch=128, ch_mult=[1, 2, 4, 4],
+                 num_res_blocks=2, attn_resolutions=[], dropout=0.0, batch_norm_latent=True)
+FLUX2_VAE_DECODER_CH = 32
 
 # What a workflow uses: loader node, its `type` input, and the file names (relative to models/<folder>/).
 WORKFLOW = {
@@ -183,6 +201,11 @@ WORKFLOW = {
         "DualCLIPLoader": {"clip_name1": "leanlora_tiny_qwen_2.5_vl_7b_4_layers.safetensors",
                            "clip_name2": "leanlora_tiny_byt5_small_glyph.safetensors", "type": "hunyuan_image"},
         "VAELoader": {"vae_name": "leanlora_tiny_hunyuan_image_2.1_vae.safetensors"},
+    },
+    "flux2_klein": {  # ComfyUI 0.33 only
+        "UNETLoader": {"unet_name": "leanlora_tiny_flux2_klein.safetensors", "weight_dtype": "default"},
+        "CLIPLoader": {"clip_name": "leanlora_tiny_qwen_3_4b_klein.safetensors", "type": "flux2"},
+        "VAELoader": {"vae_name": "leanlora_tiny_flux2_vae.safetensors"},
     },
 }
 _FOLDERS = {"unet_name": "diffusion_models", "clip_name": "text_encoders", "clip_name1": "text_encoders",
@@ -333,6 +356,62 @@ def build_qwen3_06b(path: str | Path, seed: int = 0) -> Path:
     return _write(path, f"qwen3_06b-seed{seed}", make)
 
 
+def build_krea2_model(path: str | Path, seed: int = 0) -> Path:
+    """Krea 2 diffusion model (ComfyUI 0.33's comfy.ldm.krea2.model.SingleStreamDiT): 2 blocks, 256 wide, bf16."""
+    return _diffusion_model(path, seed, "krea2", KREA2, "comfy.ldm.krea2.model.SingleStreamDiT", image_model="krea2")
+
+
+def build_qwen3vl_4b(path: str | Path, seed: int = 0) -> Path:
+    """Krea 2's text encoder (ComfyUI 0.33's comfy.text_encoders.qwen3vl Qwen3-VL-4B) in the Hugging Face layout
+    ComfyUI detects it by (model.language_model.*, model.visual.*: its loader renames them), bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.qwen3vl as qwen3vl
+            model = qwen3vl._make_qwen3vl_model("qwen3vl_4b")
+            vision = qwen3vl.QWEN3VL_VISION["qwen3vl_4b"]
+            try:  # the tower's widths are pinned in that table: built narrow here, as tiny_dit_configs loads it
+                qwen3vl.QWEN3VL_VISION["qwen3vl_4b"] = {**vision, **QWEN3VL_4B_VISION}
+                return model(dict(QWEN3VL_4B), torch.float32, "meta", ops)
+            finally:
+                qwen3vl.QWEN3VL_VISION["qwen3vl_4b"] = vision
+        sd = _state_dict(_on_meta(build), seed, torch.bfloat16)
+        return {(f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else f"model.{k}"): v
+                for k, v in sd.items()}
+    return _write(path, f"qwen3vl_4b-seed{seed}", make)
+
+
+def build_flux2_klein_model(path: str | Path, seed: int = 0) -> Path:
+    """FLUX.2 klein diffusion model (comfy.ldm.flux.model.Flux, image_model "flux2"): 2 double + 2 single blocks,
+    256 wide, bf16 (ComfyUI 0.33 only)."""
+    return _diffusion_model(path, seed, "flux2_klein", FLUX2_KLEIN, "comfy.ldm.flux.model.Flux", image_model="flux2")
+
+
+def build_qwen3_4b_klein(path: str | Path, seed: int = 0) -> Path:
+    """FLUX.2 klein 4B's text encoder (comfy.text_encoders.llama.Qwen3_4B, keys model.*), 28 layers, bf16."""
+    def make():
+        def build(comfy, ops):
+            import comfy.text_encoders.llama
+            return comfy.text_encoders.llama.Qwen3_4B(dict(QWEN3_4B_KLEIN), torch.float32, "meta", ops)
+        return _state_dict(_on_meta(build), seed, torch.bfloat16)
+    return _write(path, f"qwen3_4b_klein-seed{seed}", make)
+
+
+def build_flux2_vae(path: str | Path, seed: int = 0) -> Path:
+    """The FLUX.2 VAE (AutoencoderKL with a latent batch norm): the encoder at its pinned size, a 32-wide decoder,
+    bf16; the batch norm's running statistics at mean 0, variance 1."""
+    def make():
+        def build(comfy, ops):
+            from comfy.ldm.models.autoencoder import AutoencoderKL  # what comfy.sd.VAE builds for this file
+            return AutoencoderKL(embed_dim=FLUX2_VAE["z_channels"], ddconfig=dict(FLUX2_VAE),
+                                 decoder_ddconfig={**FLUX2_VAE, "ch": FLUX2_VAE_DECODER_CH})
+        sd = _state_dict(_on_meta(build), seed, torch.bfloat16)
+        channels = 4 * FLUX2_VAE["z_channels"]
+        sd.update({"bn.running_mean": torch.zeros(channels), "bn.running_var": torch.ones(channels),
+                   "bn.num_batches_tracked": torch.zeros((), dtype=torch.int64)})
+        return sd
+    return _write(path, f"flux2_vae-seed{seed}", make)
+
+
 def build_hunyuan_image_model(path: str | Path, seed: int = 0) -> Path:
     """HunyuanImage 2.1 diffusion model (comfy.ldm.hunyuan_video.model.HunyuanVideo, 1x1 patches, a byT5 mapper):
     2 double + 2 single blocks, 256 wide, bf16. The same file on 0.3.75 and 0.33: the settings this ComfyUI's
@@ -368,30 +447,6 @@ def build_byt5_small_glyph(path: str | Path, seed: int = 0) -> Path:
             return comfy.text_encoders.t5.T5(config, torch.float32, "meta", ops)
         return _state_dict(_on_meta(build), seed, torch.float16)
     return _write(path, f"byt5_small_glyph-seed{seed}", make)
-
-
-def build_krea2_model(path: str | Path, seed: int = 0) -> Path:
-    """Krea 2 diffusion model (ComfyUI 0.33's comfy.ldm.krea2.model.SingleStreamDiT): 2 blocks, 256 wide, bf16."""
-    return _diffusion_model(path, seed, "krea2", KREA2, "comfy.ldm.krea2.model.SingleStreamDiT", image_model="krea2")
-
-
-def build_qwen3vl_4b(path: str | Path, seed: int = 0) -> Path:
-    """Krea 2's text encoder (ComfyUI 0.33's comfy.text_encoders.qwen3vl Qwen3-VL-4B) in the Hugging Face layout
-    ComfyUI detects it by (model.language_model.*, model.visual.*: its loader renames them), bf16."""
-    def make():
-        def build(comfy, ops):
-            import comfy.text_encoders.qwen3vl as qwen3vl
-            model = qwen3vl._make_qwen3vl_model("qwen3vl_4b")
-            vision = qwen3vl.QWEN3VL_VISION["qwen3vl_4b"]
-            try:  # the tower's widths are pinned in that table: built narrow here, as tiny_dit_configs loads it
-                qwen3vl.QWEN3VL_VISION["qwen3vl_4b"] = {**vision, **QWEN3VL_4B_VISION}
-                return model(dict(QWEN3VL_4B), torch.float32, "meta", ops)
-            finally:
-                qwen3vl.QWEN3VL_VISION["qwen3vl_4b"] = vision
-        sd = _state_dict(_on_meta(build), seed, torch.bfloat16)
-        return {(f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else f"model.{k}"): v
-                for k, v in sd.items()}
-    return _write(path, f"qwen3vl_4b-seed{seed}", make)
 
 
 def build_umt5_xxl(path: str | Path, seed: int = 0) -> Path:
@@ -529,12 +584,15 @@ _BUILDERS = {
     "leanlora_tiny_umt5_xxl.safetensors": build_umt5_xxl,
     "leanlora_tiny_anima.safetensors": build_anima_model,
     "leanlora_tiny_qwen_3_06b.safetensors": build_qwen3_06b,
-    "leanlora_tiny_krea2.safetensors": build_krea2_model,
-    "leanlora_tiny_qwen3vl_4b.safetensors": build_qwen3vl_4b,
     "leanlora_tiny_hunyuan_image_2.1.safetensors": build_hunyuan_image_model,
     "leanlora_tiny_qwen_2.5_vl_7b_4_layers.safetensors": build_qwen25_vl_7b_4_layers,
     "leanlora_tiny_byt5_small_glyph.safetensors": build_byt5_small_glyph,
     "leanlora_tiny_hunyuan_image_2.1_vae.safetensors": build_hunyuan_image_vae,
+    "leanlora_tiny_krea2.safetensors": build_krea2_model,
+    "leanlora_tiny_qwen3vl_4b.safetensors": build_qwen3vl_4b,
+    "leanlora_tiny_flux2_klein.safetensors": build_flux2_klein_model,
+    "leanlora_tiny_qwen_3_4b_klein.safetensors": build_qwen3_4b_klein,
+    "leanlora_tiny_flux2_vae.safetensors": build_flux2_vae,
 }
 
 

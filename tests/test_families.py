@@ -5,8 +5,6 @@ LoRA whose units cover the model's blocks, whose targets exist, whose file Comfy
 was. The tiny DiT files come from scripts/tiny_dit_assets.py (their widths need tests/tiny_dit_configs)."""
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import re
 from pathlib import Path
@@ -15,25 +13,29 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 import tiny_assets
 import tiny_dit_assets
 from comfy_headless import execution_error
+from family_checks import (FP32_CHECKPOINTED, LORA, PROMPT, check_a_memory_technique_runs,
+                           check_a_scaled_fp8_file_trains_with_its_scales_as_stored,
+                           check_fp8_weights_as_loaded_train_without_a_16_bit_copy,
+                           check_samples_render_with_the_familys_sampler, check_the_template_trains_then_samples,
+                           check_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_the_model,
+                           check_trains_through_the_stock_loaders_in_a_real_server,
+                           check_units_cover_the_blocks_and_every_target_exists, loaders, training)
+from family_checks import adapter as _adapter, base_output as _base_output, fingerprint as _fingerprint  # noqa: F401
+from family_checks import train as _train  # noqa: F401  (other test files import these names from here)
 from trainer.dataset import scan_folder
 from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
-from trainer.training_state import STATE_SUFFIX
 
 DIT = {"z_image": "ZImage", "flux_dev": "Flux", "chroma": "Chroma", "qwen_image": "QwenImage",
        "wan": "Wan"}  # tiny set -> family class
 VIDEO_LATENTS = ("qwen_image", "wan")  # the Wan 2.1 VAE's 5-D latents (batch, 16, frames, height/8, width/8)
 
 FAMILIES = {"sd15": "SdUnet", **DIT}
-FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible; checkpointing recomputes blocks
-LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
-PROMPT = "lnlr, a red circle on a blue background"
 
 
 @pytest.fixture(scope="session")
@@ -56,14 +58,10 @@ def two_images(tmp_path_factory):
     return scan_folder(tiny_assets.build_tiny_dataset(tmp_path_factory.mktemp("family_ds"), n=2), 64)
 
 
-def _adapter(objects):
-    from bridge.comfy_adapter import ComfyAdapter
-    return ComfyAdapter(*objects)
-
-
 def test_the_family_list_is_ordered_with_the_generic_path_last():
     from bridge.families import FAMILIES as LIST
-    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "QwenImage", "Wan", "HunyuanImage", "Krea2", "Anima", "Generic"]
+    assert [type(f).__name__ for f in LIST] == ["SdUnet", "ZImage", "Flux", "Chroma", "Flux2", "QwenImage", "Wan",
+                                                "HunyuanImage", "Krea2", "Anima", "Generic"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -195,23 +193,7 @@ def test_the_generic_path_trains_a_real_comfyui_dit_and_says_so(family_objects, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_units_cover_the_blocks_and_every_target_exists(family_objects, family):
-    adapter = _adapter(family_objects[family])
-    unet = adapter.training_unet()
-    units = adapter.checkpoint_blocks(unet)
-    assert units and len({id(u) for u in units}) == len(units)
-    ordered = adapter.checkpoint_blocks(unet, latent_size=(8, 8))
-    assert {id(u) for u in ordered} == {id(u) for u in units}  # partial checkpointing orders, never drops
-    if family in DIT:
-        assert [id(b) for b in units] == [id(b) for b in adapter.family.blocks(unet)]
-        assert {id(b) for b in adapter.prepare_compile_units(unet)} == {id(b) for b in units}
-    linears = [path for path, m in unet.named_modules() if isinstance(m, torch.nn.Linear)]
-    inside = {path for path, m in unet.named_modules() for unit in units if m is unit}
-    for targets in LoraTargets:
-        suffixes = adapter.lora_targets(unet, targets)
-        for suffix in suffixes:
-            hits = [p for p in linears if p == suffix or p.endswith(f".{suffix}")]
-            assert hits, f"{family}: target {suffix!r} matches no Linear layer"
-            assert all(any(p.startswith(f"{unit}.") for unit in inside) for p in hits), suffix
+    check_units_cover_the_blocks_and_every_target_exists(family_objects[family], family, dit=family in DIT)
 
 
 @pytest.mark.parametrize("family", ["flux_dev", "chroma"])
@@ -243,167 +225,34 @@ def test_fluxs_out_of_place_blocks_compute_exactly_what_comfyuis_blocks_compute(
             assert torch.equal(mine, original), type(block).__name__
 
 
-def _fingerprint(model) -> str:
-    """The base diffusion model's weights, every byte."""
-    digest = hashlib.sha256()
-    with torch.inference_mode():
-        for name, tensor in model.model.diffusion_model.state_dict().items():
-            digest.update(name.encode())
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _base_output(model, latent_shape) -> bytes:
-    """The base model's prediction on fixed inputs, as ComfyUI's sampler calls it (its MODEL, its conditioning)."""
-    with torch.inference_mode():
-        noise = torch.randn(latent_shape, generator=torch.Generator().manual_seed(3))
-        context = torch.randn(1, 8, model.model.diffusion_model.state_dict()[_context_key(model)].shape[-1],
-                              generator=torch.Generator().manual_seed(4))
-        return model.model.apply_model(noise, torch.tensor([0.6]), c_crossattn=context,
-                                       **_extra_inputs(model)).numpy().tobytes()
-
-
-def _context_key(model) -> str:
-    state = model.model.diffusion_model.state_dict()
-    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight", "text_embedding.0.weight")
-                if k in state)
-
-
 def latent_shape(family: str) -> tuple[int, ...]:
     """A 64-pixel square latent of the family's VAE."""
     return (1, 16, 1, 8, 8) if family in VIDEO_LATENTS else (1, 4, 8, 8) if family == "sd15" else (1, 16, 8, 8)
 
 
-def _extra_inputs(model) -> dict:
-    name = type(model.model).__name__
-    if name == "Flux":
-        return {"y": torch.zeros(1, model.model.diffusion_model.params.vec_in_dim), "guidance": torch.tensor([3.5])}
-    if name == "Chroma":
-        return {"guidance": torch.tensor([0.0])}
-    if name == "Lumina2":
-        return {"num_tokens": 8}
-    return {}
-
-
-def _train(objects, dataset, folder, steps, name, continue_from=None, **train):
-    lora = dataclasses.replace(LORA, continue_from=continue_from) if continue_from else LORA
-    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, lora,
-                      TrainSettings(steps, 1e-3, 0, name, "cosine", 1, **train), folder,
-                      lambda **event: None, lambda: False)
-
-
 @pytest.mark.parametrize("family", DIT)
 def test_a_family_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_the_model(
         family_objects, two_images, family, tmp_path, caplog):
-    import comfy.lora
-    import comfy.sd
-    model, clip, _ = family_objects[family]
-    weights_before, output_before = _fingerprint(model), _base_output(model, latent_shape(family))
-
-    straight = _train(family_objects[family], two_images, tmp_path / "straight", 4, family, save_every_steps=2)
-    assert straight.lora_path.is_file() and not straight.partial and len(straight.losses) == 4
-    assert all(np.isfinite(straight.losses))
-    state = tmp_path / "straight" / f"{family}_step2{STATE_SUFFIX}"
-    resumed = _train(family_objects[family], two_images, tmp_path / "resumed", 4, family, resume_from=state)
-    assert resumed.losses == straight.losses
-    assert resumed.lora_path.read_bytes() == straight.lora_path.read_bytes()
-
-    saved = load_file(str(straight.lora_path))
-    with safe_open(str(straight.lora_path), "pt") as file:
-        metadata = file.metadata()
-    identity = _adapter(family_objects[family]).identity()
-    assert metadata["ss_base_model_version"] == identity.base_model_version
-    assert metadata["modelspec.architecture"] == f"{identity.architecture}/lora"
-    modules = {k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")}
-    assert modules and all(k.startswith("lora_unet_") for k in saved)
-    # what the stock LoraLoader runs: every key applied, none "not loaded"
-    with caplog.at_level(logging.WARNING):
-        caplog.clear()
-        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
-        assert "lora key not loaded" not in caplog.text
-    assert len(comfy.lora.load_lora(saved, comfy.lora.model_lora_keys_unet(model.model, {}))) == len(modules)
-    assert len(patched.patches) == len(modules)
-
-    continued = _train(family_objects[family], two_images, tmp_path / "continued", 2, f"{family}_more",
-                       continue_from=str(straight.lora_path))
-    assert f"{len(modules)} modules loaded" in continued.report and "4 steps recorded" in continued.report
-
-    assert _fingerprint(model) == weights_before
-    assert _base_output(model, latent_shape(family)) == output_before
+    check_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_the_model(family_objects[family], two_images,
+                                                                                 family, tmp_path, caplog)
 
 
 @pytest.mark.parametrize("family", DIT)
 def test_fp8_weights_as_loaded_train_without_a_16_bit_copy(dit_files, family_objects, two_images, family, tmp_path):
-    """UNETLoader's weight_dtype fp8_e4m3fn: the training copy keeps the fp8 weights (ComfyUI's per-call cast
-    upcasts one layer at a time) instead of storing the model again in the compute dtype."""
-    import comfy.sd
-    with torch.inference_mode():
-        model = comfy.sd.load_diffusion_model(str(dit_files[family]["unet_name"]),
-                                              model_options={"dtype": torch.float8_e4m3fn})
-    _, clip, vae = family_objects[family]
-    adapter = _adapter((model, clip, vae))
-    unet = adapter.training_unet()
-    adapter.set_compute_dtype(unet, torch.bfloat16)
-    weights = [p for name, p in unet.named_parameters() if name.endswith(".weight") and p.dim() == 2]
-    assert weights and all(p.dtype == torch.float8_e4m3fn for p in weights)
-    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA,
-                         TrainSettings(2, 1e-3, 0, f"fp8_{family}"), tmp_path, lambda **event: None, lambda: False)
-    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+    check_fp8_weights_as_loaded_train_without_a_16_bit_copy(dit_files[family]["unet_name"], family_objects[family],
+                                                            two_images, family, tmp_path)
 
 
 @pytest.mark.parametrize("family", DIT)
 def test_a_scaled_fp8_file_trains_with_its_scales_as_stored(dit_files, family_objects, two_images, family, tmp_path):
-    """The fp8 files users download (e.g. flux1-dev-fp8): each matrix in fp8 with its `scale_weight`, and a
-    `scaled_fp8` marker; ComfyUI's loader builds scaled-fp8 ops for them. The scales stay fp32 in the copy."""
-    import comfy.sd
-    from safetensors.torch import save_file
-    plain = load_file(str(dit_files[family]["unet_name"]))
-    scaled = {}
-    for key, tensor in plain.items():
-        if key.endswith(".weight") and tensor.dim() == 2:
-            scale = tensor.float().abs().max() / 448
-            scaled[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
-            scaled[key[: -len("weight")] + "scale_weight"] = scale.reshape(())
-        else:
-            scaled[key] = tensor
-    scaled["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    file = tmp_path / f"{family}_fp8_scaled.safetensors"
-    save_file(scaled, str(file))
-    with torch.inference_mode():
-        model = comfy.sd.load_diffusion_model(str(file))
-    _, clip, vae = family_objects[family]
-    adapter = _adapter((model, clip, vae))
-    unet = adapter.training_unet()
-    adapter.set_compute_dtype(unet, torch.bfloat16)
-    scales = [p for name, p in unet.named_parameters() if name.endswith("scale_weight")]
-    assert scales and all(p.dtype == torch.float32 for p in scales) and any(float(p) != 1.0 for p in scales)
-    assert any(p.dtype == torch.float8_e4m3fn for p in unet.parameters())
-    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA,
-                         TrainSettings(2, 1e-3, 0, f"fp8s_{family}"), tmp_path, lambda **event: None, lambda: False)
-    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+    check_a_scaled_fp8_file_trains_with_its_scales_as_stored(dit_files[family]["unet_name"], family_objects[family],
+                                                             two_images, family, tmp_path)
 
 
 @pytest.mark.parametrize("family", DIT)
 def test_samples_during_training_render_with_the_familys_sampler(family_objects, family, tmp_path):
-    from bridge.samples import SampleRenderer
-    from trainer.settings import SampleSettings
-    model, clip, vae = family_objects[family]
-    adapter = _adapter(family_objects[family])
-    renderer = SampleRenderer(model, clip, vae, SampleSettings((PROMPT,), every_steps=0, size=64, steps=2, cfg=1.0,
-                                                               seed=1), tmp_path)
-    assert (renderer.sampler, renderer.scheduler) == (adapter.family.sample_defaults.sampler, "simple")
-    unet = adapter.training_unet()
-    inject = LoraSettings(rank=4, alpha=4.0)
-    from trainer.lora import inject_lora, kohya_state_dict
-    inject_lora(unet, inject, 0, adapter.lora_targets(unet, inject.targets))
-    [path] = renderer(3, kohya_state_dict(unet, inject))
-    image = Image.open(path)
-    assert path.name == "step3_0.png" and image.size == (64, 64)
-    assert f"{adapter.family.sample_defaults.sampler} simple" in image.text["parameters"]
-    from trainer.errors import LeanLoRAError
-    with pytest.raises(LeanLoRAError, match=rf"sample_size: got 4096; {adapter.family.sample_limits.family} samples "
-                                            r"are at most 2048 px \(its native size is 1\d\d\d\D"):
-        SampleSettings((PROMPT,), every_steps=5, size=4096).check_within(adapter.family.sample_limits)
+    assert _adapter(family_objects[family]).family.sample_defaults.scheduler == "simple"  # the flow DiTs' schedule
+    check_samples_render_with_the_familys_sampler(family_objects[family], tmp_path)
 
 
 _OFFLOADED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8, checkpoint_share=0.5, activation_offload=True)
@@ -417,13 +266,9 @@ _STREAMED = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, 
                               "qwen_image-fp8-half-checkpointed-offloaded", "flux-streamed-batch2-8bit",
                               "chroma-fp8-half-checkpointed-offloaded", "wan-streamed-batch2-8bit"])
 def test_every_memory_technique_runs_on_each_family(family_objects, two_images, family, memory, tmp_path):
-    lora = LoraSettings(rank=4, alpha=4.0, dropout=0.1)  # step-seeded LoRA dropout through the recompute
-    outcome = train_lora(_adapter(family_objects[family]), two_images, memory, lora,
-                         TrainSettings(2, 1e-3, 0, f"memory_{family}"), tmp_path, lambda **event: None, lambda: False)
-    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and not outcome.run.recoveries
-    assert "frozen weights stored as fp8" in outcome.report and outcome.lora_path.is_file()
+    report = check_a_memory_technique_runs(family_objects[family], two_images, memory, family, tmp_path)
     # FLUX.1-dev's small training images train at the shift ComfyUI samples them with; the others' schedules are fixed
-    assert ("noise levels: shifted per image size" in outcome.report) == (family == "flux_dev")
+    assert ("noise levels: shifted per image size" in report) == (family == "flux_dev")
 
 
 def test_qwen_image_loras_load_in_diffusers_and_diffusers_files_continue(family_objects, two_images, tmp_path):
@@ -609,86 +454,10 @@ def test_a_split_qkv_lora_for_a_fused_qkv_model_is_refused_saying_why(family_obj
 
 # --- the same through a real server, with the stock loader nodes -------------------------------------------------
 
-def _defaults(info: dict, class_type: str, **overrides) -> dict:
-    """A node's required widget inputs at their defaults (as a new node in the browser), then `overrides`."""
-    inputs = {}
-    for name, spec in info[class_type]["input"]["required"].items():
-        kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
-        if isinstance(kind, list):
-            inputs[name] = options.get("default", kind[0])
-        elif kind in ("INT", "FLOAT", "STRING", "BOOLEAN") and "default" in options:
-            inputs[name] = options["default"]
-    inputs.update(overrides)
-    return inputs
-
-
-def _loaders(family: str) -> dict:
-    """Node 1: the diffusion model (UNETLoader), 2: the text encoder(s), 3: the VAE, as the family's users load them."""
-    table = tiny_dit_assets.WORKFLOW[family]
-    clip_loader = "DualCLIPLoader" if "DualCLIPLoader" in table else "CLIPLoader"
-    return {"1": {"class_type": "UNETLoader", "inputs": dict(table["UNETLoader"])},
-            "2": {"class_type": clip_loader, "inputs": dict(table[clip_loader])},
-            "3": {"class_type": "VAELoader", "inputs": dict(table["VAELoader"])}}
-
-
-def _sampling(family: str, model_link, prefix: str) -> dict:
-    return {
-        "10": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["2", 0]}},
-        "11": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "12": {"class_type": "KSampler", "inputs": {"seed": 7, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
-                                                    "scheduler": "simple", "denoise": 1.0, "model": model_link,
-                                                    "positive": ["10", 0], "negative": ["10", 0],
-                                                    "latent_image": ["11", 0]}},
-        "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["3", 0]}},
-        "14": {"class_type": "SaveImage", "inputs": {"filename_prefix": prefix, "images": ["13", 0]}},
-    }
-
-
-def _training(info: dict, family: str) -> dict:
-    memory = {**info["LeanLoRAMemorySettings"]["input"].get("required", {}),
-              **info["LeanLoRAMemorySettings"]["input"].get("optional", {})}  # all optional since `card` leads
-    mixed = "no" if "no" in memory["mixed_precision"][0] else None
-    return {
-        "4": {"class_type": "LeanLoRADataset",
-              "inputs": _defaults(info, "LeanLoRADataset", folder="tiny_dataset", resolution=64, repeats=1)},
-        "5": {"class_type": "LeanLoRAMemorySettings",
-              "inputs": _defaults(info, "LeanLoRAMemorySettings", gradient_checkpointing=True,
-                                  **({"mixed_precision": mixed} if mixed else {}))},
-        "6": {"class_type": "LeanLoRALoraConfig", "inputs": _defaults(info, "LeanLoRALoraConfig", rank=4, alpha=4.0)},
-        "7": {"class_type": "LeanLoRATrain",
-              "inputs": _defaults(info, "LeanLoRATrain", steps=4, learning_rate=1e-3, output_name=f"server_{family}",
-                                  model=["1", 0], clip=["2", 0], vae=["3", 0], dataset=["4", 0], memory=["5", 0],
-                                  lora_config=["6", 0])},
-        "8": {"class_type": "PreviewAny", "inputs": {"source": ["7", 5]}},
-    }
-
-
-def _saved(server, entry, node_id) -> np.ndarray:
-    image = entry["outputs"][node_id]["images"][0]
-    return np.asarray(Image.open(server.base_dir / image["type"] / image["subfolder"] / image["filename"]))
-
-
 @pytest.mark.comfy
 @pytest.mark.parametrize("family", DIT)
 def test_a_family_trains_through_the_stock_loaders_in_a_real_server(comfy_server, dit_files, family):
-    info = comfy_server.object_info()
-    before = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_before")})
-    assert before["status"]["status_str"] == "success", execution_error(before)
-    log_start = len(comfy_server.log_text())
-    trained = comfy_server.run({**_loaders(family), **_training(info, family),
-                                **_sampling(family, ["7", 0], f"{family}_with_lora")}, timeout=900)
-    assert trained["status"]["status_str"] == "success", execution_error(trained)
-    log = comfy_server.log_text()[log_start:]
-    assert "lora key not loaded" not in log and "NOT LOADED" not in log
-    report = trained["outputs"]["8"]["text"][0]
-    assert "trained 4/4 steps" in report and f"server_{family}.safetensors" in report
-    lora = comfy_server.base_dir / "models" / "loras" / f"server_{family}.safetensors"
-    assert lora.is_file()
-    after = comfy_server.run({**_loaders(family), **_sampling(family, ["1", 0], f"{family}_base_after")})
-    assert after["status"]["status_str"] == "success", execution_error(after)
-    cached = {n for event, data in after["status"]["messages"] if event == "execution_cached" for n in data["nodes"]}
-    assert "1" in cached and "12" not in cached  # the trained-on MODEL, sampled again
-    assert np.array_equal(_saved(comfy_server, before, "14"), _saved(comfy_server, after, "14"))
+    check_trains_through_the_stock_loaders_in_a_real_server(comfy_server, family)
 
 
 @pytest.mark.comfy
@@ -696,7 +465,7 @@ def test_wan_trains_with_samples_of_one_frame_through_the_stock_loaders(comfy_se
     """Train's sample prompts on Wan in a real server: ComfyUI's sampler (the family's uni_pc / simple) renders a
     one-frame latent, the Wan VAE decodes it, and each sample is one 64x64 image."""
     info = comfy_server.object_info()
-    prompt = {**_loaders("wan"), **_training(info, "wan")}
+    prompt = {**loaders("wan"), **training(info, "wan")}
     prompt["7"]["inputs"].update(steps=2, output_name="server_wan_samples", sample_prompts=PROMPT,
                                  sample_every_n_steps=2, sample_size=64, sample_steps=2, sample_cfg=1.0)
     entry = comfy_server.run(prompt, timeout=900)
@@ -711,40 +480,10 @@ def test_wan_trains_with_samples_of_one_frame_through_the_stock_loaders(comfy_se
 
 # --- the shipped per-family templates -------------------------------------------------------------------------
 
-def _tiny_overrides(family: str, prompt: dict) -> dict:
-    """The template with the tiny fixtures' files and sizes: what the test runs instead of a user's files."""
-    import family_templates
-    files = {"UNETLoader": "1", "CLIPLoader": "2", "DualCLIPLoader": "2", "VAELoader": "3"}
-    overrides = {files[loader]: dict(inputs) for loader, inputs in tiny_dit_assets.WORKFLOW[family].items()}
-    overrides["1"]["weight_dtype"] = family_templates.FAMILIES[family]["loaders"]["UNETLoader"]["weight_dtype"]
-    overrides.update({"4": {"folder": "tiny_dataset", "resolution": 64}, "7": {"steps": 3},
-                      "10": {"width": 64, "height": 64}, "11": {"steps": 2}})
-    return overrides
-
-
 @pytest.mark.comfy
 @pytest.mark.parametrize("family", DIT)
 def test_each_familys_template_is_current_and_trains_then_samples_on_its_models(comfy_server, dit_files, family):
-    import json
-
-    import family_templates
-    from workflow_convert import apply_overrides, ui_to_api
-    import comfyui_version
-    info = comfy_server.object_info()
-    shipped = json.loads(family_templates.template_path(family).read_text())
-    if comfyui_version.__version__ == "0.3.75":  # generated from the pinned version's node list; newer ones add
-        # widgets, which the frontend fills with their defaults when it opens the template
-        assert shipped == json.loads(json.dumps(family_templates.family_template(family, info))), (
-            "regenerate: python scripts/family_templates.py --object-info URL")
-    prompt = ui_to_api(shipped, info)
-    for node_id, node in family_templates.family_prompt(family).items():  # every value and link as written
-        assert prompt[node_id]["class_type"] == node["class_type"]
-        assert prompt[node_id]["inputs"] | node["inputs"] == prompt[node_id]["inputs"], node_id
-    run = apply_overrides(prompt, _tiny_overrides(family, prompt))
-    entry = comfy_server.run(run, timeout=900)
-    assert entry["status"]["status_str"] == "success", execution_error(entry)
-    assert entry["outputs"]["13"]["images"] and "trained 3/3 steps" in entry["outputs"]["14"]["text"][0]
-    assert (comfy_server.base_dir / "models" / "loras" / f"my_{family}_lora.safetensors").is_file()
+    check_the_template_trains_then_samples(comfy_server, family, family, pinned_version="0.3.75")
 
 
 def test_flux_dev_trains_each_size_at_the_shift_comfyui_samples_it_with(family_objects):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .anima import Anima
 from .chroma import Chroma
 from .flux import Flux
+from .flux2 import Flux2
 from .generic import Generic
 from .hunyuan_image import HunyuanImage
 from .krea2 import Krea2
@@ -14,7 +15,8 @@ from .wan import Wan
 from .z_image import ZImage
 from ..trainer_api import LeanLoRAError
 
-FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), QwenImage(), Wan(), HunyuanImage(), Krea2(), Anima(), Generic()]
+FAMILIES = [SdUnet(), ZImage(), Flux(), Chroma(), Flux2(), QwenImage(), Wan(), HunyuanImage(), Krea2(), Anima(),
+            Generic()]
 
 
 def family_for(base):

@@ -5,6 +5,7 @@ processes is refused; a Cancel on one rank stops both at the same step with a pa
 headless command on two ranks."""
 import copy
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,32 @@ def test_torchrun_runs_the_headless_command_on_two_ranks(tiny_assets, folders, t
         folder_paths.folder_names_and_paths.clear()
         folder_paths.folder_names_and_paths.update(tables)
     _assert_close_loras(saved, tmp_path / "one" / "cli_ddp.safetensors")
+
+
+def test_ctrl_c_under_torchrun_stops_every_rank_and_keeps_a_partial_lora(tiny_assets, folders, tmp_path):
+    """The terminal's Ctrl-C reaches torchrun and its ranks (one process group); torchrun passes it on once more.
+    Every rank stops before the next step and rank 0 keeps the partial LoRA with its state."""
+    config = tmp_path / "long.toml"
+    config.write_text(_config(tiny_assets, folders, PER_RANK, tmp_path / "out").replace("steps = 4", "steps = 5000"))
+    launched = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "leanlora", "train", str(config)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "COMFYUI_PATH": str(comfyui_path()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        for line in launched.stdout:
+            lines.append(line)
+            if "LeanLoRA step 1/5000" in line:
+                os.killpg(launched.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+                break
+        lines += launched.stdout.readlines()
+        launched.wait(timeout=300)
+    finally:
+        if launched.poll() is None:
+            os.killpg(launched.pid, signal.SIGKILL)
+    output = "".join(lines)
+    partial = sorted((tmp_path / "out").glob("cli_ddp_partial_step*.safetensors"))
+    assert len(partial) == 1, output[-4000:]
+    steps = int(partial[0].stem.rsplit("step", 1)[1])
+    assert 1 <= steps < 5000 and load_training_state(partial[0].with_suffix(STATE_SUFFIX)).step == steps
+    assert "stopped; partial saved to" in output and "KeyboardInterrupt" not in output, output[-4000:]

@@ -78,9 +78,8 @@ class LeanLoRAMemorySettings:
                                "first. 1 = all (least VRAM); lower is faster."}),
                 # after the widgets saved workflows have: one saved before it keeps its values' positions
                 "ram": (choices("ram"), {"default": "auto (free RAM)", "tooltip":
-                    "The host RAM this run may take (the training copy's own weights, fp8 weights streamed from "
-                    "CPU, offloaded activations, the latent cache). auto: what the machine has free now. A plan "
-                    "that needs more is not chosen; if none fits, training is refused before step 1."}),
+                    "The host RAM the run may take. auto: what the machine has free. A plan needing more is not "
+                    "chosen; where none fits, training is refused before step 1."}),
                 "selective_recompute": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
                     "With checkpointing: keep each block's matmul and attention outputs and recompute only the cheap "
                     "elementwise ops in backward (faster recompute, more VRAM than full checkpointing). Not with "

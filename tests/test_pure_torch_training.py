@@ -296,7 +296,7 @@ def test_a_cuda_graph_too_big_for_the_card_takes_a_rung_instead_of_eager_steps(t
     """Under auto-fit a first graph whose pool does not fit the card (micro_steps.GraphDoesNotFit, raised after
     the eager warm-up measured it) is recovered like an out-of-memory step: the next rung, the step repeated, the
     report naming why. At the bottom of the ladder the run goes on with eager steps instead of failing."""
-    from trainer.memory import fit
+    from trainer.memory import fit, host_ram
     from trainer.step.micro_steps import GraphDoesNotFit
     too_big = "the graph's own memory pool (~5.10 GiB) does not fit the 11.02 GiB limit"
 
@@ -321,6 +321,7 @@ def test_a_cuda_graph_too_big_for_the_card_takes_a_rung_instead_of_eager_steps(t
                for e in events)
 
     monkeypatch.setattr(fit, "next_rung", lambda memory, device: None)  # nothing left to trade
+    monkeypatch.setattr(host_ram, "next_rung", lambda memory, device: None)  # the walk within the ram limit too
     outcome, _ = train(tmp_path / "data2", tmp_path / "loras2", first_forward_has_no_room_for_its_graph(
         TinyAdapter()), memory)
     assert outcome.run.steps_done == 6 and not outcome.partial and outcome.lora_path.exists()

@@ -364,7 +364,7 @@ class LeanLoRATrain:
                        "The LoRA weights, usable by ComfyUI's Load LoRA Model node and LeanLoRA Apply LoRA.",
                        "The saved file's name in the loras folder (pick it in Load LoRA in later runs).",
                        "Loss per step (raw and smoothed); the validation loss in green when validation_fraction is on.",
-                       "What was trained, how long it took, peak VRAM and where the file is.")
+                       "What was trained, how long it took, peak VRAM and host RAM, and where the file is.")
     FUNCTION = "execute"
     CATEGORY = CATEGORY
     OUTPUT_NODE = True  # it writes a LoRA file: a graph with Train and no Save/Preview node still runs

@@ -41,7 +41,8 @@ class HunyuanImage(Flux):
     # ComfyUI's HunyuanImage 2.1 example: KSampler euler / simple on the model's own shift-5 schedule, 2048² images
     # (EmptyHunyuanImageLatent); a latent position is 32 pixels (the VAE's 32x, 1x1 patches)
     sample_defaults = SampleDefaults(sampler="euler", scheduler="simple", size_multiple=32)
-    sample_limits = SampleLimits("HunyuanImage 2.1", 4096, 150, "its native size is 2048")  # checked before training
+    # checked before training; its native size already makes 4096 tokens per image (FLUX.1's at 2048 px)
+    sample_limits = SampleLimits("HunyuanImage 2.1", 2048, 150, "its native size is 2048")
     # ComfyUI conditions every HunyuanImage model with guidance 6.0 (model_base.HunyuanImage21.extra_conds'
     # default); the base model has no guidance embedding and ignores it, so training keeps that default
     text_conditioning: dict = {}
@@ -62,6 +63,12 @@ class HunyuanImage(Flux):
             return ("the distilled HunyuanImage 2.1 model (hunyuanimage2.1_distilled_*: a meanflow model whose second "
                     "timestep embedding reads the sampler's schedule) is not supported; train on the base model "
                     "(Load Diffusion Model with hunyuanimage2.1_bf16.safetensors or its fp8 file)")
+        blocks = (module for block in self.blocks(unet) for module in block.modules())
+        if any(type(getattr(module, "weight", None)).__name__ == "QuantizedTensor" for module in blocks):
+            return ("this HunyuanImage 2.1 file is quantized (fp8-scaled layers, which ComfyUI 0.33 loads as "
+                    "comfy_kitchen QuantizedTensor weights), and LeanLoRA cannot train quantized layers yet; load the "
+                    "unquantized hunyuanimage2.1_bf16.safetensors, with Load Diffusion Model's weight_dtype fp8_e4m3fn "
+                    "to keep it at about 17 GB")
         takes = unet.img_in.proj.weight.shape[1]
         latent = base.latent_format.latent_channels
         if takes != latent:

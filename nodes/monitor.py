@@ -1,7 +1,7 @@
 from PIL import Image
 
 from .plot import RAW, SMOOTH, bar_chart, line_chart
-from ..trainer.memory.vram import Timeline, format_snapshot, snapshot
+from ..trainer.device.vram import Timeline, format_snapshot, snapshot
 from .common import CATEGORY, pil_to_image
 
 

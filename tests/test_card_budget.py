@@ -35,7 +35,7 @@ def test_a_requeue_counts_the_graph_memory_an_earlier_run_left_cached_as_free(ca
     driver's graph pool, which PyTorch does not count as its own (on the H200 1.4-5.5 GiB "outside PyTorch" after
     a job). The budget trims that pool before it measures, so a re-queue plans the card the first job planned;
     memory that is really held outside PyTorch (the CUDA context) still comes off."""
-    from trainer.memory import allocator
+    from trainer.device import allocator
     card["graph_pool"] = int(1.4 * GIB)
     card["outside"] += card["graph_pool"]
 
@@ -272,7 +272,7 @@ def test_the_ladder_streams_the_hundredth_a_probe_says_is_missing(monkeypatch):
     """Before step 1, a probe that measured the step over the budget with part of the weights streamed streams
     just enough more of them to close the gap (from the weights' projection), not the ladder's next fifth: Qwen-Image
     at 8 GiB streamed every weight where 80% was 0.34 GiB over (H100, 6 Dec). The probe after it fits."""
-    from trainer.memory.card import SimulatedCard
+    from trainer.device.card import SimulatedCard
     from trainer.memory.estimate import MemoryEstimate
     torch.manual_seed(0)
     unet = TinyNet(dim=512, depth=4).requires_grad_(False)  # frozen, as the base model is

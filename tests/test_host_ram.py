@@ -78,7 +78,7 @@ def test_the_training_copy_of_a_comfyui_model_shares_its_host_weights(comfy_obje
 def test_streaming_pins_comfyuis_pages_where_they_lie_and_gives_them_back():
     """A streamed weight the copy shares with ComfyUI is page-locked in place (cudaHostRegister), not copied to a
     pinned second buffer; its host-to-device copies are asynchronous and exact; free gives the pages back."""
-    from trainer.memory.card import _PINNED_IN_PLACE, pin_in_place, unpin_in_place
+    from trainer.device.card import _PINNED_IN_PLACE, pin_in_place, unpin_in_place
     with torch.inference_mode():
         weight = torch.randn(1024, 1024)  # ComfyUI's host weight
     shared = _plain_copy(torch.nn.ParameterList([torch.nn.Parameter(weight, requires_grad=False)]))[0].data

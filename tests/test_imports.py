@@ -126,3 +126,23 @@ def test_the_bridge_decides_its_import_root_in_one_place():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_step_and_memory_packages_sit_below_the_session_and_the_device_below_both():
+    """trainer/device/ (the device's memory primitives) imports neither step/ nor memory/; step/ imports no memory/;
+    neither imports the session: compiling and fitting get the session's narrow interfaces (step/probe_steps.py,
+    memory/fit.FitTarget), not the session object."""
+    below = {"device": {"step", "memory", "session"}, "step": {"memory", "session"}, "memory": {"session"}}
+    offending = []
+    for package, forbidden in below.items():
+        for path in sorted((REPO / "trainer" / package).rglob("*.py")):
+            for level, module in _imports(path):
+                if level == 2:  # `..memory.fit` from trainer/step/x.py
+                    name = module.split(".")[0]
+                elif level == 0 and module.startswith("trainer."):
+                    name = module.split(".")[1]
+                else:
+                    continue
+                if name in forbidden:
+                    offending.append(f"{path.relative_to(REPO)}: {'.' * level}{module}")
+    assert not offending, offending

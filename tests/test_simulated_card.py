@@ -1,4 +1,4 @@
-"""The paths that otherwise run only on CUDA, on the CPU against a simulated card (trainer/memory/card.py): a GPU of
+"""The paths that otherwise run only on CUDA, on the CPU against a simulated card (trainer/device/card.py): a GPU of
 N GiB made of host RAM that counts the bytes each path places or allocates and raises torch's own
 OutOfMemoryError past N. Every family's tiny model, at its real latent rank (5-D for Qwen-Image and Wan), goes
 through auto-fit at several simulated card sizes: the static plan, placement, the memory probes, fit_to_card, the
@@ -21,7 +21,7 @@ import torch
 import tiny_assets
 import tiny_dit_assets
 from trainer.dataset import scan_folder
-from trainer.memory.card import GIB, SimulatedCard, device_memory, is_gpu
+from trainer.device.card import GIB, SimulatedCard, device_memory, is_gpu
 from trainer.memory.estimate import resize_latent
 from trainer.settings import AutoFit, BaseWeights, LoraSettings, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora

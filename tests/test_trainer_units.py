@@ -572,7 +572,7 @@ def test_lr_schedule_follows_diffusers_and_survives_an_optimizer_rebuild():
 def test_allocators_without_peak_statistics_skip_measurements_instead_of_failing(monkeypatch):
     """ComfyUI runs PyTorch on cudaMallocAsync by default; a build without its peak stats must not break runs."""
     from trainer.memory.estimate import MemoryEstimate, probe_activations
-    from trainer.memory.vram import device_memory_gib
+    from trainer.device.vram import device_memory_gib
 
     def unsupported(*args, **kwargs):
         raise RuntimeError("not supported by the cudaMallocAsync allocator")

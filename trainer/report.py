@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .memory.allocator import backend as allocator_backend
+from .device.allocator import backend as allocator_backend
 from .memory.estimate import MemoryEstimate
 from .memory.host_ram import HostRamEstimate
 from .settings import MemorySettings

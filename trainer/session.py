@@ -16,8 +16,8 @@ from .ema import LoraEMA
 from .errors import is_out_of_memory
 from .loop import LoopEvents, LoopResult, StepInfo, StepParts, train_loop
 from .lora import seed_lora_dropout
-from .memory.allocator import apply_allocator_settings, trim_graph_memory, trim_host_memory
-from .memory.card import device_memory, is_gpu
+from .device.allocator import apply_allocator_settings, trim_graph_memory, trim_host_memory
+from .device.card import device_memory, is_gpu
 from .memory.estimate import GIB, PROBE_SIDES, MemoryEstimate, probe_activations, static_terms
 from .memory.fit import CardBudget, budget_bytes, card_budget, fit_to_card, keep_graphs_within_limit, recover
 from .memory.ladder import streams_more
@@ -307,13 +307,14 @@ class TrainingSession:
             self.configure(memory)
             if self.unplaced is not None:
                 raise self.unplaced
-            lines = compile_before_first_step(self)
+            lines, self.compiled_batch = compile_before_first_step(self.compiled, self)
             estimate = self.estimate()
         else:
             # The planner's probes run uncompiled (each plan's shapes and dtypes would be a full compile of their
             # own); compiled code needs less memory than they measure. Then the fitted settings compile.
             estimate, lines = fit_to_card(self, memory, card)
-            lines += compile_before_first_step(self)
+            compile_lines, self.compiled_batch = compile_before_first_step(self.compiled, self)
+            lines += compile_lines
             if self.compiled_batch:
                 estimate = self.estimate()  # the compiled run's own, for the report
         keep_graphs_within_limit(self, estimate)

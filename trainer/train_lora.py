@@ -38,7 +38,7 @@ from .settings import AdapterKind, LoraSettings, LoraTargets, LoraWeights, Memor
 from .training_state import (Resume, capture_state, check_base_weights, dataset_fingerprint, lora_fingerprint,
                              model_fingerprint, save_training_state, state_path)
 from .validation import ValidationSet, held_out_count, split_fingerprint, split_validation
-from .memory.vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
+from .device.vram import GIB, DevicePeak, Timeline, device_memory_gib, process_ram_peak_gib, reset_peak
 
 
 LOSS_READ_EVERY = 8  # CUDA steps between host syncs for the loss (each read stalls the GPU queue)

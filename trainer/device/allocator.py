@@ -37,7 +37,7 @@ def backend() -> str:
 
 def memory_fraction(device: torch.device) -> float | None:
     """This process's cap (set_per_process_memory_fraction) on `device`, None where there is none to tell (the CPU)
-    or PyTorch cannot tell it (ComfyUI 0.33: memory/card.CudaMemory.fraction)."""
+    or PyTorch cannot tell it (ComfyUI 0.33: device/card.CudaMemory.fraction)."""
     memory = device_memory(device)
     return None if memory is None else memory.fraction()
 

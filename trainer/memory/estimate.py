@@ -7,7 +7,7 @@ tokens), so the line through them gives the real batch. (Probing at 1/16 and 1/4
 10-25% low: workspaces of the full-size kernels do not scale down.) A compiled model is probed once, at the run's
 own batch shape: compiled graphs are specialized to shapes, and another probe shape would cost a full compile.
 On CPU there is no VRAM to plan, and no probe runs (a CPU test's simulated card
-(memory/card.py) runs them)."""
+(device/card.py) runs them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..step.frozen_weights import frozen_weight_bytes
 from ..optimizers import optimizer_state_bytes
-from .card import device_memory
+from ..device.card import device_memory
 
 GIB = 2 ** 30
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -14,16 +14,43 @@ from ..optimizers import optimizer_state_bytes
 from ..settings import AutoFit, BaseWeights, MemorySettings
 from ..step.frozen_weights import park_frozen_on_cpu, place_on_device
 from ..step.micro_steps import GraphDoesNotFit
+from ..device.allocator import memory_limit, trim_graph_memory
+from ..device.card import device_memory
 from ..step.precision import DTYPES
-from .allocator import memory_limit, trim_graph_memory
-from .card import device_memory
+from ..step.probe_steps import ProbeSteps
 from .estimate import GIB, PROBE_SIDES, MemoryEstimate
 from .host_ram import next_rung_for
 from .ladder import next_rung, streaming_described, streams_more
 from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
 
-if TYPE_CHECKING:
-    from ..session import TrainingSession
+
+class FitTarget(ProbeSteps, Protocol):
+    """What fitting and recovery read and drive of a training session (TrainingSession satisfies it): the narrow
+    interface the session hands down instead of itself, so memory/ never imports the session. Besides the probe
+    steps: moving to settings, estimating them, the checkpoint units, and the state those leave."""
+
+    memory: MemorySettings  # the settings configured now
+    unplaced: BaseException | None  # the out-of-memory error that kept the frozen weights off the device, if any
+    adapter: Any  # model.ModelAdapter: its device and projected_weight_bytes
+    unet: Any  # the training copy (torch.nn.Module)
+    params: list  # the LoRA parameters
+    micro_step: Any  # step.micro_steps.MicroStep: budget, extra_memory, graphs
+    precision: Any  # step.precision.Precision: the compute dtype
+    text_encoder: Any  # text_encoder.TrainedTextEncoder or None (text_encoder_lr)
+    train: Any  # settings.TrainSettings (ema_decay)
+    ema: Any  # ema.LoraEMA or None
+    estimated_peak: int | None  # the estimate's total before step 1
+    host_ram: Any  # memory.host_ram.HostRamPlan or None: the ladder leaves out what its limit cannot hold
+
+    def configure(self, memory: MemorySettings) -> None:
+        """Moves to `memory` (TrainingSession.INSTALL_ORDER)."""
+
+    def estimate(self, raise_oom: bool = False, measured: list | None = None,
+                 sides: tuple[float, ...] = PROBE_SIDES) -> MemoryEstimate:
+        """Exact static terms plus probed activations of the settings configured now."""
+
+    def checkpoint_units(self, depth) -> Any:
+        """The family's checkpoint units for the largest sample, best first (step.checkpointing.RankedUnits)."""
 
 FIT_HEADROOM = 0.92  # the caching allocator reserves more than it hands out; leave it room
 STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budget before activations are probed
@@ -37,7 +64,7 @@ STREAM_SLACK = 64 * 2 ** 20
 STREAM_SLACK_SHARE = 0.02
 
 
-def recover(session: TrainingSession, error: BaseException, device: torch.device) -> str:
+def recover(session: FitTarget, error: BaseException, device: torch.device) -> str:
     """Frees what the failed step held, then takes one rung down the ladder (or re-raises at the bottom; a graph
     that does not fit then gives way to eager steps)."""
     session.free_failed_step(error)
@@ -53,7 +80,7 @@ def recover(session: TrainingSession, error: BaseException, device: torch.device
     return "; ".join([description, *lines])
 
 
-def configure_placed(session: TrainingSession, memory: MemorySettings) -> list[str]:
+def configure_placed(session: FitTarget, memory: MemorySettings) -> list[str]:
     """Configures `memory`; where placing the frozen weights on the device runs out of memory, takes the next rung
     that stores less (fp8, streaming more) until they are placed. Out of memory while placing is a rung, not an
     error: on a real card the driver, not the plan, has the last word (fragmentation, other programs). Raises the
@@ -161,7 +188,7 @@ class Probe:
     """One estimate of the session's current settings under the card's cap: `estimate` is None where even the
     probe ran out of memory; `measured` holds each probe step that ended, (latent area, transient bytes)."""
 
-    def __init__(self, session: TrainingSession, card: CardBudget, sides: tuple[float, ...] = PROBE_SIDES):
+    def __init__(self, session: FitTarget, card: CardBudget, sides: tuple[float, ...] = PROBE_SIDES):
         self.measured: list[tuple[int, int]] = []
         self.budget = card.usable()
         try:
@@ -206,7 +233,7 @@ def activation_model(none: Probe, full: Probe) -> ActivationModel | None:
     return ActivationModel(none=max(slope_none, slope_full), full=slope_full, workspace=full.estimate.workspace)
 
 
-def fit_to_card(session: TrainingSession, memory: MemorySettings,
+def fit_to_card(session: FitTarget, memory: MemorySettings,
                 card: CardBudget) -> tuple[MemoryEstimate, list[str]]:
     """Configures the session with the fastest settings that fit the card and returns their estimate:
     1. the fastest settings that keep the user's results (planner.relaxed), with storage savers only as far as
@@ -259,7 +286,7 @@ def fit_to_card(session: TrainingSession, memory: MemorySettings,
     return estimate, lines + ladder_lines
 
 
-def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe,
+def choose_plan(session: FitTarget, model: ActivationModel, full: Probe,
                 weight_bytes: Callable[[torch.dtype, BaseWeights, float], int]) -> tuple[Plan | None, Plan | None]:
     """The planner's choice from the session's settings (storage as configured, recompute free to move)."""
     params, memory = session.params, session.memory
@@ -280,7 +307,7 @@ def choose_plan(session: TrainingSession, model: ActivationModel, full: Probe,
                   held_upcasts=lambda count: sum(conv_bytes[count:]), images=session.run_batch_size)
 
 
-def verify(session: TrainingSession, memory: MemorySettings,
+def verify(session: FitTarget, memory: MemorySettings,
            card: CardBudget) -> tuple[MemoryEstimate | None, list[str]]:
     """Probes the planner's choice; where it does not fit, recomputes a tenth more of the units and probes again,
     up to every unit. None (settings left at full recompute) where even that does not fit."""
@@ -305,7 +332,7 @@ def verify(session: TrainingSession, memory: MemorySettings,
         memory = replace(memory, gradient_checkpointing=True, checkpoint_share=share)
 
 
-def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[MemoryEstimate, list[str]]:
+def walk_ladder(session: FitTarget, card: CardBudget | int) -> tuple[MemoryEstimate, list[str]]:
     """Walks the memory ladder from the session's settings until the estimated peak fits the card (re-measured
     after every probe: the probes load library kernels that take device memory outside PyTorch)."""
     device, lines = session.adapter.device, []
@@ -347,7 +374,7 @@ def walk_ladder(session: TrainingSession, card: CardBudget | int) -> tuple[Memor
         lines += configure_placed(session, memory)
 
 
-def stream_enough(session: TrainingSession, rung: MemorySettings, overshoot: float,
+def stream_enough(session: FitTarget, rung: MemorySettings, overshoot: float,
                   budget: int) -> tuple[MemorySettings, str]:
     """The streaming rung sized to the probe: the smallest share (in STREAM_UNITs, above the session's) whose
     frozen weights take `overshoot` bytes (+ the slack) fewer on the device than the session's do. The
@@ -439,7 +466,7 @@ SAMPLING_WORKSPACE = 1 * GIB
 
 
 @contextlib.contextmanager
-def room_for_sampling(session: TrainingSession):
+def room_for_sampling(session: FitTarget):
     """While ComfyUI renders samples mid-run it loads its own copy of the model beside the training copy.
     Where the budget has no room for both (auto-fit), the training copy's frozen weights wait in CPU RAM
     meanwhile and the CUDA graphs are captured again afterwards (they replay fixed addresses): a second or
@@ -461,7 +488,7 @@ def room_for_sampling(session: TrainingSession):
         place_on_device(session.unet, device)
 
 
-def keep_graphs_within_limit(session: TrainingSession, estimate: MemoryEstimate) -> None:
+def keep_graphs_within_limit(session: FitTarget, estimate: MemoryEstimate) -> None:
     """Before step 1: where the budget or the process's cap leaves no room for the CUDA graphs' extra memory, steps
     run eagerly from the start (a failed capture under a cap can leave memory behind)."""
     micro_step = session.micro_step

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from ..settings import BaseWeights, LoraWeights, MemorySettings
-from .card import is_gpu
+from ..device.card import is_gpu
 
 EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
 # Gradient checkpointing in steps of a fifth of the units, those that free the most memory per recomputed FLOP

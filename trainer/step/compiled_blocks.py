@@ -5,15 +5,11 @@ from __future__ import annotations
 import contextlib
 import time
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from ..memory.allocator import compiled_kernels_blocked
+from ..device.allocator import compiled_kernels_blocked
 from ..errors import is_compile_error, is_out_of_memory, one_line
-
-if TYPE_CHECKING:
-    from ..session import TrainingSession
+from .probe_steps import ProbeSteps
 
 # Inductor settings for the compiled blocks. Combo kernels launch a graph's small independent kernels (a layer's
 # fp8 upcasts, its LoRA weights' casts) as one: H200, SDXL 1024² batch 1, each cold in its own process, lean with
@@ -148,38 +144,37 @@ def compile_blocks(units: list[torch.nn.Module], inductor_settings: dict | None 
     return CompiledBlocks(list(units), inductor_settings)
 
 
-def compile_before_first_step(session: TrainingSession) -> list[str]:
-    """With compile on: compiles before step 1 with one forward+backward on the largest bucket's batch
-    (gradients discarded), so compile time is reported on its own and a compiler failing in backward is
-    caught here."""
-    if not session.is_compiled:
-        return []
-    started, batch, cached = time.perf_counter(), session.run_batch_size(), inductor_cache_counts()
+def compile_before_first_step(compiled: CompiledBlocks | None, steps: ProbeSteps) -> tuple[list[str], int | None]:
+    """With compile on (`compiled`, None or failed: nothing to do): compiles before step 1 with one forward+backward
+    on the largest bucket's batch (gradients discarded), so compile time is reported on its own and a compiler
+    failing in backward is caught here. Returns the report's lines and the batch size compiled (None: none was)."""
+    if compiled is None or compiled.failed:
+        return [], None
+    started, batch, cached = time.perf_counter(), steps.run_batch_size(), inductor_cache_counts()
     retried = None  # (inductor options dropped, the error compiling with them), once compiled without them
-    while not session.compiled.failed:
+    while not compiled.failed:
         try:
             # Compiled graphs are specialized to shapes: compile the batch the run steps with (a batch of one
             # would be compiled, then thrown away at step 1 by a second full compile).
-            session.throwaway_step(session.largest_batch(batch))
+            steps.throwaway_step(steps.largest_batch(batch))
             break
         except Exception as error:
             if is_out_of_memory(error):
-                session.free_failed_step(error)
+                steps.free_failed_step(error)
                 return ["torch.compile: the compile step ran out of memory; compiling happens at step 1 (the "
-                        "memory estimate probes uncompiled steps)"]
+                        "memory estimate probes uncompiled steps)"], None
             if not is_compile_error(error):
                 raise
-            dropped = session.compiled.drop_options()  # backward compiles here: forward's retry cannot see it
+            dropped = compiled.drop_options()  # backward compiles here: forward's retry cannot see it
             if not dropped:
-                session.compiled.fall_back(error)
+                compiled.fall_back(error)
             retried = (dropped, error)
-    if session.compiled.failed:
-        return []
+    if compiled.failed:
+        return [], None
     if retried:
-        session.compiled.note_dropped(*retried)
-    session.compiled_batch = batch
+        compiled.note_dropped(*retried)
     hits, misses = (now - before for now, before in zip(inductor_cache_counts(), cached))
     caching = (f" ({misses} graphs built, {hits} loaded from inductor's disk cache in {inductor_cache_dir()}; "
                "later runs load what was built, after a restart too)") if hits + misses else ""
-    return [f"torch.compile: the diffusion model's {len(session.compiled.units)} blocks compiled in "
-            f"{time.perf_counter() - started:.1f} s{caching}"]
+    return [f"torch.compile: the diffusion model's {len(compiled.units)} blocks compiled in "
+            f"{time.perf_counter() - started:.1f} s{caching}"], batch

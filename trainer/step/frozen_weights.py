@@ -11,8 +11,8 @@ import gc
 
 import torch
 
-from ..memory.allocator import compiled_kernels_blocked
-from ..memory.card import card_of, device_memory
+from ..device.allocator import compiled_kernels_blocked
+from ..device.card import card_of, device_memory
 from ..errors import is_compile_error, is_out_of_memory, one_line
 from ..layout import is_channels_last
 

@@ -30,13 +30,13 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from .activation_offload import ActivationOffload
-from ..memory.allocator import backend as allocator_backend, memory_limit, trim_graph_memory
+from ..device.allocator import backend as allocator_backend, memory_limit, trim_graph_memory
 from ..errors import is_out_of_memory, one_line
 from .frozen_weights import host_launched_upcasts
 from .precision import Precision
 from .weight_prefetch import WeightPrefetch
 from ..settings import FastPath
-from ..memory.vram import device_memory_bytes
+from ..device.vram import device_memory_bytes
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]

@@ -61,10 +61,17 @@ def base_output(model, latent_shape) -> bytes:
     """The base model's prediction on fixed inputs, as ComfyUI's sampler calls it (its MODEL, its conditioning)."""
     with torch.inference_mode():
         noise = torch.randn(latent_shape, generator=torch.Generator().manual_seed(3))
-        context = torch.randn(1, 8, model.model.diffusion_model.state_dict()[_context_key(model)].shape[-1],
-                              generator=torch.Generator().manual_seed(4))
+        context = torch.randn(1, 8, _context_width(model), generator=torch.Generator().manual_seed(4))
         return model.model.apply_model(noise, torch.tensor([0.6]), c_crossattn=context,
                                        **_extra_inputs(model)).numpy().tobytes()
+
+
+def _context_width(model) -> int:
+    """The width of the text conditioning the model's blocks take (c_crossattn's last axis)."""
+    unet = model.model.diffusion_model
+    if type(model.model).__name__ == "Krea2":  # 12 Qwen3-VL-4B hidden states side by side per token
+        return unet.txtlayers * unet.txtdim
+    return unet.state_dict()[_context_key(model)].shape[-1]
 
 
 def _context_key(model) -> str:

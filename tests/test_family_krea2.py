@@ -1,10 +1,10 @@
-"""Krea 2 (ComfyUI 0.33 only): what is particular to the family beside the conformance checks. The tiny Krea 2 and its
-tiny Qwen3-VL-4B (scripts/tiny_dit_assets.py, widths via tests/tiny_dit_configs) load through 0.33's stock loader
-functions: conditioning of 12 stacked hidden states, the Wan 2.1 VAE's 5-D latents, ComfyUI's fixed shift 1.15; the
-family's units, LoRA targets and diffusers names are ComfyUI's own. Skipped on 0.3.75, which has no Krea 2."""
+"""Krea 2 (ComfyUI 0.33 only): what is particular to the family, beside the conformance checks that
+tests/test_families_033.py runs on it. The tiny Krea 2 and its tiny Qwen3-VL-4B (scripts/tiny_dit_assets.py, widths
+via tests/tiny_dit_configs) load through 0.33's stock loader functions: conditioning of 12 stacked hidden states, the
+Wan 2.1 VAE's 5-D latents, ComfyUI's fixed shift 1.15; the family's units, LoRA targets and diffusers names are
+ComfyUI's own; quantized files are refused naming what to load. Skipped on 0.3.75, which has no Krea 2."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
@@ -15,28 +15,14 @@ from safetensors.torch import load_file, save_file
 import comfy.model_base
 
 import tiny_dit_assets
-from trainer.settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
-from trainer.train_lora import train_lora
+from family_checks import PROMPT, write_scaled_fp8_file
+from family_checks import adapter as _adapter
+from family_checks import train as _train
+from trainer.settings import LoraTargets
 
 pytestmark = [pytest.mark.comfy033,
               pytest.mark.skipif(not hasattr(comfy.model_base, "Krea2"), reason="ComfyUI 0.3.75 has no Krea 2 "
                                  "(comfy.model_base.Krea2 is ComfyUI 0.33's)")]
-
-
-FP32_CHECKPOINTED = MemorySettings("no", True)  # CPU, every number reproducible
-LORA = LoraSettings(rank=4, alpha=4.0, targets="attention+feed-forward")
-PROMPT = "lnlr, a red circle on a blue background"
-
-
-def _adapter(objects):
-    from bridge.comfy_adapter import ComfyAdapter
-    return ComfyAdapter(*objects)
-
-
-def _train(objects, dataset, folder, steps, name, continue_from=None):
-    lora = dataclasses.replace(LORA, continue_from=continue_from)
-    return train_lora(_adapter(objects), dataset, FP32_CHECKPOINTED, lora, TrainSettings(steps, 1e-3, 0, name),
-                      folder, lambda **event: None, lambda: False)
 
 
 @pytest.fixture(scope="module")
@@ -152,39 +138,13 @@ def test_a_conditioned_variant_with_extra_input_channels_is_refused(krea2, comfy
         _adapter((model, *krea2[1:]))
 
 
-def test_krea2_trains_on_fp8_weights_as_loaded(comfy_base, krea2, two_images, tmp_path):
-    import comfy.sd
-    path = comfy_base / "models" / "diffusion_models" / "leanlora_tiny_krea2.safetensors"
-    with torch.inference_mode():
-        model = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
-    adapter = _adapter((model, *krea2[1:]))
-    unet = adapter.training_unet()
-    adapter.set_compute_dtype(unet, torch.bfloat16)
-    weights = [p for name, p in unet.named_parameters() if name.endswith(".weight") and p.dim() == 2]
-    assert weights and all(p.dtype == torch.float8_e4m3fn for p in weights)
-    outcome = train_lora(adapter, two_images, MemorySettings("bf16", True), LORA, TrainSettings(2, 1e-3, 0, "fp8_krea2"),
-                         tmp_path, lambda **event: None, lambda: False)
-    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses))
-
-
-
 def test_a_quantized_krea2_file_is_refused_naming_what_to_load(krea2, comfy_base, tmp_path):
     """An fp8-scaled file (each matrix in fp8 with its scale, as ComfyUI's krea2_turbo_fp8_scaled): 0.33 loads it as
     quantized layers, which LoRA cannot wrap; Train says so and what to load, before any work."""
     import comfy.sd
     from trainer.errors import LeanLoRAError
-    scaled = {}
-    for key, tensor in load_file(str(comfy_base / "models" / "diffusion_models" /
-                                     "leanlora_tiny_krea2.safetensors")).items():
-        if key.endswith(".weight") and tensor.dim() == 2:
-            scale = tensor.float().abs().max() / 448
-            scaled[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
-            scaled[key[: -len("weight")] + "scale_weight"] = scale.reshape(())
-        else:
-            scaled[key] = tensor
-    scaled["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    file = tmp_path / "krea2_fp8_scaled.safetensors"
-    save_file(scaled, str(file))
+    file = write_scaled_fp8_file(comfy_base / "models" / "diffusion_models" / "leanlora_tiny_krea2.safetensors",
+                                 tmp_path / "krea2_fp8_scaled.safetensors")
     with torch.inference_mode():
         model = comfy.sd.load_diffusion_model(str(file))
     with pytest.raises(LeanLoRAError, match=r"this Krea 2 file is quantized .*load an unquantized \(bf16\) Krea 2 "

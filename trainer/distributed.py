@@ -79,6 +79,9 @@ class Distributed:
         world = world_from_environment()
         if world is None:
             return None
+        if device.type not in ("cuda", "cpu"):
+            raise LeanLoRAError(f"data-parallel training runs on NVIDIA GPUs (NCCL) or the CPU (gloo), not on "
+                                f"{device.type}: run one process (without torchrun)")
         backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_available():
             raise LeanLoRAError("this PyTorch build has no torch.distributed: run one process, or install a build "
@@ -90,7 +93,9 @@ class Distributed:
             backend = dist.get_backend()
         else:
             if device.type == "cuda":
-                torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+                if device.index is None:  # NCCL binds its communicator to one numbered device
+                    device = torch.device("cuda", torch.cuda.current_device())
+                torch.cuda.set_device(device)
             try:
                 dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT,
                                         **({"device_id": device} if device.type == "cuda" else {}))

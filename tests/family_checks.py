@@ -76,7 +76,8 @@ def _context_width(model) -> int:
 
 def _context_key(model) -> str:
     state = model.model.diffusion_model.state_dict()
-    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight", "text_embedding.0.weight")
+    return next(k for k in ("txt_in.weight", "cap_embedder.1.weight", "txt_norm.weight", "text_embedding.0.weight",
+                            "blocks.0.cross_attn.k_proj.weight")
                 if k in state)
 
 

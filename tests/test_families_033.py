@@ -34,6 +34,7 @@ pytestmark = pytest.mark.comfy033
 FAMILIES_033 = {
     "flux2_klein": {"family": "Flux2", "model": "Flux2", "latent_node": "EmptyFlux2LatentImage",
                     "template": "flux2_klein"},
+    "anima": {"family": "Anima", "model": "Anima", "latent_node": "EmptyLatentImage", "template": "anima"},
     "krea2": {"family": "Krea2", "model": "Krea2", "latent_node": "EmptyLatentImage", "template": "krea2"},
 }
 COMFYUI_033 = tuple(int(part) for part in comfyui_version.__version__.split(".")[:2]) >= (0, 33)

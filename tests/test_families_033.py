@@ -36,6 +36,8 @@ FAMILIES_033 = {
                     "template": "flux2_klein"},
     "anima": {"family": "Anima", "model": "Anima", "latent_node": "EmptyLatentImage", "template": "anima"},
     "krea2": {"family": "Krea2", "model": "Krea2", "latent_node": "EmptyLatentImage", "template": "krea2"},
+    "hunyuan_image": {"family": "HunyuanImage", "model": "HunyuanImage21",
+                      "latent_node": "EmptyHunyuanImageLatent", "template": "hunyuan_image"},
 }
 COMFYUI_033 = tuple(int(part) for part in comfyui_version.__version__.split(".")[:2]) >= (0, 33)
 if not COMFYUI_033:

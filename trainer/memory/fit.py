@@ -62,6 +62,7 @@ STATIC_SHARE = 0.75  # weights + LoRA + optimizer may take this share of a budge
 STREAM_UNIT = 0.01
 STREAM_SLACK = 64 * 2 ** 20
 STREAM_SLACK_SHARE = 0.02
+PROBE_OOM_STREAM_STEP = 0.05  # a probe that ran out of memory: the next streaming share, a probe each
 
 
 def recover(session: FitTarget, error: BaseException, device: torch.device) -> str:
@@ -370,8 +371,18 @@ def walk_ladder(session: FitTarget, card: CardBudget | int) -> tuple[MemoryEstim
         memory, description = rung
         if total is not None and streams_more(session.memory, memory):
             memory, description = stream_enough(session, memory, total + extra - budget * FIT_HEADROOM, budget)
+        elif streams_more(session.memory, memory) and session.memory.base_weights.streamed:
+            memory, description = probe_oom_stream_rung(session.memory, memory)
         lines.append(f"auto-fit: {why} > budget -> {description}")
         lines += configure_placed(session, memory)
+
+
+def probe_oom_stream_rung(memory: MemorySettings, rung: MemorySettings) -> tuple[MemorySettings, str]:
+    """A probe that ran out of memory with part of the weights streamed measured nothing to size the next share
+    from: it streams PROBE_OOM_STREAM_STEP more, not the ladder's fifth (H100, FLUX.1-dev at 8 GiB with the prefetch:
+    60% ran out of memory and the fifth streamed 80%)."""
+    share = min(rung.stream_share, round(memory.stream_share + PROBE_OOM_STREAM_STEP, 2))
+    return replace(rung, stream_share=share), streaming_described(memory.stream_share, share)
 
 
 def stream_enough(session: FitTarget, rung: MemorySettings, overshoot: float,

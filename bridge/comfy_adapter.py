@@ -58,19 +58,22 @@ def _hash_patch_value(digest, value) -> None:
         digest.update(repr(value).encode())  # numbers, names; anything else at worst makes a needless miss
 
 
-def weights_fingerprint(patcher, *extra: str) -> str:
-    """Identity of a ComfyUI model as it encodes: its unpatched weights plus the patches (LoRAs) on top."""
+def weights_fingerprint(patcher, *extra: str, prefix: str = "") -> str:
+    """Identity of a ComfyUI model as it encodes: its unpatched weights plus the patches (LoRAs) on top; with
+    `prefix`, only the weights and patches whose keys start with it."""
     with torch.inference_mode():  # ComfyUI's weights are read as ComfyUI reads them (see ComfyAdapter.encode_image)
-        return _weights_fingerprint(patcher, *extra)
+        return _weights_fingerprint(patcher, *extra, prefix=prefix)
 
 
-def _weights_fingerprint(patcher, *extra: str) -> str:
+def _weights_fingerprint(patcher, *extra: str, prefix: str = "") -> str:
     digest = hashlib.sha256("\0".join((type(patcher.model).__name__, *extra)).encode())
     for name, weight in patcher.model.state_dict().items():
+        if not name.startswith(prefix):
+            continue
         original = patcher.backup.get(name)  # while loaded, patched weights are modified in place
         digest.update(name.encode())
         _hash_tensor(digest, original.weight if original is not None else weight)
-    for name in sorted(patcher.patches):
+    for name in sorted(name for name in patcher.patches if name.startswith(prefix)):
         for strength, value, strength_model, offset, function in patcher.patches[name]:
             function = getattr(function, "__qualname__", repr(function))
             digest.update(repr((name, strength, strength_model, offset, function)).encode())
@@ -161,11 +164,17 @@ class ComfyAdapter:
         return self._encoder_ids["image"]
 
     def text_encoder_id(self) -> str:
-        """CLIP with its LoRA patches and options, and the model family (extra_conds differ per family)."""
+        """CLIP with its LoRA patches and options, and the model family (extra_conds differ per family); for a
+        family whose extra_conds run part of the diffusion model on the text (Anima's LLM adapter:
+        ModelFamily.conditioning_weights, a MODEL state-dict prefix), also those weights and their patches."""
         if "text" not in self._encoder_ids:
+            extra = ()
+            prefix = getattr(self.family, "conditioning_weights", None)
+            if prefix:
+                extra = (weights_fingerprint(self.patcher, prefix=prefix),)
             self._encoder_ids["text"] = weights_fingerprint(
                 self.clip.patcher, type(self.base).__name__, str(self.clip.layer_idx),
-                repr(sorted(self.clip.tokenizer_options.items())))
+                repr(sorted(self.clip.tokenizer_options.items())), *extra)
         return self._encoder_ids["text"]
 
     def reserved_vram(self) -> int:

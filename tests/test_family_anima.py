@@ -214,3 +214,28 @@ def test_an_anima_with_extra_input_channels_is_refused_before_training(anima_fil
     with pytest.raises(LeanLoRAError, match=r"LeanLoRA Train: this Anima model takes 17 input channels and its "
                                             r"latents have 16: a variant with extra input channels is not supported"):
         _adapter((model, clip, vae))
+
+
+def test_the_text_cache_keys_on_the_llm_adapter_it_ran(anima_files, anima):
+    """The cached conditioning is the LLM adapter's output: another adapter (a fine-tune's, or a LoRA on it, as kohya's
+    train_llm_adapter writes) encodes captions differently, so it gets other cache entries; a LoRA on the blocks
+    alone does not change them. Families without such weights keep the key they had."""
+    import comfy.sd
+    from bridge.comfy_adapter import weights_fingerprint
+    model, clip, vae = anima
+    key = _adapter(anima).text_encoder_id()
+    assert _adapter(anima).text_encoder_id() == key  # deterministic
+    state = load_file(str(anima_files["unet_name"]))
+    state["llm_adapter.out_proj.weight"] = state["llm_adapter.out_proj.weight"] * 2
+    with torch.inference_mode():
+        other = comfy.sd.load_diffusion_model_state_dict(state)
+    assert _adapter((other, clip, vae)).text_encoder_id() != key
+    adapter_weight = "diffusion_model.llm_adapter.out_proj.weight"
+    block_weight = "diffusion_model.blocks.0.self_attn.q_proj.weight"
+    for patched_key, changes in ((adapter_weight, True), (block_weight, False)):
+        patched = model.clone()
+        patched.add_patches({patched_key: ("diff", (torch.full_like(patched.get_model_object(patched_key), 0.01),))})
+        assert (_adapter((patched, clip, vae)).text_encoder_id() != key) is changes, patched_key
+    plain = weights_fingerprint(clip.patcher, type(model.model).__name__, str(clip.layer_idx),
+                                repr(sorted(clip.tokenizer_options.items())))
+    assert key != plain  # the adapter is part of Anima's key; a family without conditioning_weights has `plain`

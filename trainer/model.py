@@ -70,6 +70,9 @@ class ModelFamily(Protocol):
     # why CUDA graphs cannot capture this family's step, or None (the report says it)
     graph_blocker: str | None
     text_conditioning: dict  # what the family's conditioning gets beside the caption (Flux: its guidance)
+    # optional: the prefix of the MODEL's weights its conditioning runs on the text (Anima's LLM adapter), which the
+    # text cache keys on beside the text encoder's (ComfyAdapter.text_encoder_id)
+    # conditioning_weights: str
 
     def matches(self, base) -> bool: ...
     def unsupported(self, base) -> str | None: ...  # why this member of the family cannot train, or None

@@ -38,6 +38,9 @@ class Anima(TransformerFamily):
         LoraTargets.ATTENTION_FEED_FORWARD: (*_ATTENTION, "mlp.layer1", "mlp.layer2"),  # kohya's default set
     }
     text_tokens = 512  # the LLM adapter's output, padded to 512 tokens, attended by every block's cross-attention
+    # the MODEL's weights extra_conds runs on the text: the cached conditioning is kept per adapter (a fine-tune's own
+    # adapter, or a LoRA patching it, as kohya's train_llm_adapter writes, encodes captions differently)
+    conditioning_weights = "diffusion_model.llm_adapter."
     # Anima's model card: about 1 megapixel, 30-50 steps at CFG 4-5 with er_sde (its default sampler); ComfyUI's
     # simple schedule over the model's shift-3 table
     sample_defaults = SampleDefaults(sampler="er_sde", scheduler="simple", size_multiple=16)

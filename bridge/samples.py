@@ -59,7 +59,8 @@ class SampleRenderer:
         self._allowed, self._step_times = (pace.sampler_step_allowed if pace else None), []
         if pace is not None:
             settings = self.settings
-            estimate = pace.sampler_step_estimate((settings.size // 8) ** 2, 1 if settings.cfg == 1 else 2)
+            latent_side = settings.size // self.vae.spacial_compression_encode()  # as training's latents count
+            estimate = pace.sampler_step_estimate(latent_side ** 2, 1 if settings.cfg == 1 else 2)
             if estimate > self._allowed:
                 raise TimeoutError(self._too_slow(estimate, f"estimated from the training step's {pace.seconds:.2f} s"))
         device = comfy.model_management.get_torch_device()
@@ -120,9 +121,7 @@ class SampleRenderer:
 
     def _sample(self, patched, positives, negative) -> list[np.ndarray]:
         settings = self.settings
-        # pixels per latent position: 8, FLUX.2's 16 (0.3.75's latent formats do not say: all 8 there)
-        downscale = getattr(patched.get_model_object("latent_format"), "spacial_downscale_ratio", 8)
-        latent_size = settings.size // downscale
+        latent_size = settings.size // self.vae.spacial_compression_encode()  # 8 pixels a position; FLUX.2's VAE 16
         images = []
         for positive in positives:
             self._stop_if_cancelled()

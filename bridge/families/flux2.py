@@ -11,7 +11,8 @@ apart (peers train on base; the distilled ones sample in 4 steps at cfg 1).
 
 The blocks are comfy.ldm.flux.layers' own, so FLUX.1's family serves: the same LoRA targets and kohya names (ComfyUI's
 module paths), the same units, the same out-of-place block forwards (Flux.prepare; they take the shared
-modulations as Chroma's blocks take theirs). ComfyUI 0.3.75 has no FLUX.2: there this family matches nothing."""
+modulations as Chroma's blocks take theirs). ComfyUI 0.3.75 loads FLUX.2 dev too (not klein: no Qwen3 text encoder
+for it there); LeanLoRA's FLUX.2 is tested on 0.33."""
 from __future__ import annotations
 
 import math
@@ -54,7 +55,7 @@ class Flux2(Flux):
     text_conditioning = {"guidance": 1.0}
 
     def matches(self, base) -> bool:
-        flux2 = getattr(comfy.model_base, "Flux2", None)  # ComfyUI 0.33 and newer
+        flux2 = getattr(comfy.model_base, "Flux2", None)  # ComfyUI 0.3.75 (dev only) and newer
         return flux2 is not None and type(base) is flux2
 
     def unsupported(self, base) -> str | None:

@@ -4,8 +4,9 @@ limit as auto-fit plans the card's VRAM.
 What a run adds to host RAM beside the host application's own copy of the model (which the training copy shares
 wherever it can: bridge/comfy_adapter._host_aliases):
 - the training copy's own tensors: those it could not share (tensor subclasses, tensors the host kept elsewhere);
-- conversions made on the host before the weights are placed: frozen tensors cast to the compute dtype, and fp8
-  copies of the fp8 layers (an upper bound: both counted at once, as a layer holds both for a moment);
+- conversions made on the host before the weights are placed: frozen tensors cast to the compute dtype, fp8 copies
+  of weights that were not cast (a cast copy is replaced by its fp8 copy), and the fp32 temporaries of the largest
+  layer's fp8 conversion;
 - fp8 weights streamed from CPU that are copies (a bf16 file's weights converted to fp8); an fp8 file's streamed
   weights are the host's own pages, page-locked in place, and cost nothing;
 - activation offload's pinned buffers: the activations one forward pass offloads, twice with CUDA graphs (the eager
@@ -32,6 +33,7 @@ import torch
 
 from ..errors import LeanLoRAError
 from ..settings import BaseWeights, MemorySettings, RamLimit
+from ..step.frozen_weights import FP8_SCALE
 from ..step.precision import DTYPES
 from ..device.card import GIB, is_gpu
 from .ladder import next_rung
@@ -41,6 +43,8 @@ from ..device.vram import available_ram_bytes
 # PyTorch's pinned-memory pool, and the captured graph copies into preallocated buffers of its own
 # (activation_offload.GraphBuffers).
 OFFLOAD_COPIES_WITH_GRAPHS = 2
+# cast_weights.store_weights_fp8 converts a weight through two fp32 temporaries (the upcast and the scaled values)
+FP8_CONVERSION_TEMPORARIES = 2 * 4
 
 
 @dataclass
@@ -105,6 +109,9 @@ class CopyOnHost:
     cast: dict[torch.dtype, int]  # compute dtype -> new host bytes casting the frozen tensors to it makes
     fp8_layers: Callable[[torch.dtype, float], int]  # (compute dtype, stream share) -> bytes streaming moves off
     converted_share: float  # of the fp8 layers' bytes, the share fp8 storage converts (the rest: an fp8 file's)
+    # compute dtype -> of the weights fp8 storage converts, the share already in it (not cast: their fp8 copy is new)
+    uncast_share: dict[torch.dtype, float]
+    largest_weight: int  # elements of the largest weight fp8 storage converts
 
     @classmethod
     def of(cls, adapter, unet: torch.nn.Module) -> "CopyOnHost":
@@ -119,10 +126,13 @@ class CopyOnHost:
         def fp8_layers(dtype: torch.dtype, share: float) -> int:
             keep = adapter.projected_weight_bytes(unet, dtype, BaseWeights.FP8, 1.0)
             return max(0, keep - adapter.projected_weight_bytes(unet, dtype, BaseWeights.FP8_STREAMED, share))
-        fp8_weights = [t for name, t in frozen if name.endswith("weight") and t.dim() >= 2]
-        file_fp8 = sum(t.numel() for t in fp8_weights if t.element_size() == 1)
-        total = sum(t.numel() for t in fp8_weights)
-        return cls(own, cast, fp8_layers, 1 - file_fp8 / total if total else 0.0)
+        weights = [t for name, t in frozen if name.endswith("weight") and t.dim() >= 2]
+        converted = [t for t in weights if t.element_size() > 1]  # an fp8 file's weights stay as they are
+        total, count = sum(t.numel() for t in weights), sum(t.numel() for t in converted)
+        uncast = {dtype: sum(t.numel() for t in converted if t.dtype == dtype) / count if count else 0.0
+                  for dtype in cast}
+        return cls(own, cast, fp8_layers, count / total if total else 0.0, uncast,
+                   max((t.numel() for t in converted), default=0))
 
 
 def _cast_bytes(frozen: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> int:
@@ -131,7 +141,7 @@ def _cast_bytes(frozen: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> i
     size = torch.empty((), dtype=dtype).element_size()
     return sum(t.numel() * size for name, t in frozen
                if t.is_floating_point() and t.dtype != dtype and t.element_size() > 1 and t.numel() > 1
-               and not name.endswith("scale_weight"))
+               and not name.endswith(FP8_SCALE))
 
 
 def estimate_plan(copy: CopyOnHost, memory: MemorySettings, device: torch.device, latent_cache: int,
@@ -141,7 +151,10 @@ def estimate_plan(copy: CopyOnHost, memory: MemorySettings, device: torch.device
     CPU run holds in host RAM."""
     dtype = DTYPES[memory.mixed_precision] or torch.float32
     gpu = is_gpu(device)
-    fp8_copies = int(copy.fp8_layers(dtype, 1.0) * copy.converted_share) if memory.base_weights.fp8 else 0
+    fp8_copies = 0
+    if memory.base_weights.fp8:
+        fp8_copies = int(copy.fp8_layers(dtype, 1.0) * copy.converted_share * copy.uncast_share.get(dtype, 0.0)) \
+            + FP8_CONVERSION_TEMPORARIES * copy.largest_weight
     streamed = 0
     if memory.base_weights.streamed and gpu:
         streamed = int(copy.fp8_layers(dtype, memory.stream_share) * copy.converted_share)

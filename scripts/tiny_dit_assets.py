@@ -10,6 +10,10 @@ ComfyUI 0.3.75 pins these models' widths in code (model_detection.py, t5_config_
 llama.py), so the
 narrow files load through the stock loaders only in a ComfyUI that also imported the test-only package
 tests/tiny_dit_configs (see its docstring for exactly what it patches; real files are never affected).
+FLUX.2 klein's set (ComfyUI 0.33 only) needs nothing new there: 0.33 reads every FLUX.2 width from the file, and its
+28-layer Qwen3-4B loads through the narrow-Qwen3 patch Z-Image's uses; its VAE is the FLUX.2 VAE with the encoder at
+its pinned size and a narrow decoder (whose width ComfyUI reads from the file). FLUX.2 dev has no tiny set: its
+Mistral tokenizer is a tekken vocabulary carried in the text encoder file, which there is no small one of.
 The two VAEs are the exception: the Flux "ae" (AutoencoderKL, ch 128, 16 latent channels) has its widths pinned in
 comfy.sd.VAE with no override hook, so it is full size (84M parameters, 168 MB in bf16, shared by Flux and
 Z-Image as in the real releases); the Wan 2.1 VAE of Qwen-Image (and of Wan 2.1 / 2.2 14B) takes its width from the file, so it is tiny.

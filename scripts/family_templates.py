@@ -86,7 +86,7 @@ FAMILIES = {
                  "qwen_3_4b.safetensors (CLIPLoader type flux2); models/vae: flux2-vae.safetensors",
     },
     "anima": {  # ComfyUI 0.33 and later
-        "title": "Anima",
+        "title": "Anima", "comfyui": "0.33",
         "loaders": {"UNETLoader": {"unet_name": "anima-base-v1.0.safetensors", "weight_dtype": "default"},
                     "CLIPLoader": {"clip_name": "qwen_3_06b_base.safetensors", "type": "stable_diffusion"},
                     "VAELoader": {"vae_name": "qwen_image_vae.safetensors"}},
@@ -113,7 +113,7 @@ FAMILIES = {
                  "krea2); models/vae: qwen_image_vae.safetensors (needs ComfyUI 0.33 or later)",
     },
     "hunyuan_image": {
-        "title": "HunyuanImage 2.1",
+        "title": "HunyuanImage 2.1", "comfyui": "0.33",
         "loaders": {"UNETLoader": {"unet_name": "hunyuanimage2.1_bf16.safetensors", "weight_dtype": "fp8_e4m3fn"},
                     "DualCLIPLoader": {"clip_name1": "qwen_2.5_vl_7b.safetensors",
                                        "clip_name2": "byt5_small_glyphxl_fp16.safetensors", "type": "hunyuan_image"},
@@ -178,7 +178,7 @@ def family_prompt(family: str) -> dict:
 
 
 # columns: loaders | LeanLoRA inputs | Train | sampling | outputs
-LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 430), "6": (400, 1030),
+LAYOUT = {"1": (20, 220), "2": (20, 400), "3": (20, 610), "4": (400, 40), "5": (400, 430), "6": (400, 1090),
           "7": (780, 40), "8": (1160, 40), "9": (1160, 250), "10": (1160, 460), "11": (1540, 40), "12": (1540, 420),
           "13": (1920, 40), "14": (780, 1200), "15": (780, 1480)}  # 14, 15: below Train (all widgets) and its panel
 

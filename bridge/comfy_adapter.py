@@ -383,11 +383,57 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     memo = {id(value): dropped for layer in module.modules() for name, value in vars(layer).items()
             if name in _LOADER_STATE and not isinstance(value, _ATOMIC)}
     memo.update(_host_aliases(module))
+    memo.update(_dequantized_weights(module))
     copied = copy.deepcopy(module, memo)
     for layer in copied.modules():
         for name in _LOADER_STATE.intersection(vars(layer)):
             delattr(layer, name)
+        _as_plain_linear(layer)
     return copied
+
+
+def _dequantized_weights(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """deepcopy memo entries that give the copy each quantized weight (0.33 loads scaled-fp8 and other quantized
+    files as comfy_kitchen QuantizedTensor weights, which deepcopy cannot copy) as a plain frozen Parameter of its
+    dequantized value in the dtype ComfyUI computes that layer in; LeanLoRA's weight storage (fp8 or the compute
+    dtype) re-stores it as for any unquantized file. ComfyUI's own weights are only read."""
+    plain = {}
+    for name, layer in module.named_modules():
+        weight = layer._parameters.get("weight")
+        if weight is None or type(weight.data).__name__ != "QuantizedTensor" or id(weight) in plain:
+            continue
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                value = weight.data.dequantize().clone()
+                # AWQ-style smoothing scales the layer's input: folded into the weight, the plain layer computes as it
+                smoothing = getattr(layer, "pre_quant_scale", None)
+                if smoothing is not None:
+                    value = (value.float() * smoothing.to(value.device, torch.float32)).to(value.dtype)
+        except Exception as error:  # a layout comfy_kitchen cannot dequantize on this device
+            quant_format = getattr(layer, "quant_format", None) or "an unknown format"
+            raise LeanLoRAError(
+                f"LeanLoRA Train: the model's layer {name} is quantized as {quant_format}, which cannot be read back "
+                f"as plain weights here ({error}); load an unquantized (bf16) file of this model with Load Diffusion "
+                "Model's weight_dtype fp8_e4m3fn instead") from error
+        plain[id(weight)] = torch.nn.Parameter(value, requires_grad=False)
+    return plain
+
+
+def _as_plain_linear(layer: torch.nn.Module) -> None:
+    """A copied 0.33 mixed-precision Linear (the op a quantized file's layers get; not a torch Linear, and its
+    forward quantizes the input wherever a `layout_type` is set) becomes ComfyUI's manual-cast Linear over the same
+    plain weight: what an unquantized file's layer is, so LoRA injection and LeanLoRA's weight casts take it."""
+    import comfy.ops
+    if type(layer).__name__ != "Linear" or isinstance(layer, torch.nn.Linear) \
+            or not hasattr(layer, "_full_precision_mm") or not isinstance(getattr(layer, "weight", None), torch.Tensor):
+        return
+    for name in ("layout_type", "quant_format", "tensor_class", "factory_kwargs", "_orig_shape",
+                 "_full_precision_mm", "_full_precision_mm_config", "input_scale", "pre_quant_scale"):
+        if name in vars(layer):
+            delattr(layer, name)
+        layer._parameters.pop(name, None)
+        layer._buffers.pop(name, None)
+    layer.__class__ = comfy.ops.manual_cast.Linear
 
 
 def _shareable(tensor: torch.Tensor) -> bool:

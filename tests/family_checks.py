@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import tiny_dit_assets
 from comfy_headless import execution_error
-from trainer.settings import LoraSettings, LoraTargets, MemorySettings, TrainSettings
+from trainer.settings import BaseWeights, LoraSettings, LoraTargets, MemorySettings, TrainSettings
 from trainer.train_lora import train_lora
 from trainer.training_state import STATE_SUFFIX
 
@@ -46,7 +46,8 @@ def fingerprint(model) -> str:
     with torch.inference_mode():
         for name, tensor in model.model.diffusion_model.state_dict().items():
             digest.update(name.encode())
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape: a quantized file's scales are 0-d, which view() cannot reinterpret as bytes
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -210,6 +211,48 @@ def check_a_scaled_fp8_file_trains_with_its_scales_as_stored(unet_file, objects,
     outcome = train_lora(trainer, dataset, MemorySettings("bf16", True), LORA,
                          TrainSettings(2, 1e-3, 0, f"fp8s_{name}"), folder, lambda **event: None, lambda: False)
     assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+
+
+def check_a_quantized_scaled_fp8_file_trains_and_leaves_the_model(unet_file, objects, dataset, name: str, folder,
+                                                                   caplog) -> None:
+    """ComfyUI 0.33 loads a scaled-fp8 file as comfy_kitchen QuantizedTensor layers: the training copy takes their
+    dequantized values as plain weights (fp8 again under LeanLoRA's own fp8 storage), the LoRA trains, ComfyUI's
+    loader applies every key to the quantized MODEL, and that MODEL's weights and prediction stay as they were."""
+    import comfy.lora
+    import comfy.sd
+    file = write_scaled_fp8_file(unet_file, folder / f"{name}_fp8_scaled.safetensors")
+    with torch.inference_mode():
+        model = comfy.sd.load_diffusion_model(str(file))
+    quantized = [m for m in model.model.diffusion_model.modules()
+                 if type(getattr(m, "weight", None)).__name__ == "QuantizedTensor"]
+    assert quantized, "the file should load as quantized layers"
+    shape = model_latent_shape(model)
+    weights_before, output_before = fingerprint(model), base_output(model, shape)
+    _, clip, vae = objects
+    trainer = adapter((model, clip, vae))
+    unet = trainer.training_unet()
+    assert not any(type(p).__name__ == "QuantizedTensor" or type(p.data).__name__ == "QuantizedTensor"
+                   for p in unet.parameters())
+    dequantized = dict(unet.named_parameters())[f"{_module_name(model, quantized[0])}.weight"]
+    assert torch.equal(dequantized.float(), quantized[0].weight.dequantize().float())
+    outcome = train_lora(trainer, dataset, MemorySettings("bf16", True, base_weights=BaseWeights.FP8), LORA,
+                         TrainSettings(2, 1e-3, 0, f"fp8q_{name}"), folder, lambda **event: None, lambda: False)
+    assert len(outcome.losses) == 2 and all(np.isfinite(outcome.losses)) and outcome.lora_path.is_file()
+    assert "frozen weights stored as fp8" in outcome.report
+    saved = load_file(str(outcome.lora_path))
+    modules = {k.rsplit(".", 2)[0] for k in saved if k.endswith(".lora_down.weight")}
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        patched, _ = comfy.sd.load_lora_for_models(model, None, saved, 1.0, 0.0)
+        assert "lora key not loaded" not in caplog.text
+    assert modules and len(comfy.lora.load_lora(saved, comfy.lora.model_lora_keys_unet(model.model, {}))) \
+        == len(modules) == len(patched.patches)
+    assert fingerprint(model) == weights_before
+    assert base_output(model, shape) == output_before
+
+
+def _module_name(model, module) -> str:
+    return next(name for name, m in model.model.diffusion_model.named_modules() if m is module)
 
 
 def check_samples_render_with_the_familys_sampler(objects, folder) -> None:

@@ -18,11 +18,12 @@ import comfyui_version
 import tiny_assets
 import tiny_dit_assets
 from family_checks import (adapter, check_a_memory_technique_runs,
+                           check_a_quantized_scaled_fp8_file_trains_and_leaves_the_model,
                            check_fp8_weights_as_loaded_train_without_a_16_bit_copy,
                            check_samples_render_with_the_familys_sampler, check_the_template_trains_then_samples,
                            check_trains_resumes_exactly_loads_in_comfyui_continues_and_leaves_the_model,
                            check_trains_through_the_stock_loaders_in_a_real_server,
-                           check_units_cover_the_blocks_and_every_target_exists, write_scaled_fp8_file)
+                           check_units_cover_the_blocks_and_every_target_exists)
 from trainer.dataset import scan_folder
 from trainer.settings import BaseWeights, MemorySettings
 
@@ -100,19 +101,13 @@ def test_fp8_weights_as_loaded_train_without_a_16_bit_copy(files_033, objects_03
 
 
 @pytest.mark.parametrize("tiny_set", FAMILIES_033)
-def test_a_scaled_fp8_file_is_refused_before_any_work_naming_what_to_load(files_033, objects_033, tiny_set, tmp_path):
-    """The fp8 files users download (scaled fp8, each matrix with its scale): 0.33 loads them as comfy_kitchen
-    QuantizedTensor layers, which LeanLoRA cannot put a LoRA on yet (the training copy cannot even copy them). Train
-    refuses such a file before any work, saying what to load instead; tests/family_checks.py's scaled-fp8 training
-    check is 0.3.75's (scale_weight parameters)."""
-    import comfy.sd
-    from trainer.errors import LeanLoRAError
-    file = write_scaled_fp8_file(files_033[tiny_set]["unet_name"], tmp_path / f"{tiny_set}_fp8_scaled.safetensors")
-    with torch.inference_mode():
-        model = comfy.sd.load_diffusion_model(str(file))
-    _, clip, vae = objects_033[tiny_set]
-    with pytest.raises(LeanLoRAError, match=r"LeanLoRA Train: this .+ file is quantized .*unquantized"):
-        adapter((model, clip, vae))
+def test_a_scaled_fp8_file_loaded_as_quantized_layers_trains_and_leaves_the_model(files_033, objects_033, two_images,
+                                                                                  tiny_set, tmp_path, caplog):
+    """The fp8 files users download (scaled fp8, each matrix with its scale), which 0.33 loads as comfy_kitchen
+    QuantizedTensor layers: training takes their dequantized weights, ComfyUI applies the LoRA key for key, and the
+    MODEL stays bit for bit as loaded (0.3.75's scale_weight layers: check_a_scaled_fp8_file_trains_...)."""
+    check_a_quantized_scaled_fp8_file_trains_and_leaves_the_model(
+        files_033[tiny_set]["unet_name"], objects_033[tiny_set], two_images, tiny_set, tmp_path, caplog)
 
 
 @pytest.mark.parametrize("tiny_set", FAMILIES_033)

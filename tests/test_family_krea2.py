@@ -2,7 +2,8 @@
 tests/test_families_033.py runs on it. The tiny Krea 2 and its tiny Qwen3-VL-4B (scripts/tiny_dit_assets.py, widths
 via tests/tiny_dit_configs) load through 0.33's stock loader functions: conditioning of 12 stacked hidden states, the
 Wan 2.1 VAE's 5-D latents, ComfyUI's fixed shift 1.15; the family's units, LoRA targets and diffusers names are
-ComfyUI's own; quantized files are refused naming what to load. Skipped on 0.3.75, which has no Krea 2."""
+ComfyUI's own (a quantized file trains: tests/test_families_033.py's scaled-fp8 check). Skipped on 0.3.75, which
+has no Krea 2."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import comfy.model_base
 
 import tiny_dit_assets
-from family_checks import PROMPT, write_scaled_fp8_file
+from family_checks import PROMPT
 from family_checks import adapter as _adapter
 from family_checks import train as _train
 from trainer.settings import LoraTargets
@@ -135,18 +136,4 @@ def test_a_conditioned_variant_with_extra_input_channels_is_refused(krea2, comfy
     with torch.inference_mode():
         model = comfy.sd.load_diffusion_model_state_dict(state)
     with pytest.raises(LeanLoRAError, match=r"this Krea 2 model takes 32 input channels and Krea 2's latents have 16"):
-        _adapter((model, *krea2[1:]))
-
-
-def test_a_quantized_krea2_file_is_refused_naming_what_to_load(krea2, comfy_base, tmp_path):
-    """An fp8-scaled file (each matrix in fp8 with its scale, as ComfyUI's krea2_turbo_fp8_scaled): 0.33 loads it as
-    quantized layers, which LoRA cannot wrap; Train says so and what to load, before any work."""
-    import comfy.sd
-    from trainer.errors import LeanLoRAError
-    file = write_scaled_fp8_file(comfy_base / "models" / "diffusion_models" / "leanlora_tiny_krea2.safetensors",
-                                 tmp_path / "krea2_fp8_scaled.safetensors")
-    with torch.inference_mode():
-        model = comfy.sd.load_diffusion_model(str(file))
-    with pytest.raises(LeanLoRAError, match=r"this Krea 2 file is quantized .*load an unquantized \(bf16\) Krea 2 "
-                                            r"file, with Load Diffusion Model's weight_dtype fp8_e4m3fn"):
         _adapter((model, *krea2[1:]))

@@ -53,14 +53,10 @@ class Anima(TransformerFamily):
         return model is not None and type(base) is model
 
     def unsupported(self, base) -> str | None:
-        """A quantized file (fp8-scaled or mixed layers, which 0.33 loads as comfy_kitchen QuantizedTensor weights)
-        cannot take a LoRA yet; a file whose patch embedding takes other channels than the latent's (and the padding
-        mask ComfyUI adds) would fail inside the first step: the latents LeanLoRA encodes have the VAE's only."""
+        """A file whose patch embedding takes other channels than the latent's (and the padding mask ComfyUI adds)
+        would fail inside the first step: the latents LeanLoRA encodes have the VAE's only. (Quantized files
+        train: the training copy takes their dequantized weights.)"""
         unet = base.diffusion_model
-        if any(type(getattr(m, "weight", None)).__name__ == "QuantizedTensor" for m in unet.modules()):
-            return ("this Anima file is quantized (fp8-scaled or mixed-precision layers), and LeanLoRA cannot train "
-                    "quantized layers yet; load the unquantized anima-base-v1.0.safetensors (bf16), with Load "
-                    "Diffusion Model's weight_dtype fp8_e4m3fn to halve its memory")
         patch = unet.patch_spatial ** 2 * unet.patch_temporal
         takes = unet.x_embedder.proj[1].in_features // patch - int(unet.concat_padding_mask)
         latent = base.latent_format.latent_channels

@@ -59,14 +59,9 @@ class Flux2(Flux):
         return flux2 is not None and type(base) is flux2
 
     def unsupported(self, base) -> str | None:
-        """A quantized file (0.33 loads fp8-scaled and mixed files, as ComfyUI's FLUX.2 templates' *_fp8*.safetensors,
-        as layers whose weights are comfy_kitchen QuantizedTensors) cannot take a LoRA yet; a file whose input
-        takes more than the latent's channels (a conditioned variant) would fail inside the first step."""
+        """A file whose input takes more than the latent's channels (a conditioned variant) would fail inside the
+        first step. (Quantized files train: the training copy takes their dequantized weights.)"""
         unet = base.diffusion_model
-        if any(type(getattr(m, "weight", None)).__name__ == "QuantizedTensor" for m in unet.modules()):
-            return ("this FLUX.2 file is quantized (fp8-scaled or mixed-precision layers, as flux2_dev_fp8mixed and "
-                    "the klein *-fp8 files are), and LeanLoRA cannot train quantized layers yet; load an unquantized "
-                    "(bf16) FLUX.2 file, with Load Diffusion Model's weight_dtype fp8_e4m3fn to halve its memory")
         takes = unet.img_in.weight.shape[1] // unet.patch_size ** 2
         latent = base.latent_format.latent_channels
         if takes != latent:

@@ -63,12 +63,6 @@ class HunyuanImage(Flux):
             return ("the distilled HunyuanImage 2.1 model (hunyuanimage2.1_distilled_*: a meanflow model whose second "
                     "timestep embedding reads the sampler's schedule) is not supported; train on the base model "
                     "(Load Diffusion Model with hunyuanimage2.1_bf16.safetensors or its fp8 file)")
-        blocks = (module for block in self.blocks(unet) for module in block.modules())
-        if any(type(getattr(module, "weight", None)).__name__ == "QuantizedTensor" for module in blocks):
-            return ("this HunyuanImage 2.1 file is quantized (fp8-scaled layers, which ComfyUI 0.33 loads as "
-                    "comfy_kitchen QuantizedTensor weights), and LeanLoRA cannot train quantized layers yet; load the "
-                    "unquantized hunyuanimage2.1_bf16.safetensors, with Load Diffusion Model's weight_dtype fp8_e4m3fn "
-                    "to keep it at about 17 GB")
         takes = unet.img_in.proj.weight.shape[1]
         latent = base.latent_format.latent_channels
         if takes != latent:

@@ -36,15 +36,9 @@ class Krea2(TransformerFamily):
 
     def unsupported(self, base) -> str | None:
         """A file whose patch embedding takes more than the latent's channels (a conditioned variant) would fail
-        inside the first step: the latents LeanLoRA encodes have the VAE's channels only. A quantized file (the
-        fp8-scaled and int8 files ComfyUI's Krea 2 templates load) is built of 0.33's quantized layers (weights of
-        comfy_kitchen's QuantizedTensor), which LeanLoRA cannot put a LoRA on yet."""
+        inside the first step: the latents LeanLoRA encodes have the VAE's channels only. (Quantized files train:
+        the training copy takes their dequantized weights.)"""
         unet = base.diffusion_model
-        if any(type(getattr(m, "weight", None)).__name__ == "QuantizedTensor" for m in unet.blocks.modules()):
-            return ("this Krea 2 file is quantized (fp8-scaled or int8 layers, as krea2_turbo_fp8_scaled and "
-                    "krea2_turbo_int8_convrot are), and LeanLoRA cannot train quantized layers yet; load an "
-                    "unquantized (bf16) Krea 2 file, with Load Diffusion Model's weight_dtype fp8_e4m3fn to keep it "
-                    "at about 12 GB")
         takes = unet.first.weight.shape[1] // unet.patch ** 2
         latent = base.latent_format.latent_channels
         if takes != latent:

@@ -47,6 +47,12 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    vision tower (visual.*) is narrower than the real 1280 loads, the tower is built at the file's widths and depth
    (16-wide heads), so Qwen-Image-Edit's control images go through a tiny tower (ComfyUI pins it in llama.py).
 
+6. Krea 2 (ComfyUI 0.33): detection pins the text fusion's heads (txtheads = txtkvheads = 20, for txtdim 2560); for
+   a narrower txtdim they are txtdim // 128 (its real 128-wide heads). Its Qwen3-VL-4B text encoder: a narrow file
+   (model.language_model.*, model.visual.*) gets model_options["qwen3vl_4b_model_config"] from its shapes, is detected
+   as Qwen3-VL-4B (0.33 tells 4B from 8B by the merger's 2560-wide output) and its vision tower, pinned in
+   qwen3vl.QWEN3VL_VISION, is built at the file's widths, depth and DeepStack mergers (on its first layers).
+
 8. HunyuanImage 2.1: its diffusion model needs nothing (detection derives the heads from the width).
    Its byT5-small glyph encoder's depth and feed-forward come from byt5_config_small_glyph.json, and the encoder class
    gets no model name to look up an override by: while a byT5 file shallower than the real 12 blocks loads, the
@@ -54,12 +60,6 @@ so the SD1.5 fixture and real models load exactly as before in the same server):
    the diffusion model's byT5 mapper pins it). Its VAE's widths are pinned in comfy.sd.VAE ([128, 256, 512, 512, 1024,
    1024], 2 res blocks); while a HunyuanImage VAE file narrower than that (decoder.conv_in not 1024 wide) loads, the
    encoder and decoder are built at the file's widths and depth.
-
-6. Krea 2 (ComfyUI 0.33): detection pins the text fusion's heads (txtheads = txtkvheads = 20, for txtdim 2560); for
-   a narrower txtdim they are txtdim // 128 (its real 128-wide heads). Its Qwen3-VL-4B text encoder: a narrow file
-   (model.language_model.*, model.visual.*) gets model_options["qwen3vl_4b_model_config"] from its shapes, is detected
-   as Qwen3-VL-4B (0.33 tells 4B from 8B by the merger's 2560-wide output) and its vision tower, pinned in
-   qwen3vl.QWEN3VL_VISION, is built at the file's widths, depth and DeepStack mergers (on its first layers).
 
 7. Anima (ComfyUI 0.33): detection pins Cosmos-Predict2-2B's 16 heads (only at width 2048) and 1024-wide
    cross-attention; for another width the heads are model_channels // 128 (its real 128-wide heads) and the
@@ -336,6 +336,22 @@ def _install() -> None:
     _install_hunyuan_image()  # after the loader wrapper above, which it wraps
 
 
+def _install_qwen3vl_vision() -> None:
+    """ComfyUI 0.33's Qwen3-VL vision tower (Krea 2's text encoder) built at a narrow file's widths while it loads
+    (Qwen3VL builds it from the pinned qwen3vl.QWEN3VL_VISION table); 0.3.75 has no Qwen3-VL."""
+    try:
+        import comfy.text_encoders.qwen3vl as qwen3vl
+    except ImportError:
+        return
+    tower_init = qwen3vl.Qwen3VLVisionModel.__init__
+
+    @functools.wraps(tower_init)
+    def narrow_tower_init(self, config, *args, **kwargs):
+        tower_init(self, {**config, **_QWEN3VL_VISION}, *args, **kwargs)
+
+    qwen3vl.Qwen3VLVisionModel.__init__ = narrow_tower_init
+
+
 _BYT5: dict = {}  # while a shallow byT5 glyph file loads: its override for the byT5 encoder's config
 _HUNYUAN_VAE: dict = {}  # while a narrow HunyuanImage 2.1 VAE file loads: its widths and depth
 
@@ -412,22 +428,6 @@ def _install_hunyuan_image() -> None:
     comfy.sd.VAE.__init__ = vae_narrow_init
     hunyuan_vae.Encoder.__init__ = narrow(hunyuan_vae.Encoder.__init__)
     hunyuan_vae.Decoder.__init__ = narrow(hunyuan_vae.Decoder.__init__)
-
-
-def _install_qwen3vl_vision() -> None:
-    """ComfyUI 0.33's Qwen3-VL vision tower (Krea 2's text encoder) built at a narrow file's widths while it loads
-    (Qwen3VL builds it from the pinned qwen3vl.QWEN3VL_VISION table); 0.3.75 has no Qwen3-VL."""
-    try:
-        import comfy.text_encoders.qwen3vl as qwen3vl
-    except ImportError:
-        return
-    tower_init = qwen3vl.Qwen3VLVisionModel.__init__
-
-    @functools.wraps(tower_init)
-    def narrow_tower_init(self, config, *args, **kwargs):
-        tower_init(self, {**config, **_QWEN3VL_VISION}, *args, **kwargs)
-
-    qwen3vl.Qwen3VLVisionModel.__init__ = narrow_tower_init
 
 
 _LLM_ADAPTER: dict = {}  # while a narrow Anima builds: its LLM adapter's widths and depth

@@ -449,10 +449,10 @@ def test_the_compile_step_compiles_the_batch_shape_the_run_steps_with(adapter, d
     graphs_after_compile_step = []
     compile_step = session_module.compile_before_first_step
 
-    def counted(session):
-        lines = compile_step(session)
+    def counted(compiled, steps):
+        lines, batch = compile_step(compiled, steps)
         graphs_after_compile_step.append(counters["stats"]["unique_graphs"])
-        return lines
+        return lines, batch
     monkeypatch.setattr(session_module, "compile_before_first_step", counted)
     torch._dynamo.reset()
     counters.clear()

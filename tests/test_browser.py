@@ -36,7 +36,8 @@ def test_each_template_opens_clean(page, template):
     assert page.evaluate("() => app.canvas.ds.scale") >= 0.6
     memory = page.evaluate("""() => { const n = app.graph._nodes.find(n => n.type === 'LeanLoRAMemorySettings');
         return {card: n.widgets[0].value, shown: n.widgets.filter(w => n.isWidgetVisible(w)).map(w => w.name)}; }""")
-    assert memory == {"card": "auto (this GPU)", "shown": ["card", "batch_size", "gradient_accumulation", "latent_cache"]}
+    assert memory == {"card": "auto (this GPU)",
+                      "shown": ["card", "batch_size", "gradient_accumulation", "latent_cache", "ram"]}
 
 
 def test_an_old_memory_settings_node_loads_as_manual_with_its_values(page):

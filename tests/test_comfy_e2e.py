@@ -202,11 +202,10 @@ def test_memory_settings_inputs_are_exactly_the_settings_fields(comfy_server):
     MemorySettings = importlib.import_module(f"{PACK}.trainer.settings").MemorySettings
     spec = comfy_server.object_info()["LeanLoRAMemorySettings"]["input"]
     names = {*spec["required"], *spec.get("optional", {})}
-    # card is the node's own (it decides auto_fit: nodes/labels.memory_values); the rest are the fields, but for
-    # selective_recompute, prefetch_streamed: bench rows until the GPU measures them (issue 32), then auto-fit's
-    # choices, not widgets
-    bench_only = {"selective_recompute", "prefetch_streamed"}
-    assert names == {field.name for field in dataclasses.fields(MemorySettings)} - bench_only | {"card"}
+    # card is the node's own (it decides auto_fit: nodes/labels.memory_values); the rest are the fields, the levers
+    # selective_recompute and prefetch_streamed included (advanced: with a card, auto-fit takes the prefetch where it
+    # streams and gives selective recompute up first, as the GPU measured them; manual runs them as set)
+    assert names == {field.name for field in dataclasses.fields(MemorySettings)} | {"card"}
     for name, (_, options) in spec.get("optional", {}).items():  # optional ones default like the dataclass
         if name in ("card", "gradient_checkpointing"):
             # a new node plans for its card from the fast settings (checkpointing off, turned on as far as the

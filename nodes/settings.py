@@ -81,12 +81,11 @@ class LeanLoRAMemorySettings:
                     "The host RAM the run may take. auto: what the machine has free. A plan needing more is not "
                     "chosen; where none fits, training is refused before step 1."}),
                 "selective_recompute": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
-                    "With checkpointing: keep each block's matmul and attention outputs and recompute only the cheap "
-                    "elementwise ops in backward (faster recompute, more VRAM than full checkpointing). Not with "
-                    "compile."}),
+                    "With checkpointing: keep matmul and attention outputs, recompute only elementwise ops (more "
+                    "VRAM). With a card set it is the first thing given up for memory. Not with compile."}),
                 "prefetch_streamed": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
-                    "With fp8 streamed from CPU: copy each streamed weight a layer ahead on a side stream, "
-                    "overlapping the copy with compute (a layer's weights more VRAM)."}),
+                    "With fp8 streamed from CPU: copy each streamed weight a layer ahead, overlapped with compute "
+                    "(faster; a layer's weights more VRAM). With a card set it is on wherever weights stream."}),
             },
         }
 

@@ -17,9 +17,8 @@ from einops import rearrange
 
 import comfy.model_base
 
-from .common import TransformerFamily, linear_cost, prediction_of
-from ..trainer_api import (CheckpointDepth, FamilyIdentity, LoraTargets, SampleDefaults, SampleLimits,
-                           most_memory_per_flop_first)
+from .common import TransformerFamily, prediction_of
+from ..trainer_api import FamilyIdentity, LoraTargets, SampleDefaults, SampleLimits
 
 # module-name suffixes in ComfyUI's Cosmos-Predict2 Block (comfy/ldm/cosmos/predict2.py), the names kohya's
 # lora_anima writes (lora_unet_blocks_0_self_attn_q_proj ...): every Linear of a block but its adaLN modulations,
@@ -89,13 +88,8 @@ class Anima(TransformerFamily):
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return list(unet.blocks)
 
-    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
-                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        units = self.blocks(unet)
-        if latent_size is None:
-            return units
-        tokens = (latent_size[0] // unet.patch_spatial) * (latent_size[1] // unet.patch_spatial) + self.text_tokens
-        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+    def latent_patch(self, unet: torch.nn.Module) -> tuple[int, int]:
+        return unet.patch_spatial, unet.patch_spatial
 
 
 def _rope_split_half(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

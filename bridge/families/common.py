@@ -96,9 +96,13 @@ class TransformerFamily:
         units = self.blocks(unet)
         if latent_size is None:
             return units
-        patch = unet.patch_size
-        tokens = (latent_size[0] // patch) * (latent_size[1] // patch) + self.text_tokens
+        patch_h, patch_w = self.latent_patch(unet)
+        tokens = (latent_size[0] // patch_h) * (latent_size[1] // patch_w) + self.text_tokens
         return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+
+    def latent_patch(self, unet: torch.nn.Module) -> tuple[int, int]:
+        """Latent positions per image token (height, width): what checkpoint_units counts tokens with."""
+        return unet.patch_size, unet.patch_size
 
     def compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
         return self.blocks(unet)

@@ -19,10 +19,9 @@ import torch
 
 import comfy.model_base
 
-from .common import TransformerFamily, linear_cost, prediction_of
+from .common import TransformerFamily, prediction_of
 from .flux import Flux
-from ..trainer_api import (CheckpointDepth, FamilyIdentity, SampleDefaults, SampleLimits,
-                           most_memory_per_flop_first)
+from ..trainer_api import FamilyIdentity, SampleDefaults, SampleLimits
 
 # ComfyUI's module paths -> the official HunyuanImage 2.1 names, which sd-scripts' LoRA files (lora_unet_...) and
 # diffusion-pipe style files (transformer.<path>) use; ComfyUI converts the model's own weights the same way
@@ -90,14 +89,11 @@ class HunyuanImage(Flux):
     def resolution_shift(self, model_sampling, latent_size: tuple[int, int]) -> float:
         return TransformerFamily.resolution_shift(self, model_sampling, latent_size)  # a fixed shift (5) at any size
 
-    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
-                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        units = self.blocks(unet)
-        if latent_size is None:
-            return units
+    checkpoint_units = TransformerFamily.checkpoint_units  # FLUX.1's counts 2x2 patches and no text
+
+    def latent_patch(self, unet: torch.nn.Module) -> tuple[int, int]:
         patch_h, patch_w = unet.patch_size  # [1, 1]: a token per latent position
-        tokens = (latent_size[0] // patch_h) * (latent_size[1] // patch_w) + self.text_tokens
-        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+        return patch_h, patch_w
 
     def diffusers_module_names(self, base) -> dict[str, str] | None:
         """The official names of the blocks' layers (see _OFFICIAL_NAMES), so continue_from reads sd-scripts'

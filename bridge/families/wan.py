@@ -13,9 +13,8 @@ import torch
 
 import comfy.model_base
 
-from .common import TransformerFamily, linear_cost, prediction_of
-from ..trainer_api import (CheckpointDepth, FamilyIdentity, LoraTargets, SampleDefaults, SampleLimits,
-                           most_memory_per_flop_first)
+from .common import TransformerFamily, prediction_of
+from ..trainer_api import FamilyIdentity, LoraTargets, SampleDefaults, SampleLimits
 
 # module-name suffixes in ComfyUI's WanAttentionBlock, the official Wan code's and musubi-tuner's names
 _ATTENTION = tuple(f"{attn}.{p}" for attn in ("self_attn", "cross_attn") for p in "qkvo")
@@ -68,11 +67,6 @@ class Wan(TransformerFamily):
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return list(unet.blocks)
 
-    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
-                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        units = self.blocks(unet)
-        if latent_size is None:
-            return units
+    def latent_patch(self, unet: torch.nn.Module) -> tuple[int, int]:
         _, patch_h, patch_w = unet.patch_size  # (frames, height, width): one frame
-        tokens = (latent_size[0] // patch_h) * (latent_size[1] // patch_w) + self.text_tokens
-        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+        return patch_h, patch_w

@@ -70,8 +70,8 @@ def test_the_cuda_ladder_names_what_moves_to_cpu_memory():
     memory, offload = next_rung(MemorySettings("bf16", True, optimizer="AdamW8bit", base_weights="fp8"), CUDA)
     memory, streamed = next_rung(memory, CUDA)
     assert offload == "activations saved for backward wait in CPU RAM (copied out after forward, back for backward)"
-    assert streamed == ("frozen base weights streamed from CPU memory, layer by layer: the largest layers, 20% of "
-                        "the weights")
+    assert streamed == ("frozen base weights streamed from CPU memory, layer by layer: the layers cheapest to stream, "
+                        "20% of the weights")
     memory, more = next_rung(memory, CUDA)
     assert more == "frozen weights streamed from CPU memory 20% -> 40%"
     for _ in range(2):
@@ -214,6 +214,12 @@ def test_family_identity_recognises_how_other_tools_record_its_family():
     flux = FamilyIdentity("FLUX.1-dev", "flux1", "flux-1-dev", "x", "flow", recorded_as=("flux1", "flux-1"))
     assert flux.recognises("flux1") and flux.recognises("Flux.1-dev/lora") and flux.recognises("flux-1-schnell")
     assert not flux.recognises("sdxl_base_v1-0") and not flux.recognises("stable-diffusion-v1/lora")
+    # FLUX.2's names begin with FLUX.1's plain "flux": a FLUX.2 LoRA is not continued on FLUX.1
+    from bridge.families.flux import FLUX1_RECORDED_AS, FLUX2_RECORDED_AS
+    flux1 = FamilyIdentity("FLUX.1-dev", "flux1", "flux-1-dev", "x", "flow", recorded_as=FLUX1_RECORDED_AS,
+                           not_recorded_as=FLUX2_RECORDED_AS)
+    assert flux1.recognises("flux") and flux1.recognises("FLUX.1-dev") and not flux1.recognises("flux2") \
+        and not flux1.recognises("FLUX.2-klein-4b") and not flux1.recognises("flux-2-dev")
 
 
 # --- objective, on ComfyUI's own model_sampling classes (the training-run tests of it take a minute) -----------

@@ -27,11 +27,14 @@ class FamilyIdentity:
     # how other tools record this family in a file's ss_base_model_version or modelspec.architecture: prefixes,
     # compared lower-case without separators ("flux1", "flux-1-dev" and "FLUX.1" are one). Empty: no file check
     recorded_as: tuple[str, ...] = ()
+    # prefixes of a later family that begin with one of recorded_as ("flux" is FLUX.1 in older tools, "flux2" is not)
+    not_recorded_as: tuple[str, ...] = ()
 
     def recognises(self, recorded: str) -> bool:
         """Whether a file's recorded base model names this family."""
         value = _plain(recorded)
-        return any(value.startswith(_plain(prefix)) for prefix in self.recorded_as)
+        return any(value.startswith(_plain(prefix)) for prefix in self.recorded_as) \
+            and not any(value.startswith(_plain(prefix)) for prefix in self.not_recorded_as)
 
 
 def _plain(text: str) -> str:
@@ -133,6 +136,10 @@ class ModelAdapter(Protocol):
                 cond: dict[str, torch.Tensor]) -> torch.Tensor: ...
     def resolution_shift(self, latent_size: tuple[int, int]) -> float: ...
     def free(self, unet: torch.nn.Module) -> None: ...
+    # Optional: rank_streaming(unet, latent_size), the order streamed layers take at the largest latent (the
+    # family's cost model), called once before anything streams; and stream_costs(unet, share) -> ([(weight bytes,
+    # multiply-adds per image)] of the layers streamed at `share`, the step's multiply-adds per image): the streaming
+    # time model's terms (memory/planner.streaming_time). Without them the largest layers stream first, untimed.
     # Optional: the addresses of the host's own storages the training copy shares (the host RAM plan counts the
     # copy's other tensors as its own; without it, every host tensor of the copy is; ComfyAdapter's).
     # def shared_host_storages(self) -> set[int]: ...

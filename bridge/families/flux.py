@@ -15,6 +15,10 @@ from .common import TransformerFamily, prediction_of
 from .edit import EditVariant
 from ..trainer_api import FamilyIdentity, LoraTargets, SampleLimits
 
+# how LoRA files name FLUX.1 (older tools write plain "flux"); FLUX.2's names begin with it but are not FLUX.1
+FLUX1_RECORDED_AS = ("flux1", "flux-1", "flux.1", "flux")
+FLUX2_RECORDED_AS = ("flux2", "flux-2", "flux.2")
+
 
 # (image tokens, mu) at both ends of FLUX.1-dev's resolution-dependent shift (ComfyUI's ModelSamplingFlux node)
 FLUX_SHIFT_LOW, FLUX_SHIFT_HIGH = (256, 0.5), (4096, 1.15)
@@ -30,6 +34,12 @@ class Flux(TransformerFamily):
                                              "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2", "linear1", "linear2"),
     }
     text_tokens = 256  # ComfyUI pads T5's sequence to at least 256 tokens
+    # a double block's two streams run their own layers on their own tokens; the single blocks' linear1/linear2 run
+    # on the joined sequence; the per-block modulations (FLUX.1, HunyuanImage 2.1; not Chroma's nor FLUX.2's) on the
+    # timestep's vector
+    PER_IMAGE_LINEARS = ("img_mod", "txt_mod", "modulation")
+    TEXT_LINEARS = ("txt_attn", "txt_mlp")
+    IMAGE_LINEARS = ("img_attn", "img_mlp")
     sample_limits = SampleLimits("FLUX.1", 2048, 150, "its native size is 1024")  # checked before training
     # Train dev's distilled guidance at 1.0, as kohya's docs and ai-toolkit do (ComfyUI's default for sampling is
     # 3.5): the LoRA then learns the images, not the guidance embedding's push, and samples at any guidance
@@ -50,7 +60,7 @@ class Flux(TransformerFamily):
         return FamilyIdentity("FLUX.1-schnell" if schnell else "FLUX.1-dev", "flux1",
                               "flux-1-schnell" if schnell else "flux-1-dev",
                               "https://github.com/black-forest-labs/flux", prediction_of(model_sampling),
-                              recorded_as=("flux1", "flux-1", "flux.1", "flux"))
+                              recorded_as=FLUX1_RECORDED_AS, not_recorded_as=FLUX2_RECORDED_AS)
 
     def resolution_shift(self, model_sampling, latent_size: tuple[int, int]) -> float:
         """FLUX.1-dev samples with a shift that grows with the image (Black Forest Labs' mu: 0.5 at 256 image
@@ -99,7 +109,7 @@ class FluxKontext(EditVariant, Flux):
     def identity(self, base, model_sampling) -> FamilyIdentity:
         return FamilyIdentity("FLUX.1-Kontext-dev", "flux1", "flux-1-kontext-dev",
                               "https://github.com/black-forest-labs/flux", prediction_of(model_sampling),
-                              recorded_as=("flux1", "flux-1", "flux.1", "flux"))
+                              recorded_as=FLUX1_RECORDED_AS, not_recorded_as=FLUX2_RECORDED_AS)
 
     def describe(self, base) -> str:
         return super().describe(base) + ", edit pairs: control images as reference latents"

@@ -21,7 +21,7 @@ import comfy.model_base
 import comfy.model_sampling
 
 from .common import prediction_of
-from .flux import Flux
+from .flux import FLUX2_RECORDED_AS, Flux
 from ..trainer_api import FamilyIdentity, SampleDefaults, SampleLimits
 
 FLUX2_SHIFT = 2.02  # the mu of comfy.supported_models.Flux2's own table (ModelSamplingFlux)
@@ -80,7 +80,7 @@ class Flux2(Flux):
     def identity(self, base, model_sampling) -> FamilyIdentity:
         name, architecture = self.variant(base)
         return FamilyIdentity(f"FLUX.2 {name}", "flux2", architecture, "https://github.com/black-forest-labs/flux2",
-                              prediction_of(model_sampling), recorded_as=("flux2", "flux-2", "flux.2"))
+                              prediction_of(model_sampling), recorded_as=FLUX2_RECORDED_AS)
 
     def describe(self, base) -> str:
         unet = base.diffusion_model

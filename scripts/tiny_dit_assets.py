@@ -733,6 +733,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verify", action="store_true", help="load and run them in-process (imports ComfyUI)")
     args = parser.parse_args(argv)
+    import_tiny_configs()  # the builders take names and shapes from ComfyUI's classes, some at the tiny widths
     for family in WORKFLOW if args.family == "all" else (args.family,):
         t = time.perf_counter()
         files = build_family(args.base_dir, family, seed=args.seed)

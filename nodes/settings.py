@@ -1,9 +1,10 @@
 import os
 
 from ..trainer.errors import LeanLoRAError
-from ..trainer.settings import MIXED_PRECISION, OPTIMIZERS, LoraSettings, MemorySettings
+from ..trainer.settings import MIXED_PRECISION, OPTIMIZERS, THIS_GPU, LoraSettings, MemorySettings
 from .common import CATEGORY
 from .labels import CARD_AUTO, CARDS, choices, memory_values, values_of
+from .workers import chosen_devices, gpu_choices
 
 NO_LORA = "none"  # continue_from: start a new LoRA
 
@@ -86,6 +87,11 @@ class LeanLoRAMemorySettings:
                 "prefetch_streamed": ("BOOLEAN", {"default": False, **ADVANCED, "tooltip":
                     "With fp8 streamed from CPU: copy each streamed weight a layer ahead, overlapped with compute "
                     "(faster; a layer's weights more VRAM). With a card set it is on wherever weights stream."}),
+                # last, so saved workflows keep their values' positions; only "this GPU" on a one-GPU machine
+                "gpus": (gpu_choices(), {"default": THIS_GPU, **ADVANCED, "tooltip":
+                    "this GPU: train in this server alone. More: the same run as one process per GPU (data-"
+                    "parallel, each batch_size x gradient_accumulation per GPU); this server's GPU is one of them "
+                    "and shows the progress and samples. The others load the model from the loaders' files."}),
             },
         }
 
@@ -100,6 +106,7 @@ class LeanLoRAMemorySettings:
 
     def execute(self, **settings):
         # input names are MemorySettings' fields (and card); omitted optionals default
+        chosen_devices(settings.get("gpus", THIS_GPU))  # an index this machine lacks is refused here
         return (MemorySettings(**memory_values(settings)),)
 
 

@@ -10,12 +10,13 @@ import folder_paths
 from ..trainer.cache_store import LatentTextStore
 from ..trainer.errors import LeanLoRAError, TrainingCancelled
 from ..trainer.files import check_writable, sanitize_name
-from ..trainer.settings import LR_SCHEDULES, LatentCache, SampleSettings, TrainSettings
+from ..trainer.settings import LR_SCHEDULES, THIS_GPU, LatentCache, SampleSettings, TrainSettings
 from ..trainer.training_state import STATE_SUFFIX, find_latest_state
 from .common import CATEGORY, pil_to_image
 from .jobs import JOBS, Job
 from .labels import RESUME_LATEST, RESUME_OFF, choices, values_of
 from .settings import ADVANCED
+from .workers import Workers
 from .monitor import LATEST_TRAINING
 from .plot import loss_chart
 
@@ -353,7 +354,8 @@ class LeanLoRATrain:
                     "else its alpha channel; images without one count every pixel. The loss is averaged over "
                     "the mask."}),
             },
-            "hidden": {"unique_id": "UNIQUE_ID"},
+            # the queued prompt: Memory Settings' gpus gives it to the worker processes as a config (nodes/workers.py)
+            "hidden": {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"},
         }
 
     RETURN_TYPES = ("MODEL", "CLIP", "LORA_MODEL", "STRING", "IMAGE", "STRING")
@@ -380,7 +382,8 @@ class LeanLoRATrain:
                 validation_fraction=0.0, validation_every_n_steps=50, noise_offset=0.0, min_snr_gamma=0.0,
                 timestep_sampling="family default", timestep_shift=3.0, loss="MSE", huber_c=0.1, ema_decay=0.0,
                 shuffle_tags=False, keep_tokens=0, tag_dropout=0.0, caption_dropout=0.0, caption_variants=4,
-                multires_noise_iterations=0, multires_noise_discount=0.3, masked_loss=False, unique_id=None):
+                multires_noise_iterations=0, multires_noise_discount=0.3, masked_loss=False, unique_id=None,
+                prompt=None):
         global _partial_runs
         from ..bridge.comfy_adapter import ComfyAdapter, apply_lora
         from ..bridge.samples import SampleRenderer
@@ -406,10 +409,25 @@ class LeanLoRATrain:
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
-        job = JOBS.start(lambda job: train_lora(adapter, dataset, memory, lora_config, settings, loras_dir,
-                                                job.emit, lambda: job.cancelled, store, fallback_dir,
-                                                LATEST_TRAINING, samples.every_steps, renderer))
-        outcome = wait_for(job, steps, unique_id, adapter.device)
+        # several GPUs: the worker processes start loading now; this job joins them as rank 0 once they have
+        workers = Workers.for_run(getattr(memory, "gpus", THIS_GPU), prompt, unique_id)
+        job = None
+        try:
+            job = JOBS.start(lambda job: train_lora(
+                adapter, dataset, memory, lora_config, settings, loras_dir, job.emit, lambda: job.cancelled, store,
+                fallback_dir, LATEST_TRAINING, samples.every_steps, renderer,
+                launcher_env=workers.join(lambda: job.cancelled) if workers is not None else None))
+            if workers is not None:
+                workers.watch(job)
+            outcome = wait_for(job, steps, unique_id, adapter.device)
+        except BaseException as error:
+            failure = workers.failed(error) if workers is not None else None
+            if failure is not None:  # a worker died: the error says which and how (its log), not rank 0's echo
+                raise LeanLoRAError(failure) from error
+            raise
+        finally:
+            if workers is not None:
+                workers.finish(job)
         logging.info("LeanLoRA:\n%s", outcome.report)
         if outcome.save_note:
             logging.warning("LeanLoRA: %s", outcome.save_note)

@@ -14,6 +14,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -28,6 +29,8 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 # A stop asked by a signal (the headless runner's Ctrl-C or the launcher's SIGTERM): read before each step and agreed by
 # every rank (Distributed.agree), so all stop at the same step and rank 0 keeps the partial LoRA
 STOP = threading.Event()
+# Set by the Train node for its worker processes: the file a worker writes as it joins the process group
+READY_FILE_ENV = "LEANLORA_READY_FILE"
 LAUNCH_HINT = "launch with `torchrun --nproc_per_node N -m leanlora train CONFIG` (or accelerate launch), which sets them"
 
 
@@ -73,10 +76,11 @@ class Distributed:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, device: torch.device) -> Distributed | None:
+    def from_environment(cls, device: torch.device, env: Mapping[str, str] | None = None) -> Distributed | None:
         """None for a single process; else joins the launcher's process group (NCCL on CUDA, gloo on the CPU),
-        once per process (a second run in the same process reuses it)."""
-        world = world_from_environment()
+        once per process (a second run in the same process reuses it). `env`: a launcher's variables given
+        instead of this process's (the Train node's rank 0 in the server, nodes/workers.py), joined by TCP."""
+        world = world_from_environment(os.environ if env is None else env)
         if world is None:
             return None
         if device.type not in ("cuda", "cpu"):
@@ -96,13 +100,17 @@ class Distributed:
                 if device.index is None:  # NCCL binds its communicator to one numbered device
                     device = torch.device("cuda", torch.cuda.current_device())
                 torch.cuda.set_device(device)
+            if env is None and os.environ.get(READY_FILE_ENV):  # a worker of the Train node (nodes/workers.py):
+                Path(os.environ[READY_FILE_ENV]).touch()  # rank 0 in the server joins once every worker is here
+            address = (env if env is not None else os.environ)
+            address = f"{address['MASTER_ADDR']}:{address['MASTER_PORT']}"
             try:
                 dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT,
+                                        **({"init_method": f"tcp://{address}"} if env is not None else {}),
                                         **({"device_id": device} if device.type == "cuda" else {}))
             except (RuntimeError, ValueError) as error:
                 raise LeanLoRAError(f"could not join the launcher's {world.size} processes as rank {world.rank} "
-                                    f"({backend} on {device}, MASTER_ADDR {os.environ['MASTER_ADDR']}:"
-                                    f"{os.environ['MASTER_PORT']}): {error}") from error
+                                    f"({backend} on {device}, MASTER_ADDR {address}): {error}") from error
         global _stop_group
         if backend != "gloo" and _stop_group is None:  # made once: every rank makes its groups in the same order
             _stop_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)

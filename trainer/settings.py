@@ -155,6 +155,9 @@ class AdapterKind(Enum):
     OFT = "oft"
 
 
+THIS_GPU = "this GPU"  # Memory Settings' gpus: the server's own GPU, one process
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     mixed_precision: str = "bf16"
@@ -179,6 +182,9 @@ class MemorySettings:
     # with fp8 streamed: each streamed weight copied a layer ahead on a copy stream (step/weight_prefetch.py)
     prefetch_streamed: bool = False
     ram: RamLimit = RAM_AUTO  # the host RAM the run may take (memory/host_ram.py)
+    # the Train node's GPUs (nodes/workers.py): "this GPU", "all N GPUs" or CUDA indices "0,1"; the trainer runs
+    # one process either way (its data-parallel world is a launcher's or the node's, trainer/distributed.py)
+    gpus: str = THIS_GPU
 
     def __post_init__(self):
         _require_choice(self, "mixed_precision", MIXED_PRECISION)

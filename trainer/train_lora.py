@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -88,17 +88,19 @@ def train_lora(adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, 
                loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
                store: LatentTextStore | None = None, fallback_dir: Path | None = None,
                timeline: Timeline | None = None, sample_every: int = 0,
-               on_sample: Callable[[int, dict[str, torch.Tensor], StepPace | None], list[Path]] | None = None
-               ) -> TrainOutcome:
+               on_sample: Callable[[int, dict[str, torch.Tensor], StepPace | None], list[Path]] | None = None,
+               launcher_env: Mapping[str, str] | None = None) -> TrainOutcome:
     """`store` keeps latents and text embeddings between runs (keyed by content, preprocessing and encoder).
     `fallback_dir` receives the LoRA where `loras_dir` fails at save time (read-only, disk full).
     `timeline` records device memory per step (emptied first); the caller may read it during the run.
     `on_sample(step, kohya state dict, StepPace or None)` renders images from the LoRA at that step and returns their
     files: every `sample_every` steps between optimizer steps, and after the final save; a failure is reported, never
     fatal. A TimeoutError from it (a sampler step estimated or measured past StepPace.sampler_step_allowed) skips
-    this and every later sample of the run, with a note."""
+    this and every later sample of the run, with a note. `launcher_env`: a data-parallel world's RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT given for this process (the Train node's rank 0, nodes/workers.py) instead of its
+    environment's (a launcher's)."""
     run = Run(adapter, dataset, memory, lora, train, Path(loras_dir), emit, should_stop, store, fallback_dir,
-              timeline if timeline is not None else Timeline(), sample_every if on_sample is not None else 0, on_sample)
+              timeline if timeline is not None else Timeline(), sample_every if on_sample is not None else 0, on_sample, launcher_env)
     with run.resident:  # the job's host RAM peak, whatever happens
         run.check()  # everything that can be refused, before any encoding
         run.cache()
@@ -119,7 +121,8 @@ class Run(RunEvents):
     def __init__(self, adapter: ModelAdapter, dataset: Dataset, memory: MemorySettings, lora: LoraSettings,
                  train: TrainSettings, loras_dir: Path, emit: Callable[..., None], should_stop: Callable[[], bool],
                  store: LatentTextStore | None, fallback_dir: Path | None, timeline: Timeline, sample_every: int,
-                 on_sample: Callable[[int, dict[str, torch.Tensor], StepPace | None], list[Path]] | None):
+                 on_sample: Callable[[int, dict[str, torch.Tensor], StepPace | None], list[Path]] | None,
+                 launcher_env: Mapping[str, str] | None = None):
         """As train_lora's arguments (`sample_every` 0 without `on_sample`); `memory` is resolved for the device
         by check()."""
         self.adapter, self.dataset, self.requested, self.lora, self.train = adapter, dataset, memory, lora, train
@@ -137,7 +140,7 @@ class Run(RunEvents):
         self.estimate = self.failure = self.diverged_at = None
         self.cancelled = self.from_start = self.released = False
         # launched by torchrun / accelerate: this process's rank (None for one process); rank 0 alone saves and samples
-        self.distributed = Distributed.from_environment(self.device)
+        self.distributed = Distributed.from_environment(self.device, launcher_env)
         self.is_main = self.distributed is None or self.distributed.is_main
         if not self.is_main:
             self.sample_every, self.on_sample = 0, None

@@ -2,12 +2,16 @@
 # kohya sd-scripts as a third peer (bench/kohya_peer.py says what runs and how it is measured).
 #   here:        bash bench/kohya_peer.sh prepare <sd-scripts source: a checkout, or the bare git directory the
 #                fetch tool gives for github:kohya-ss/sd-scripts>
-#                -> .gpu_kohya/ (git-ignored, ~1 MB): its source without docs/tests/configs + the small wheels it needs
+#                -> .gpu_kohya/ (git-ignored, ~3 MB): its source without docs/tests/configs + the small wheels it needs
 #                that neither the GPU image (opencv-python-headless is there) nor .gpu/whl has (imagesize, voluptuous,
 #                toml); diffusers, bitsandbytes and nvidia-ml-py come from .gpu/whl (bench/prepare_gpu_carry.sh).
-#   GPU machine: bash bench/kohya_peer.sh run OUT_DIR        carry [".gpu", ".gpu_kohya"] (the matrix's carry + 1 MB:
+#   GPU machine: bash bench/kohya_peer.sh run OUT_DIR        carry [".gpu", ".gpu_kohya"] (the matrix's carry + 3 MB:
 #                one device call can run both)
-#                CARDS="24,8,6,4" STEPS=110 by default; writes OUT_DIR/kohya_peer.json and OUT_DIR/logs.tgz.
+#                SDXL: CARDS="24,8,6,4" STEPS=110 by default.
+#                FLUX.1-dev: FAMILY=flux CARDS=8 STEPS=60 WARMUP=10 ASSETS=/tmp/gm_assets (our files, as
+#                bench/gpu_matrix.sh left them; built under the work folder otherwise).
+#                LIMIT_S: the whole run (a card that would run past it is stopped and keeps the steps it did);
+#                EMULATION=holder (default) | fraction. Writes OUT_DIR/kohya_peer.json, console.txt and logs.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -40,8 +44,12 @@ case "${1:?prepare SRC | run OUT_DIR}" in
       || echo "[kohya] pip install failed"
     export PYTHONPATH=/tmp/site_kohya PYTHONUNBUFFERED=1
     mkdir -p .cache /tmp/kohya && tar xzf .gpu/comfyui.tgz -C .cache && tar xzf .gpu_kohya/sd-scripts.tgz -C /tmp/kohya
-    timeout -k 10 "${LIMIT_S:-530}" python3 -m bench.kohya_peer --kohya /tmp/kohya/sd-scripts --work /tmp/leanlora_kohya \
-      --cards "${CARDS:-24,8,6,4}" --steps "${STEPS:-110}" 2>&1 | tee "$OUT/console.txt" | grep -E "^\[kohya\]|Error|error" | tail -40
+    [ -f .gpu/dit_tokenizers.tgz ] && tar xzf .gpu/dit_tokenizers.tgz -C .cache/comfyui  # T5's (flux)
+    LIMIT="${LIMIT_S:-530}"
+    timeout -k 10 "$LIMIT" python3 -m bench.kohya_peer --family "${FAMILY:-sdxl}" --kohya /tmp/kohya/sd-scripts \
+      --work /tmp/leanlora_kohya --cards "${CARDS:-24,8,6,4}" --steps "${STEPS:-110}" --warmup-steps "${WARMUP:-10}" \
+      --emulation "${EMULATION:-holder}" --budget-s "$((LIMIT - 15))" ${ASSETS:+--assets "$ASSETS"} \
+      2>&1 | tee "$OUT/console.txt" | grep -E "^\[kohya|Error|error" | tail -40
     cp /tmp/leanlora_kohya/kohya_peer.json "$OUT/" 2>/dev/null
-    (cd /tmp/leanlora_kohya && tar czf "$OUT/logs.tgz" card_*.log 2>/dev/null) ;;
+    (cd /tmp/leanlora_kohya && tar czf "$OUT/logs.tgz" card_*.log card_*.steps 2>/dev/null) ;;
 esac

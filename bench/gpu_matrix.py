@@ -6,6 +6,7 @@ stock loaders, full-size random weights, every capped row on a card emulated by 
     python -m bench.gpu_matrix --group qwen_a --out DIR [--budget-s S] [--only NAME,...]   # the device command's core
     python -m bench.gpu_matrix --list [--group G]     # every group (or one): rows, steps, time estimates
     python -m bench.gpu_matrix --group smoke --tiny --out DIR                               # CPU: the new row kinds
+    python -m bench.gpu_matrix --agreement DIR    # an agreement group's LoRA comparison again (results.json)
 
 Families: sd15 (512²), sdxl, z_image, flux_dev, chroma, qwen_image, wan (1024²) and generic (Z-Image's files through
 the pack's generic path alone: bench/dit_launcher.py --families generic). Cards: uncapped (the fast preset, the
@@ -19,6 +20,11 @@ base image must be pixel-identical to the one before training; the new node keep
 Every train row records: steps done, job peak (Train + samples + the KSampler after) and training peak over the
 baseline (NVML used - holder - idle) against the card, s/step, × the same call's uncapped row (table), host RSS
 peak (bench/dit_matrix.py's sampler), the card's emulation and the holder's bytes.
+Agreement groups (issue 44 item 6; bench/lora_agreement.py): every plan auto-fit chooses for SDXL and FLUX.1-dev
+(each card whose plan differs, the lever rows included) trains AGREEMENT_STEPS seeded steps on the same data, beside
+one uncapped server that trains the fast plan (the reference), the fast plan again (the yardstick) and the fast plan
+with fp8 base weights alone; after the rows each saved LoRA is compared with the fast one (results.json: each row's
+lora_vs_fast, lora_tolerance, lora_within; "agreement": the run's verdict; summary.md: the agreement table).
 Groups in priority order: GROUPS below (bench/gpu_matrix.sh runs one per device command).
 """
 from __future__ import annotations
@@ -30,7 +36,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bench import dit_matrix
+from bench import dit_matrix, lora_agreement
 from bench import server_matrix as sm
 from bench.server_matrix import FAST, GIB, Job, Server, settings
 
@@ -63,6 +69,11 @@ ASSETS_S = {"sd15": 6, "sdxl": 12, "z_image": 45, "generic": 45, "flux_dev": 80,
             "wan": 75}
 
 
+# Cards below the matrix's CARDS where issue 44 has targets (SDXL 4 and 3 GiB): (setup s, s/step), from the 4 Dec
+# H200 rows (SDXL 4 GiB 0.169-0.173 s/step, 3 GiB 2.48x of 0.087).
+SMALL_CARDS = {"sdxl": {4: (40, 0.175), 3: (45, 0.22)}}
+
+
 def model_of(family: str) -> str:
     return "z_image" if family == "generic" else family
 
@@ -71,6 +82,10 @@ def model_of(family: str) -> str:
 # prefetch was one (FLUX.1-dev 8 GiB, H100: 0.8154 against 1.0098 s/step): auto-fit now takes it wherever it streams,
 # so a card row has it and no row can leave it out.
 LEVERS = {"selective": {"selective_recompute": True}}
+# Reference plans beside the fast one (no card): "fp8", the fast plan with fp8 base weights and no other saver (the
+# agreement run judges the plans with fp8 weights against it as well as against the fast plan).
+REFERENCE_PLANS = {"fp8": {"base_weights": "fp8"}}
+FP8_STEP_COST = 1.3  # an fp8 row's s/step over the bf16 one, for the estimates (the upcasts; not measured yet)
 
 
 def row(family: str, card: float | None, check: str = "speed", checks: bool = False, adapter: str | None = None,
@@ -78,16 +93,22 @@ def row(family: str, card: float | None, check: str = "speed", checks: bool = Fa
     """One server: the family on the card (None: uncapped fast), optionally the base / LoRA-loading checks, an
     adapter type, or one of LEVERS turned on over the card's plan."""
     start, setups, step_s, after, sample = EST[family]
-    index = CARDS.index(card)
+    if card in CARDS:
+        setup, per_step = setups[CARDS.index(card)], step_s[CARDS.index(card)]
+    elif card in SMALL_CARDS.get(family, {}):
+        setup, per_step = SMALL_CARDS[family][card]
+    else:
+        raise ValueError(f"gpu_matrix: no time estimate for {family} on a {card} GiB card: add it to EST's cards "
+                         "or SMALL_CARDS")
+    per_step *= FP8_STEP_COST if lever == "fp8" else 1
     steps = steps or (SPEED_STEPS if check == "speed" else FITS_STEPS)
     memory = settings("fast") if card is None else {**FAST, "card": f"{card:g} GiB"}
-    memory.update(LEVERS[lever] if lever else {})
+    memory.update({**LEVERS, **REFERENCE_PLANS}[lever] if lever else {})
     tail = "".join(f"_{part}" for part in (adapter, lever) if part)
     name = f"{family}_{'uncapped' if card is None else f'{card:g}'}" + tail
     job_name = ("fast" if card is None else f"card_{card:g}") + tail
-    train = Job(job_name, memory, steps=steps, check=check, est_step_s=step_s[index],
-                est_setup_s=setups[index] + after - 8, timeout_s=min(560, setups[index] + steps * step_s[index] * 2
-                                                                     + 120),
+    train = Job(job_name, memory, steps=steps, check=check, est_step_s=per_step,
+                est_setup_s=setup + after - 8, timeout_s=min(560, setup + steps * per_step * 2 + 120),
                 lora_config={"type": adapter} if adapter else {}, output_name=f"gm_{name}")
     jobs = [train]
     if checks:
@@ -136,6 +157,95 @@ def levers_smoke() -> list[Server]:
     return [replace(server, name=f"smoke_{server.name}", card_gib=None,
                     jobs=[replace(job, **tiny) for job in server.jobs])
             for server in (row("sd15", 8, lever="selective"), row("generic", 8, lever="selective"))]
+
+
+AGREEMENT_STEPS = 50
+# Each card whose auto-fit plan differs (docs/BENCHMARKS.md's plans), with the levers auto-fit can add on a card;
+# FLUX.1's 8 GiB plans first (streamed fp8 + offload + 8-bit states: the most that changes), one card per group
+AGREEMENT_CARDS = {"sdxl": ((12, None), (8, None), (8, "selective"), (6, None), (4, None), (3, None)),
+                   "flux_dev": ((8, None), (8, "selective"), (24, None), (12, None))}
+
+
+def agreement_head(family: str) -> Server:
+    """One uncapped server, three seeded runs on the same data: the fast plan (the reference), the fast plan again
+    (the yardstick: run-to-run nondeterminism), and the fast plan with fp8 base weights alone (the fp8 reference)."""
+    fast = row(family, None, "agreement", steps=AGREEMENT_STEPS)
+    fp8 = row(family, None, "agreement", steps=AGREEMENT_STEPS, lever="fp8")
+    again = replace(fast.jobs[0], name="fast_yardstick", output_name=f"{fast.jobs[0].output_name}_yardstick")
+    return replace(fast, jobs=[fast.jobs[0], again, fp8.jobs[0]])
+
+
+def agreement_groups(prefix: str, family: str, limit: float = GROUP_LIMIT_S - 20) -> dict:
+    """The family's agreement rows (AGREEMENT_CARDS) in as few groups as fit one device command, each group with
+    its own head (agreement_head): every comparison and its tolerance come from one call on one GPU. One group:
+    `prefix`; more: prefix_1, prefix_2, ..."""
+    head = agreement_head(family)
+    cards = [row(family, card, "agreement", steps=AGREEMENT_STEPS, lever=lever)
+             for card, lever in AGREEMENT_CARDS[family]]
+    groups, current = [], []
+    for spec in cards:
+        if current and estimate([head, *current, spec]) > limit:
+            groups.append(current)
+            current = []
+        current.append(spec)
+    groups.append(current)
+    names = [prefix] if len(groups) == 1 else [f"{prefix}_{i + 1}" for i in range(len(groups))]
+    return {name: (lambda group=group: [head, *group]) for name, group in zip(names, groups)}
+
+
+def agreement_smoke() -> list[Server]:
+    """CPU (--tiny): the agreement run on the tiny SD1.5 through real servers (the head's three runs and the 8 GiB
+    card's widget with selective recompute, 4 steps each), then the comparison of the saved files."""
+    tiny = dict(steps=4, est_step_s=0.5, est_setup_s=20, timeout_s=240)
+    return [replace(server, name=f"smoke_{server.name}", card_gib=None,
+                    jobs=[replace(job, **tiny) for job in server.jobs])
+            for server in (agreement_head("sd15"), row("sd15", 8, "agreement", lever="selective"))]
+
+
+def write_agreement(out: Path) -> dict:
+    """An agreement group's comparison (bench/lora_agreement.py) on the LoRA files its servers saved under `out`,
+    written into out/results.json (each row and "agreement")."""
+    results_path = out / "results.json"
+    result = json.loads(results_path.read_text())
+    group = result["plan"].removeprefix("gm_")
+    if group not in GROUPS:
+        raise SystemExit(f"gpu_matrix: {results_path} is group {group!r}, not one of this checkout's groups")
+    outputs = {(s.name, j.name): j.output_name for s in GROUPS[group]() for j in s.jobs}
+
+    def lora_file(row: dict) -> Path | None:
+        name = outputs.get((row["server"], row["job"]))
+        found = sorted(out.glob(f"servers/*/models/loras/{name}.safetensors"), key=lambda p: p.stat().st_mtime) \
+            if name else []
+        return found[-1] if found else None  # a restarted server's folder (name_restartN) saves the same name
+    result["agreement"] = lora_agreement.judge(result["rows"], lora_file)
+    results_path.write_text(json.dumps(result, indent=1, default=str))
+    return result["agreement"]
+
+
+def agreement_table(rows: list[dict]) -> str:
+    """The agreement rows of one or more runs: the plan each trained with, its LoRA against the fast one."""
+    train = [r for r in rows if r.get("kind") == "train" and ("lora_vs_fast" in r or "lora_error" in r)]
+    if not train:
+        return ""
+    lines = ["", "LoRA agreement: ||dW(plan) - dW(fast)|| / ||dW(fast)|| after the same seeded steps (dW = alpha/rank "
+             "up @ down; it starts at zero); tolerance max(2 x the second fast run's, 0.005), per device call.", "",
+             "| run | plan trained (report) | changes numbers | ‖dW‖ / fast | LoRA vs fast | tolerance | within | "
+             "vs fast_fp8 (within) |", "|---|---|---|---|---|---|---|---|"]
+    for r in train:
+        within = {True: "✓", False: "✗"}.get(r.get("lora_within"), "")
+        measured = f"{r['lora_vs_fast']:.4f}" if "lora_vs_fast" in r else ""
+        if "lora_error" in r:
+            within, measured = "✗", r["lora_error"].replace("|", "/")[:80]
+        moved = f"{r['lora_norm_vs_fast']:.3f}" if "lora_norm_vs_fast" in r else ""
+        tolerance = f"{r['lora_tolerance']:.4f}" if "lora_tolerance" in r else ""
+        fp8 = (f"{r['lora_vs_fast_fp8']:.4f} ({'✓' if r.get('lora_within_fp8') else '✗'})"
+               if "lora_vs_fast_fp8" in r else "")
+        role = {"fast_yardstick": " (yardstick)", "fast_fp8": " (fp8 reference)"}.get(r["job"], "")
+        changes = r.get("changes_numbers")
+        changes = "unknown" if changes is None else ", ".join(changes) or "no"
+        lines.append(f"| {r['server']}/{r['job']}{role} | {(r.get('plan') or 'n/a').replace('|', '/')} | {changes} | "
+                     f"{moved} | {measured} | {tolerance} | {within} | {fp8} |")
+    return "\n".join(lines)
 
 
 def families_of(servers: list[Server]) -> list[str]:
@@ -188,6 +298,9 @@ def _groups() -> dict:
     groups["flux_levers"] = lambda: [row("flux_dev", 8, lever="selective")]
     groups["sdxl_levers"] = lambda: [row("sdxl", None), row("sdxl", 8), row("sdxl", 8, lever="selective"),
                                      row("sdxl", 6), row("sdxl", 6, lever="selective")]
+    # issue 44 item 6: every auto-fit plan's LoRA against the fast plan's (agreement_groups)
+    groups.update(agreement_groups("sdxl_agreement", "sdxl"))
+    groups.update(agreement_groups("flux_agreement", "flux_dev"))
     return groups
 
 
@@ -195,6 +308,7 @@ GROUPS = _groups()
 PRIORITY = list(GROUPS)
 GROUPS["smoke"] = plan_smoke
 GROUPS["smoke_levers"] = levers_smoke
+GROUPS["agreement_smoke"] = agreement_smoke
 
 
 # --- assets: the SD builder and the DiT builder into one folder --------------------------------------------------
@@ -295,7 +409,7 @@ def summary(paths: list[str]) -> str:
                      f"{'n/a' if training is None else f'{training:.2f}'} | {per_step or 'n/a'} | "
                      f"{f'{per_step / ref:.2f}{star}' if per_step and ref else ''} | {base} | {lora} | "
                      f"{train.get('host_rss_job_peak_gib', '')} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + agreement_table(rows)
 
 
 def print_list(groups: list[str]) -> None:
@@ -321,6 +435,11 @@ def main(argv=None) -> None:
     if argv[:1] == ["--summary"]:
         print(summary(argv[1:]))
         return
+    if argv[:1] == ["--agreement"]:
+        out = Path(argv[1])
+        print(json.dumps(write_agreement(out), indent=1))
+        print(agreement_table(json.loads((out / "results.json").read_text())["rows"]))
+        return
     if "--list" in argv:
         print_list([group] if group else PRIORITY + ["smoke"])
         return
@@ -331,6 +450,11 @@ def main(argv=None) -> None:
     if "--tiny" in rest:
         dit_matrix.DitServer.tiny = True
     sm.main(["--plan", f"gm_{group}", *rest])
+    if "agreement" in group:
+        out = Path(next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--out"), "out/server_matrix"))
+        verdict = write_agreement(out)
+        print(f"[matrix] agreement: {json.dumps(verdict)}", flush=True)
+        print(agreement_table(json.loads((out / "results.json").read_text())["rows"]), flush=True)
 
 
 if __name__ == "__main__":

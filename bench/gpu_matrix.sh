@@ -14,6 +14,9 @@
 #   (c) the rest, at speed (110 steps), the base-identity / LoRA-loading checks on each family's 6 GiB row:
 #     sd15_1 sdxl_1 sdxl_adapters_1 sdxl_adapters_2 z_image_speed_1 z_image_speed_2 generic_speed_1 generic_speed_2
 #     flux_dev_speed_1..3 chroma_speed_1..3 wan_speed_1..4 qwen_image_speed_1..4   (--list: rows and estimates)
+#   (d) issue 44 item 6, each auto-fit plan's LoRA after 50 seeded steps against the fast plan's (each group has its
+#       own fast, second fast (yardstick) and fast-with-fp8 runs; summary.md ends with the agreement table):
+#     sdxl_agreement_1 sdxl_agreement_2 flux_agreement_1..4 (FLUX.1's 8 GiB plans first)
 # Rows a group's budget skipped: the same command again with ONLY="server,..." (a warm machine keeps the files in
 # /tmp/gm_assets: no second build). EMULATION=fraction: the old per-process cap instead of the holder process.
 # FITS_STEPS=N: the fits rows' steps (24). What comes back in $OUT: results.json (every job; copied every 10 s
@@ -62,6 +65,10 @@ timeout -k 10 "$left" python3 -m bench.gpu_matrix --group "$GROUP" --out "$RUN" 
   2>&1 | tee -a "$OUT/console.txt" | grep --line-buffered -E "^\[(matrix|assets|dit|holder|gpu_matrix)\]" | cut -c1-300
 echo "[gpu_matrix] matrix exit code ${PIPESTATUS[0]} after $((SECONDS - begun)) s" | tee -a "$OUT/console.txt"
 kill "$copier" 2>/dev/null
+case "$GROUP" in *agreement*)  # the LoRA comparison again: the budget's timeout may have ended the matrix first
+  python3 -m bench.gpu_matrix --agreement "$RUN" >> "$OUT/console.txt" 2>&1 \
+    || echo "[gpu_matrix] the LoRA comparison failed (console.txt)" | tee -a "$OUT/console.txt" ;;
+esac
 cp "$RUN/results.json" "$RUN/table.md" "$OUT/" 2>/dev/null
 python3 -m bench.gpu_matrix --summary "$OUT/results.json" > "$OUT/summary.md" 2>&1
 (cd "$RUN" && tar czf "$OUT/logs.tgz" $(find servers -name comfyui.log) 2>/dev/null)

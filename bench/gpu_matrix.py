@@ -24,7 +24,7 @@ Agreement groups (issue 44 item 6; bench/lora_agreement.py): every plan auto-fit
 (each card whose plan differs, the lever rows included) trains AGREEMENT_STEPS seeded steps on the same data, beside
 one uncapped server that trains the fast plan (the reference), the fast plan again (the yardstick) and the fast plan
 with fp8 base weights alone; after the rows each saved LoRA is compared with the fast one (results.json: each row's
-lora_vs_fast, lora_tolerance, lora_within; "agreement": the run's verdict; summary.md: the agreement table).
+lora_vs_fast, lora_tolerance, lora_within; "agreement": the verdict per model; summary.md: the agreement table).
 Groups in priority order: GROUPS below (bench/gpu_matrix.sh runs one per device command).
 """
 from __future__ import annotations
@@ -195,16 +195,19 @@ def agreement_groups(prefix: str, family: str, limit: float = GROUP_LIMIT_S - 20
 
 def agreement_smoke() -> list[Server]:
     """CPU (--tiny): the agreement run on the tiny SD1.5 through real servers (the head's three runs and the 8 GiB
-    card's widget with selective recompute, 4 steps each), then the comparison of the saved files."""
+    card's widget with selective recompute) and on the tiny FLUX.1 (the head's runs: FLUX.1's LoRA files), 4 steps
+    each, then the comparison of the saved files, per model."""
     tiny = dict(steps=4, est_step_s=0.5, est_setup_s=20, timeout_s=240)
     return [replace(server, name=f"smoke_{server.name}", card_gib=None,
                     jobs=[replace(job, **tiny) for job in server.jobs])
-            for server in (agreement_head("sd15"), row("sd15", 8, "agreement", lever="selective"))]
+            for server in (agreement_head("sd15"), row("sd15", 8, "agreement", lever="selective"),
+                           agreement_head("flux_dev"))]
 
 
 def write_agreement(out: Path) -> dict:
     """An agreement group's comparison (bench/lora_agreement.py) on the LoRA files its servers saved under `out`,
-    written into out/results.json (each row and "agreement")."""
+    each model's rows against its own fast row, written into out/results.json (each row, and "agreement": the
+    verdict per model)."""
     results_path = out / "results.json"
     result = json.loads(results_path.read_text())
     group = result["plan"].removeprefix("gm_")
@@ -217,7 +220,9 @@ def write_agreement(out: Path) -> dict:
         found = sorted(out.glob(f"servers/*/models/loras/{name}.safetensors"), key=lambda p: p.stat().st_mtime) \
             if name else []
         return found[-1] if found else None  # a restarted server's folder (name_restartN) saves the same name
-    result["agreement"] = lora_agreement.judge(result["rows"], lora_file)
+    result["agreement"] = {model: lora_agreement.judge([r for r in result["rows"] if r.get("model") == model],
+                                                       lora_file)
+                           for model in dict.fromkeys(r.get("model") for r in result["rows"])}
     results_path.write_text(json.dumps(result, indent=1, default=str))
     return result["agreement"]
 

@@ -1,7 +1,7 @@
 """The LoRA agreement (issue 44 item 6) on the CPU: bench/lora_agreement.py's comparison on the LoRA files real
-servers saved (python -m bench.gpu_matrix --group agreement_smoke --tiny: the fast plan, the fast plan again, fast
-with fp8 weights, an 8 GiB card with selective recompute, 4 seeded steps each), checked against each layer's weight
-difference formed explicitly; the plan read from the report's own settings line; every agreement group for the GPU
+servers saved (python -m bench.gpu_matrix --group agreement_smoke --tiny: SD1.5's fast plan, the fast plan again,
+fast with fp8 weights, an 8 GiB card with selective recompute, and FLUX.1's first three, 4 seeded steps each), checked
+against each layer's weight difference formed explicitly; the plan read from the report's own settings line; every agreement group for the GPU
 fits one device command and trains every plan with the same seed, steps, data and LoRA."""
 import json
 import subprocess
@@ -47,12 +47,18 @@ def formed_distance(a: Path, b: Path) -> tuple[float, float]:
     return difference, sum(float(delta(tb, layer).pow(2).sum()) for layer in layers) ** 0.5
 
 
-def test_every_run_of_the_smoke_group_is_judged_against_the_fast_lora(agreement_run):
+def test_every_run_of_the_smoke_group_is_judged_against_its_models_fast_lora(agreement_run):
     result, stdout, out = agreement_run
-    rows = {r["job"]: r for r in result["rows"]}
+    assert all(r["status"] == "ok" and r["steps_done"] == 4 for r in result["rows"])
+    assert set(result["agreement"]) == {"sd15", "flux_dev"}
+    flux = {r["job"]: r for r in result["rows"] if r["model"] == "flux_dev"}
+    assert result["agreement"]["flux_dev"]["reference"] == "smoke_flux_dev_uncapped/fast"
+    assert flux["fast_fp8"]["changes_numbers"] == ["fp8 base weights"] and flux["fast_fp8"]["lora_vs_fast"] > 0
+    assert result["agreement"]["flux_dev"]["tolerance"] == max(
+        lora_agreement.LORA_YARDSTICKS * flux["fast_yardstick"]["lora_vs_fast"], lora_agreement.LORA_FLOOR)
+    rows = {r["job"]: r for r in result["rows"] if r["model"] == "sd15"}
     assert set(rows) == {"fast", "fast_yardstick", "fast_fp8", "card_8_selective"}
-    assert all(r["status"] == "ok" and r["steps_done"] == 4 for r in rows.values())
-    verdict = result["agreement"]
+    verdict = result["agreement"]["sd15"]
     assert verdict["reference"] == "smoke_sd15_uncapped/fast" and verdict["fast_moved"] > 0
     assert verdict["yardstick"] == rows["fast_yardstick"]["lora_vs_fast"]
     assert verdict["tolerance"] == max(lora_agreement.LORA_YARDSTICKS * verdict["yardstick"], lora_agreement.LORA_FLOOR)
@@ -73,13 +79,16 @@ def test_every_run_of_the_smoke_group_is_judged_against_the_fast_lora(agreement_
     assert "[matrix] agreement:" in stdout
 
 
-def test_the_comparison_on_the_saved_files_is_the_distance_of_the_formed_weight_differences(agreement_run):
+@pytest.mark.parametrize("model", ["sd15", "flux_dev"])
+def test_the_comparison_on_the_saved_files_is_the_distance_of_the_formed_weight_differences(agreement_run, model):
     result, _, out = agreement_run
-    rows = {r["job"]: r for r in result["rows"]}
-    fast = saved(out, "smoke_sd15_uncapped", "gm_sd15_uncapped")
-    others = {"fast_fp8": saved(out, "smoke_sd15_uncapped", "gm_sd15_uncapped_fp8"),
-              "fast_yardstick": saved(out, "smoke_sd15_uncapped", "gm_sd15_uncapped_yardstick"),
-              "card_8_selective": saved(out, "smoke_sd15_8_selective", "gm_sd15_8_selective")}
+    rows = {r["job"]: r for r in result["rows"] if r["model"] == model}
+    head = f"smoke_{model}_uncapped"
+    fast = saved(out, head, f"gm_{model}_uncapped")
+    others = {"fast_fp8": saved(out, head, f"gm_{model}_uncapped_fp8"),
+              "fast_yardstick": saved(out, head, f"gm_{model}_uncapped_yardstick")}
+    if model == "sd15":
+        others["card_8_selective"] = saved(out, "smoke_sd15_8_selective", "gm_sd15_8_selective")
     reference = lora_agreement.lora_factors(fast)
     for job, path in others.items():
         measured = lora_agreement.delta_distance(lora_agreement.lora_factors(path), reference)

@@ -65,9 +65,9 @@ timeout -k 10 "$left" python3 -m bench.gpu_matrix --group "$GROUP" --out "$RUN" 
   2>&1 | tee -a "$OUT/console.txt" | grep --line-buffered -E "^\[(matrix|assets|dit|holder|gpu_matrix)\]" | cut -c1-300
 echo "[gpu_matrix] matrix exit code ${PIPESTATUS[0]} after $((SECONDS - begun)) s" | tee -a "$OUT/console.txt"
 kill "$copier" 2>/dev/null
-case "$GROUP" in *agreement*)  # the LoRA comparison again: the budget's timeout may have ended the matrix first
-  python3 -m bench.gpu_matrix --agreement "$RUN" >> "$OUT/console.txt" 2>&1 \
-    || echo "[gpu_matrix] the LoRA comparison failed (console.txt)" | tee -a "$OUT/console.txt" ;;
+case "$GROUP" in *agreement*)  # the LoRA comparison, where the budget's timeout ended the matrix before it
+  grep -q '"agreement": ' "$RUN/results.json" 2>/dev/null || python3 -m bench.gpu_matrix --agreement "$RUN" \
+    >> "$OUT/console.txt" 2>&1 || echo "[gpu_matrix] the LoRA comparison failed (console.txt)" | tee -a "$OUT/console.txt" ;;
 esac
 cp "$RUN/results.json" "$RUN/table.md" "$OUT/" 2>/dev/null
 python3 -m bench.gpu_matrix --summary "$OUT/results.json" > "$OUT/summary.md" 2>&1

@@ -59,6 +59,8 @@ def run_notes(session) -> list[str]:
     if graphs:
         extra.append(f"fast path: steps replayed from {graphs} CUDA graph{'s' if graphs > 1 else ''} "
                      "(one per batch shape)")
+        if getattr(micro_step, "pool_size", None) is not None:
+            extra.append(f"fast path: {micro_step.pool_size.describe()}")
         compiled_parts = [what for what, used in (
             ("the compiled blocks", session.is_compiled),
             # (those of ResBlocks and transformer layers are multi-tensor kernels, the same either way)

@@ -224,6 +224,7 @@ class TrainingSession:
         flattened = getattr(self.optimizer, "leanlora_flat", None) is not None
         self.micro_step = self.step = None
         gc.collect()
+        pool_size = getattr(self.micro_step, "pool_size", None)  # what a capture measured outlives the rebuild
         if device.type == "cuda" and (had_graphs or flattened):
             # Freed memory that cannot serve the next allocations goes back to the driver: a released graph pool
             # (else a recovery rung runs next to the old graph's memory) and the per-tensor LoRA storage a flat
@@ -237,7 +238,8 @@ class TrainingSession:
                 "the text encoder is trained (its captions' tokens are read on the host every step)"
                 if self.text_encoder is not None else None),
             offload=ActivationOffload(**self.offload_settings) if memory.activation_offload else None,
-            prefetch=WeightPrefetch() if memory.base_weights.streamed and memory.prefetch_streamed else None)
+            prefetch=WeightPrefetch() if memory.base_weights.streamed and memory.prefetch_streamed else None,
+            pool_size=pool_size)
         if note and note not in self.notes:
             self.notes.append(note)
         self.micro_step.budget = budget_bytes(memory.auto_fit, device, self.comfy_reserve())

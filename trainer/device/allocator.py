@@ -121,10 +121,35 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return function
 
 
+def graph_memory_reserved(device: torch.device) -> int:
+    """Bytes the driver's graph memory pool holds on `device` (cudaGraphMemAttrReservedMemCurrent): under
+    cudaMallocAsync a captured graph's allocations live there, outside memory_reserved, once the graph has been
+    launched. 0 off CUDA, before any CUDA work, or where the runtime has no such call."""
+    import ctypes
+    if torch.device(device).type != "cuda" or not torch.cuda.is_initialized():
+        return 0
+    query = _runtime_function("cudaDeviceGetGraphMemAttribute", (ctypes.c_int, ctypes.c_int, ctypes.c_void_p))
+    if query is None:
+        return 0
+    index = torch.device(device).index
+    value = ctypes.c_uint64(0)
+    reserved_current = 2  # cudaGraphMemAttrReservedMemCurrent
+    if query(index if index is not None else torch.cuda.current_device(), reserved_current, ctypes.byref(value)):
+        return 0  # an error code: nothing to read
+    return value.value
+
+
 @functools.cache
 def _graph_mem_trim() -> Callable[[int], int] | None:
-    """cudaDeviceGraphMemTrim of the CUDA runtime this process loaded (PyTorch's), found by its path in the
-    process's memory map: torch exposes no binding."""
+    """cudaDeviceGraphMemTrim of the CUDA runtime this process loaded (PyTorch's)."""
+    import ctypes
+    return _runtime_function("cudaDeviceGraphMemTrim", (ctypes.c_int,))
+
+
+@functools.cache
+def _runtime_function(name: str, argtypes: tuple) -> Callable[..., int] | None:
+    """A function of the CUDA runtime this process loaded (PyTorch's), found by its path in the process's memory
+    map: torch exposes no binding. Returns its cudaError_t."""
     import ctypes
     try:
         with open("/proc/self/maps") as maps:
@@ -133,9 +158,9 @@ def _graph_mem_trim() -> Callable[[int], int] | None:
         return None
     for path in sorted(paths):
         try:
-            function = ctypes.CDLL(path).cudaDeviceGraphMemTrim
+            function = getattr(ctypes.CDLL(path), name)
         except (OSError, AttributeError):
             continue
-        function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+        function.argtypes, function.restype = list(argtypes), ctypes.c_int
         return function
     return None

@@ -35,6 +35,9 @@ class MemoryEstimate:
     # tensors ComfyUI keeps loaded. It counts against the same VRAM and caps.
     other: int = 0
     workspace_in_activations: bool = False  # probed once at the run's shape: the two are not told apart
+    # The full-size probe step's reserved growth per allocated byte (>= 1): the caching allocator's rounding of
+    # this step, which a CUDA graph's private pool follows (micro_steps.GraphPoolSize). None where not measured.
+    reserve_ratio: float | None = None
 
     @property
     def total(self) -> int | None:
@@ -117,7 +120,8 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
     for h, w in [(height, width)] if at_run_shape else _probe_sizes(height, width, sides):
         small = resize_latent(latent, h, w)
         memory.synchronize()
-        baseline = memory.allocated()
+        memory.empty_cache()  # the reserved growth below is then this step's own blocks, not earlier ones reused
+        baseline, reserved = memory.allocated(), memory.reserved()
         memory.reset_peak()
         with memory.computing():
             step((small, cond))
@@ -127,6 +131,9 @@ def probe_activations(estimate: MemoryEstimate, step: Callable[[tuple], torch.Te
         points.append((h * w, memory.peak_allocated() - baseline - stayed))
         if measured is not None:
             measured.append(points[-1])
+        grown = memory.peak_allocated() - baseline
+        if grown > 0:  # the last (full-size) probe's is kept
+            estimate.reserve_ratio = max(1.0, (memory.peak_reserved() - reserved) / grown)
     memory.empty_cache()  # the probes' cached blocks would otherwise stay reserved next to the run's
     if len(points) < 2 and not at_run_shape:
         return estimate

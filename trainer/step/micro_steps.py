@@ -30,7 +30,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from .activation_offload import ActivationOffload
-from ..device.allocator import backend as allocator_backend, memory_limit, trim_graph_memory
+from ..device.allocator import backend as allocator_backend, graph_memory_reserved, memory_limit, trim_graph_memory
 from ..errors import is_out_of_memory, one_line
 from .frozen_weights import host_launched_upcasts
 from .precision import Precision
@@ -40,18 +40,90 @@ from ..device.vram import device_memory_bytes
 
 # (inputs already on the device) -> scalar loss; all randomness is drawn before, on the CPU generator
 ComputeLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-# What a graphed run reserves beyond the eagerly probed estimate, from H200 runs (SD1.5/SDXL, 5 settings, under
-# caps): peak allocated stays within 0.04 GiB of the estimate (the graph's pool replaces eager activations), peak
-# reserved exceeds it by 0.13-0.20 GiB: the side stream's cuBLAS workspace (64 MiB; the estimate now counts it,
-# see _side_stream), the pool's block rounding and a share of the activations. Uncapped, the allocator keeps more
-# cached (up to +0.45 GiB), which a cap trims.
+# The fallback for the graph's pool before anything measured it (GraphPoolSize): no probe with allocator
+# statistics and no capture yet. What a graphed run reserved beyond the eagerly probed estimate, from H200 runs
+# (SD1.5/SDXL, 5 settings, under caps): peak allocated within 0.04 GiB of the estimate (the graph's pool replaces
+# eager activations), peak reserved 0.13-0.20 GiB above it: the side stream's cuBLAS workspace (64 MiB; the
+# estimate now counts it, see _side_stream), the pool's block rounding and a share of the activations. Uncapped,
+# the allocator keeps more cached (up to +0.45 GiB), which a cap trims.
 GRAPH_OVERHEAD = 160 * 2 ** 20
-# The pool's block rounding on top of the step's transient memory: what capture demands (graph_pool_fits) and what
-# auto-fit plans for (extra_memory) are one number, else a plan that fits the estimate finds at step 1 that its
-# graph does not (issue 32's 12 GiB card: four recoveries at step 1 with 0.1 here and 0.25 at capture).
+# ...and the pool's block rounding on top of the step's transient memory, in that fallback (issue 32's 12 GiB
+# card: four recoveries at step 1 with 0.1 here and 0.25 at capture). A probe's measured rounding replaces it.
 GRAPH_ACTIVATION_SHARE = 0.25
 MAX_GRAPHS = 8  # one per batch shape (aspect-ratio buckets); more shapes than this run eagerly
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device: each new stream costs a cuBLAS workspace
+
+
+class GraphPoolSize:
+    """The CUDA graph's private memory pool, sized from the best number there is, as bytes per byte of the step's
+    transient memory (what an eager step allocates above what stays: activations and workspace):
+    - measured: the pool the latest capture took (`record_capture`: allocator-reserved bytes plus the driver's
+      graph memory, before the capture and after its first launch) per byte of transient its warm-up measured;
+    - modelled: the probe's own rounding (estimate.reserve_ratio: the full-size probe step's reserved growth per
+      allocated byte), which the pool's blocks follow: one step's allocations, freed blocks reused;
+    - fallback, before any probe or capture: the transient, GRAPH_ACTIVATION_SHARE of it and GRAPH_OVERHEAD.
+    What capture demands (graph_pool_fits) and what auto-fit plans for (extra_memory) are this one number, else a
+    plan that fits finds at step 1 that its graph does not. The session keeps it across rebuilds of the step (a
+    recovery rung captures again with the ratio the last capture measured)."""
+
+    def __init__(self):
+        self.captured = 0  # bytes the captures into the current pool took (shapes share it: their growth summed)
+        self.captured_transient = 0  # the largest transient their warm-ups measured
+        self.reserve_ratio: float | None = None  # the latest probe's (MemoryEstimate.reserve_ratio)
+
+    def record_capture(self, pool_bytes: int, transient: int, new_pool: bool) -> None:
+        if new_pool:
+            self.captured, self.captured_transient = 0, 0
+        self.captured += max(0, pool_bytes)
+        self.captured_transient = max(self.captured_transient, transient)
+
+    def source(self) -> str:
+        if self.captured and self.captured_transient:
+            return "measured"
+        return "modelled" if self.reserve_ratio else "fallback"
+
+    def pool_bytes(self, transient: int) -> int:
+        """The pool a step of `transient` bytes captures into."""
+        source = self.source()
+        if source == "measured":
+            return int(transient * self.captured / self.captured_transient)
+        if source == "modelled":
+            return int(transient * self.reserve_ratio)
+        return int((1 + GRAPH_ACTIVATION_SHARE) * transient)
+
+    def extra_memory(self, estimate) -> int:
+        """Reserved bytes a graphed run needs beyond `estimate` (eagerly probed): its pool, less the transient
+        memory the pool takes the place of; in the fallback GRAPH_OVERHEAD too. The estimate's probed rounding,
+        where it has one, becomes the model."""
+        if getattr(estimate, "reserve_ratio", None):
+            self.reserve_ratio = estimate.reserve_ratio
+        transient = (estimate.activations or 0) + (estimate.workspace or 0)
+        extra = max(0, self.pool_bytes(transient) - transient)
+        return extra + GRAPH_OVERHEAD if self.source() == "fallback" else extra
+
+    def describe(self) -> str:
+        """The report's words for the pool as it stands (after a capture: measured)."""
+        if self.source() == "measured":
+            return (f"CUDA graph pool: {self.captured / 2 ** 30:.2f} GiB measured at capture "
+                    f"({self.captured / self.captured_transient:.2f}x the step's transient memory)")
+        if self.source() == "modelled":
+            return (f"CUDA graph pool: modelled from the probe, {self.reserve_ratio:.2f}x the step's transient "
+                    "memory")
+        return (f"CUDA graph pool: fallback, {1 + GRAPH_ACTIVATION_SHARE:.2f}x the step's transient memory + "
+                f"{GRAPH_OVERHEAD / 2 ** 30:.2f} GiB (nothing measured it)")
+
+
+def pool_reading(device: torch.device) -> dict[str, int] | None:
+    """What a capture's pool is measured from: the allocator's bytes (device_memory_bytes) and the driver's graph
+    memory (`graph`: where cudaMallocAsync's captured allocations live). None without allocator statistics."""
+    reading = device_memory_bytes(device)
+    return None if reading is None else {**reading, "graph": graph_memory_reserved(device)}
+
+
+def captured_pool_bytes(before: dict[str, int], after: dict[str, int]) -> int:
+    """The bytes a capture took between two pool_readings: the growth of what the allocator reserves (the native
+    allocator's private pool) and of the driver's graph memory (cudaMallocAsync, after the first launch)."""
+    return max(0, after["reserved"] - before["reserved"]) + max(0, after.get("graph", 0) - before.get("graph", 0))
 
 
 class GraphDoesNotFit(torch.OutOfMemoryError):
@@ -60,7 +132,12 @@ class GraphDoesNotFit(torch.OutOfMemoryError):
     of the memory ladder, so the session takes the next rung and repeats the step, like after an out-of-memory
     error (session.recover); only at the bottom of the ladder do the steps run eagerly. Seen on the H200: SDXL
     auto-fit 12 GiB planned 20% checkpointing with its graph, whose pool then did not fit, and ran eager steps of
-    0.52-0.60 s where the 8 GiB card's full checkpointing runs graphed at 0.117."""
+    0.52-0.60 s where the 8 GiB card's full checkpointing runs graphed at 0.117. `shortfall`: the bytes missing,
+    what the recovery's finer rung sizes from (fit.recover)."""
+
+    def __init__(self, why: str, shortfall: int = 0):
+        super().__init__(why)
+        self.shortfall = shortfall
 
 
 def _never_free(*objects) -> None:
@@ -162,13 +239,21 @@ def _pin_gradient_accumulators(params: list[torch.nn.Parameter], stream: torch.c
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
 
 
-def graph_pool_fits(held: int, transient: int, limit: int | None) -> bool:
+def graph_pool_fits(held: int, transient: int, limit: int | None, pool: GraphPoolSize | None = None) -> bool:
     """Whether a graph's private memory pool, which holds the step's transient memory (the peak seen above what
     was held), fits under the limit next to `held`: what stays reserved once the eager warm-up's cached blocks
     are released (what is allocated, plus fragments the allocator cannot give back). Counting the warm-up's
     cached blocks counted the activations twice (campaign 7: auto-fit under 4 GiB planned 3.54 GiB with the
-    graph, and then ran eagerly, 9x slower). The margin covers the pool's block rounding."""
-    return limit is None or held + int((1 + GRAPH_ACTIVATION_SHARE) * transient) <= limit
+    graph, and then ran eagerly, 9x slower). The pool is sized as auto-fit planned it (GraphPoolSize)."""
+    return graph_pool_shortfall(held, transient, limit, pool) == 0
+
+
+def graph_pool_shortfall(held: int, transient: int, limit: int | None, pool: GraphPoolSize | None = None) -> int:
+    """The bytes by which the graph's pool would overrun the limit next to `held` (graph_pool_fits); 0 where it
+    fits or nothing limits it."""
+    if limit is None:
+        return 0
+    return max(0, held + (pool or GraphPoolSize()).pool_bytes(transient) - limit)
 
 
 class EagerMicroStep:
@@ -234,8 +319,9 @@ class GraphedMicroStep(EagerMicroStep):
 
     def __init__(self, compute_loss: ComputeLoss, precision: Precision, params: list[torch.nn.Parameter],
                  passthrough_errors: tuple[type[BaseException], ...] = (), offload: ActivationOffload | None = None,
-                 prefetch: WeightPrefetch | None = None):
+                 prefetch: WeightPrefetch | None = None, pool_size: GraphPoolSize | None = None):
         super().__init__(compute_loss, precision, offload, prefetch)
+        self.pool_size = pool_size if pool_size is not None else GraphPoolSize()
         side = _side_stream(torch.cuda.current_stream().device)  # its cuBLAS workspace exists before the estimate
         self.params = params
         self.accumulators = _pin_gradient_accumulators(params, side)
@@ -276,11 +362,11 @@ class GraphedMicroStep(EagerMicroStep):
             super().throwaway(inputs)
 
     def extra_memory(self, estimate) -> int:
-        """Reserved bytes a graphed run needs beyond the estimate: a second stream's cuBLAS workspace and the
-        private pool's rounding (the pool itself takes the place of the eager step's activations)."""
+        """Reserved bytes a graphed run needs beyond the estimate: what its private pool takes beyond the eager
+        step's transient memory, which it replaces (GraphPoolSize: measured, modelled or the fallback)."""
         if self.disabled:
             return 0
-        return GRAPH_OVERHEAD + int(GRAPH_ACTIVATION_SHARE * ((estimate.activations or 0) + (estimate.workspace or 0)))
+        return self.pool_size.extra_memory(estimate)
 
     def run_eagerly(self, note: str) -> None:
         self.disabled = "memory limit"
@@ -344,16 +430,18 @@ class GraphedMicroStep(EagerMicroStep):
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()  # blocks cached by the eager warm-up cannot serve the graph's private pool
-        limit, now = memory_limit(device, self.budget), device_memory_bytes(device)
-        if now and not graph_pool_fits(now["reserved"], transient, limit):
-            why = (f"the graph's own memory pool (~{transient / 2 ** 30:.2f} GiB) does not fit the "
-                   f"{limit / 2 ** 30:.2f} GiB limit")
+        limit, now = memory_limit(device, self.budget), pool_reading(device)
+        shortfall = graph_pool_shortfall(now["reserved"], transient, limit, self.pool_size) if now else 0
+        if shortfall:
+            pool_bytes = self.pool_size.pool_bytes(transient)
+            why = (f"the graph's own memory pool (~{pool_bytes / 2 ** 30:.2f} GiB, {self.pool_size.source()}) "
+                   f"does not fit the {limit / 2 ** 30:.2f} GiB limit")
             note = f"fast path: CUDA graphs skipped: {why}; "
             if self.graphs:  # the shapes already captured keep their graphs
                 self.eager_keys.add(key)
                 self.notes.append(note + "this batch shape runs eagerly")
             elif self.budget is not None:  # auto-fit: a rung down with graphs beats eager steps
-                raise GraphDoesNotFit(why)
+                raise GraphDoesNotFit(why, shortfall)
             else:
                 self.disabled = "memory limit"
                 self.notes.append(note + "steps run eagerly")
@@ -397,7 +485,8 @@ class GraphedMicroStep(EagerMicroStep):
             gc.collect()
             torch.cuda.empty_cache()
             return loss
-        if self.pool is None:
+        new_pool = self.pool is None
+        if new_pool:
             self.pool = pool
         self.graphs[key] = (graph, static_inputs, static_loss, host_buffers)
         # Launch the graph now, as this micro-step: from here on whatever it allocated exists and may be freed.
@@ -407,6 +496,11 @@ class GraphedMicroStep(EagerMicroStep):
             else:
                 grad.copy_(kept, non_blocking=False)
         graph.replay()
+        if now:  # what the capture took, once launched (cudaMallocAsync maps graph memory at the first launch)
+            torch.cuda.synchronize(device)
+            taken = pool_reading(device)
+            if taken:
+                self.pool_size.record_capture(captured_pool_bytes(now, taken), transient, new_pool)
         return static_loss.clone()
 
 
@@ -437,8 +531,10 @@ def build_micro_step(fast_path: FastPath, compute_loss: ComputeLoss, precision: 
                      passthrough_errors: tuple[type[BaseException], ...] = (),
                      incompatible: str | None = None,
                      offload: ActivationOffload | None = None,
-                     prefetch: WeightPrefetch | None = None) -> tuple[EagerMicroStep, str | None]:
-    """The micro-step for `fast_path`, with a note when it cannot be honoured here."""
+                     prefetch: WeightPrefetch | None = None,
+                     pool_size: GraphPoolSize | None = None) -> tuple[EagerMicroStep, str | None]:
+    """The micro-step for `fast_path`, with a note when it cannot be honoured here. `pool_size`: the graph pool's
+    size as an earlier step of the run measured it (kept across rebuilds)."""
     if fast_path is FastPath.OFF:
         return EagerMicroStep(compute_loss, precision, offload, prefetch), None
     if device.type != "cuda":
@@ -447,7 +543,7 @@ def build_micro_step(fast_path: FastPath, compute_loss: ComputeLoss, precision: 
     if incompatible:
         return EagerMicroStep(compute_loss, precision, offload, prefetch), \
             f"fast path: CUDA graphs off because {incompatible}"
-    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload, prefetch), None
+    return GraphedMicroStep(compute_loss, precision, params, passthrough_errors, offload, prefetch, pool_size), None
 
 
 def graphs_incompatible(random_forward: bool) -> str | None:

@@ -86,7 +86,7 @@ class GraphPoolSize:
         """The pool a step of `transient` bytes captures into."""
         source = self.source()
         if source == "measured":
-            return int(transient * self.captured / self.captured_transient)
+            return transient * self.captured // self.captured_transient
         if source == "modelled":
             return int(transient * self.reserve_ratio)
         return int((1 + GRAPH_ACTIVATION_SHARE) * transient)

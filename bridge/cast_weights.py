@@ -269,13 +269,25 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
     return saved
 
 
+def rank_streaming(layer_rows) -> None:
+    """Gives each (layer, rows) its rows: the multiply-adds its forward does per weight element (the family's
+    cost model: tokens it runs on, 1 for a modulation that reads the timestep's vector). streamed_layers streams
+    the most first: with the prefetch ring a layer's copy runs beside compute, and one whose compute outlasts its
+    copy streams nearly free. Set once per training copy, before anything streams (the order must not change
+    under a share already streamed)."""
+    for layer, rows in layer_rows:
+        layer.leanlora_stream_rows = rows
+
+
 def streamed_layers(module: torch.nn.Module, share: float = 1.0) -> list[torch.nn.Module]:
-    """The fp8-computed layers that stream at `share`: the largest weights first, until they hold `share` of the
-    elements. A larger share streams a superset (the order depends on shapes alone, the same before and after fp8),
-    so a rung that streams more only adds layers. Largest first keeps the copies few and long: each streamed
-    byte crosses PCIe twice per step whatever layer it belongs to, but each copy has its own launch."""
+    """The fp8-computed layers that stream at `share`: the most multiply-adds per weight byte first
+    (rank_streaming's rows; a layer no family ranked counts none), the largest weights first among equals, until
+    they hold `share` of the elements. A larger share streams a superset (the order depends on shapes alone, the
+    same before and after fp8), so a rung that streams more only adds layers. Largest first among equals keeps the
+    copies few and long: each copy has its own launch."""
     layers = [layer for layer in module.modules() if _fp8_computed(layer)]  # before and after store_weights_fp8
-    by_size = sorted(layers, key=lambda layer: -layer.weight.numel())  # stable: module order among equal sizes
+    by_size = sorted(layers, key=lambda layer: (-getattr(layer, "leanlora_stream_rows", 0),
+                                                -layer.weight.numel()))  # stable: module order among equals
     total, taken, chosen = sum(layer.weight.numel() for layer in layers), 0, []
     wanted = share * total
     for layer in by_size:
@@ -284,6 +296,16 @@ def streamed_layers(module: torch.nn.Module, share: float = 1.0) -> list[torch.n
         chosen.append(layer)
         taken += layer.weight.numel()
     return chosen
+
+
+def stream_costs(module: torch.nn.Module, share: float) -> tuple[list[tuple[int, int]], int]:
+    """The streaming time model's terms (trainer/memory/planner.streaming_time): (fp8 weight bytes, multiply-adds
+    per image) of each layer that streams at `share`, and the multiply-adds per image of every ranked layer (the
+    step's matmul work)."""
+    layers = [layer for layer in module.modules() if _fp8_computed(layer)]
+    work = lambda layer: getattr(layer, "leanlora_stream_rows", 0) * layer.weight.numel()  # noqa: E731
+    return ([(layer.weight.numel(), work(layer)) for layer in streamed_layers(module, share)],
+            sum(work(layer) for layer in layers))
 
 
 def stream_weights_from_cpu(module: torch.nn.Module, share: float = 1.0) -> int:

@@ -281,6 +281,16 @@ class ComfyAdapter:
     def stream_weights_from_cpu(self, unet: torch.nn.Module, share: float = 1.0) -> int:
         return cast_weights.stream_weights_from_cpu(unet, share)
 
+    def rank_streaming(self, unet: torch.nn.Module, latent_size: tuple[int, int]) -> None:
+        """The streamed layers' order from the family's cost model at `latent_size` (the most multiply-adds per
+        weight byte first); a family without one streams the largest layers first."""
+        rows = getattr(self.family, "stream_rows", None)
+        if rows is not None:
+            cast_weights.rank_streaming(rows(unet, latent_size))
+
+    def stream_costs(self, unet: torch.nn.Module, share: float) -> tuple[list[tuple[int, int]], int]:
+        return cast_weights.stream_costs(unet, share)
+
     def projected_weight_bytes(self, unet: torch.nn.Module, compute_dtype: torch.dtype,
                                base_weights: BaseWeights, stream_share: float = 1.0) -> int:
         return cast_weights.projected_weight_bytes(unet, compute_dtype, base_weights, stream_share)

@@ -145,7 +145,7 @@ def test_static_planning_streams_only_the_share_of_the_weights_the_card_needs(ca
     assert planned.base_weights is BaseWeights.FP8_STREAMED and 0.2 < share <= 0.4, lines
     assert static(share) <= budget * fit.STATIC_SHARE < static(round(share - 0.01, 2)), "not the smallest hundredth"
     assert not planned.activation_offload and not any("CPU RAM (copied out" in line for line in lines), lines
-    assert lines[-1].endswith(f"the largest layers, {share:.0%} of the weights"), lines
+    assert lines[-1].endswith(f"the layers cheapest to stream, {share:.0%} of the weights"), lines
     assert f"{share:.0%} of them" in planned.describe()
 
 

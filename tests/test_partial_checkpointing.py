@@ -257,7 +257,7 @@ def test_a_rung_that_streams_more_adds_the_next_largest_layers_and_keeps_the_res
     first = streamed()
     assert first == {id(m) for m in streamed_layers(session.unet, 0.2)} and first
     note = next(n for n in session.notes if n.startswith("frozen weights streamed from CPU: "))
-    assert "the largest layers, 20% of the weights; the rest stays on the GPU" in note
+    assert "the layers cheapest to stream, 20% of the weights; the rest stays on the GPU" in note
     session.configure(replace(session.memory, stream_share=0.4))  # what OOM recovery's next rung does
     assert first < streamed() == {id(m) for m in streamed_layers(session.unet, 0.4)}
     assert sum(n.startswith("frozen weights streamed from CPU: ") for n in session.notes) == 1

@@ -239,3 +239,6 @@ def test_a_card_short_of_the_weights_streams_the_hundredth_it_needs_at_the_famil
     assert 0 < int(share.group(1)) < 100 and int(share.group(1)) % 20, outcome.report
     # the weights auto-fit streams are fetched a layer ahead (planner.relaxed), and that run stays inside the card
     assert "fetched a layer ahead" in fitted, outcome.report
+    # each streaming rung says what the planner's streaming model costs it (the family's ranking reached the run)
+    assert re.search(r"streamed from CPU memory[^\n]* \(by the streaming model ~\+\d+\.\d\dx the step's time\)",
+                     outcome.report), outcome.report

@@ -74,6 +74,9 @@ class TrainingSession:
         if any(shift != 1.0 for shift in shifts.values()):  # the family's schedule moves with the size (Flux dev)
             self.notes.append("noise levels: shifted per image size as the model samples that size (" + ", ".join(
                 f"{h * 8}x{w * 8}: x{shift:.2f}" for (h, w), shift in shifts.items()) + " along the schedule)")
+        rank_streaming = getattr(adapter, "rank_streaming", None)  # before anything streams (ModelAdapter)
+        if rank_streaming is not None:
+            rank_streaming(unet, tuple(self._largest_sample().latent.shape[-2:]))
         self.checkpointed = 0.0  # the checkpoint share wrapped now
         self.selective = False  # whether those units keep their matmul/attention outputs (selective checkpointing)
         self._checkpoint_units: tuple[CheckpointDepth, RankedUnits] | None = None
@@ -170,8 +173,8 @@ class TrainingSession:
             moved = self.adapter.stream_weights_from_cpu(self.unet, memory.stream_share)
             self._set_note("frozen weights streamed from CPU: ",
                            f"{moved / 2 ** 30:.2f} GiB stay off the GPU"
-                           + (f" (the largest layers, {memory.stream_share:.0%} of the weights; the rest stays on the "
-                              "GPU)" if memory.stream_share < 1 else ""))
+                           + (f" (the layers cheapest to stream, {memory.stream_share:.0%} of the weights; the rest "
+                              "stays on the GPU)" if memory.stream_share < 1 else ""))
         return memory
 
     def _install_placement(self, old, memory):

@@ -48,6 +48,17 @@ def linear_cost(unit: torch.nn.Module, tokens: int) -> tuple[int, int]:
     return tokens * sum(m.out_features for m in linears), tokens * sum(m.weight.numel() for m in linears)
 
 
+def rows_cost(linears: list[tuple[torch.nn.Linear, int]]) -> tuple[int, int]:
+    """linear_cost where each Linear runs on its own number of rows (tokens): (activation elements checkpointing
+    the unit frees, multiply-adds its recompute costs)."""
+    return (sum(rows * layer.out_features for layer, rows in linears),
+            sum(rows * layer.weight.numel() for layer, rows in linears))
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == prefix or path.startswith(f"{prefix}.") for prefix in prefixes)
+
+
 def empty_latent(latent_format, height: int, width: int) -> torch.Tensor:
     """A zero latent of a model's own format (ComfyUI's latent_format): its channels, and a time axis of one frame
     where its latents are video (Wan, Qwen-Image)."""
@@ -91,18 +102,57 @@ class TransformerFamily:
     def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:
         return self.LORA_TARGETS[targets]
 
+    # The cost model's rows (tokens) per Linear, by the Linear's path inside its block, matched at a dot: the
+    # modulations read the timestep's vector (one row per image at any size); a two-stream block's text and image
+    # layers run on their own stream's tokens; every other Linear on the block's whole sequence (unit_tokens).
+    PER_IMAGE_LINEARS: tuple[str, ...] = ()
+    TEXT_LINEARS: tuple[str, ...] = ()
+    IMAGE_LINEARS: tuple[str, ...] = ()
+
     def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
                          latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
         units = self.blocks(unet)
         if latent_size is None:
             return units
-        patch_h, patch_w = self.latent_patch(unet)
-        tokens = (latent_size[0] // patch_h) * (latent_size[1] // patch_w) + self.text_tokens
-        return most_memory_per_flop_first(units, [linear_cost(unit, tokens) for unit in units])
+        return most_memory_per_flop_first(units, [rows_cost(linears) for _, linears in
+                                                  self.unit_linears(unet, latent_size)])
 
     def latent_patch(self, unet: torch.nn.Module) -> tuple[int, int]:
         """Latent positions per image token (height, width): what checkpoint_units counts tokens with."""
         return unet.patch_size, unet.patch_size
+
+    def unit_tokens(self, unet: torch.nn.Module, units: list[torch.nn.Module], image: int) -> list[tuple[int, int]]:
+        """(image tokens, text tokens) in each unit's sequence: every block sees both, unless a family's blocks
+        differ (Z-Image's refiners run on one stream each)."""
+        return [(image, self.text_tokens)] * len(units)
+
+    def linear_rows(self, path: str, image: int, text: int) -> int:
+        """The rows a Linear at `path` inside a block with `image` and `text` tokens multiplies per image."""
+        if _under(path, self.PER_IMAGE_LINEARS):
+            return 1
+        if _under(path, self.TEXT_LINEARS):
+            return text
+        if _under(path, self.IMAGE_LINEARS):
+            return image
+        return image + text
+
+    def unit_linears(self, unet: torch.nn.Module, latent_size: tuple[int, int]
+                     ) -> list[tuple[torch.nn.Module, list[tuple[torch.nn.Linear, int]]]]:
+        """Each block with its Linears and the rows each multiplies at `latent_size`: the one cost model that both
+        ranks the checkpoint units (memory freed per recomputed multiply-add) and the streamed layers
+        (multiply-adds per weight byte, stream_rows)."""
+        patch_h, patch_w = self.latent_patch(unet)
+        image = (latent_size[0] // patch_h) * (latent_size[1] // patch_w)
+        units = self.blocks(unet)
+        return [(unit, [(layer, self.linear_rows(path, *tokens)) for path, layer in unit.named_modules()
+                        if isinstance(layer, torch.nn.Linear)])
+                for unit, tokens in zip(units, self.unit_tokens(unet, units, image))]
+
+    def stream_rows(self, unet: torch.nn.Module, latent_size: tuple[int, int]) -> list[tuple[torch.nn.Linear, int]]:
+        """Every block Linear with its rows at `latent_size`: its multiply-adds per weight element, i.e. how much
+        compute a streamed copy of its weight hides behind (bridge/cast_weights.streamed_layers streams the most
+        first)."""
+        return [pair for _, linears in self.unit_linears(unet, latent_size) for pair in linears]
 
     def compile_units(self, unet: torch.nn.Module, scope: str = "layers") -> list[torch.nn.Module]:
         return self.blocks(unet)

@@ -23,6 +23,11 @@ class QwenImage(TransformerFamily):
                                              "txt_mlp.net.0.proj", "txt_mlp.net.2"),
     }
     sample_limits = SampleLimits("Qwen-Image", 2048, 150, "its native size is 1328")  # checked before training
+    # every block is dual-stream: the image's and the text's projections and MLPs run on their own tokens, the
+    # modulations on the timestep's vector
+    PER_IMAGE_LINEARS = ("img_mod", "txt_mod")
+    TEXT_LINEARS = ("txt_mlp", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    IMAGE_LINEARS = ("img_mlp", "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out")
 
     def matches(self, base) -> bool:
         return type(base) is comfy.model_base.QwenImage

@@ -27,6 +27,9 @@ class Wan(TransformerFamily):
         LoraTargets.ATTENTION_FEED_FORWARD: (*_ATTENTION, "ffn.0", "ffn.2"),  # musubi-tuner's set: every block Linear
     }
     text_tokens = 512  # umt5-xxl's padded prompt, attended by every block's cross-attention
+    # no joint sequence: the image's tokens run every Linear but cross-attention's keys and values, the text's
+    TEXT_LINEARS = ("cross_attn.k", "cross_attn.v")
+    IMAGE_LINEARS = ("self_attn", "cross_attn.q", "cross_attn.o", "ffn")
     # ComfyUI's Wan 2.1 text-to-video template: KSampler uni_pc / simple after ModelSamplingSD3 (shift 8); one frame
     sample_defaults = SampleDefaults(sampler="uni_pc", scheduler="simple", size_multiple=16)
     sample_limits = SampleLimits("Wan", 2048, 150, "its native size is 1280x720, 832x480 at 1.3B")

@@ -20,6 +20,7 @@ class ZImage(TransformerFamily):
                                              "feed_forward.w3"),
     }
     sample_limits = SampleLimits("Z-Image", 2048, 150, "its native size is 1024")  # checked before training
+    PER_IMAGE_LINEARS = ("adaLN_modulation",)  # the main layers' and noise refiners': on the timestep's vector
 
     def matches(self, base) -> bool:
         return isinstance(base, comfy.model_base.Lumina2) and type(base.model_config).__name__ == "ZImage"
@@ -36,3 +37,10 @@ class ZImage(TransformerFamily):
 
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return [*unet.context_refiner, *unet.noise_refiner, *unet.layers]
+
+    def unit_tokens(self, unet: torch.nn.Module, units: list[torch.nn.Module], image: int) -> list[tuple[int, int]]:
+        """The context refiners run on the caption's tokens alone and the noise refiners on the image's, before
+        the main layers join them into one sequence (comfy/ldm/lumina NextDiT.patchify_and_embed)."""
+        context, noise = {id(b) for b in unet.context_refiner}, {id(b) for b in unet.noise_refiner}
+        return [(0, self.text_tokens) if id(unit) in context else (image, 0) if id(unit) in noise
+                else (image, self.text_tokens) for unit in units]

@@ -21,7 +21,7 @@ from ..step.probe_steps import ProbeSteps
 from .estimate import GIB, PROBE_SIDES, MemoryEstimate
 from .host_ram import next_rung_for
 from .ladder import next_rung, streaming_described, streams_more
-from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed
+from .planner import RECOMPUTE_COST, ActivationModel, Plan, choose, relaxed, streaming_time
 
 
 class FitTarget(ProbeSteps, Protocol):
@@ -400,6 +400,8 @@ def walk_ladder(session: FitTarget, card: CardBudget | int) -> tuple[MemoryEstim
             memory, description = stream_enough(session, memory, total + extra - budget * FIT_HEADROOM, budget)
         elif streams_more(session.memory, memory) and session.memory.base_weights.streamed:
             memory, description = probe_oom_stream_rung(session.memory, memory)
+        if streams_more(session.memory, memory):
+            description += streaming_time_words(session, memory)
         lines.append(f"auto-fit: {why} > budget -> {description}")
         lines += configure_placed(session, memory)
 
@@ -423,6 +425,19 @@ def stream_enough(session: FitTarget, rung: MemorySettings, overshoot: float,
     target = now - overshoot - min(STREAM_SLACK, STREAM_SLACK_SHARE * budget)
     return sized_stream_rung(memory, rung, lambda share: adapter.projected_weight_bytes(
         unet, dtype, rung.base_weights, share) <= target)
+
+
+def streaming_time_words(session: FitTarget, memory: MemorySettings) -> str:
+    """The report's words for what streaming at `memory` costs by the planner's streaming model (per streamed layer:
+    its copy less the compute it hides behind), where the adapter gives the model's terms (ModelAdapter)."""
+    costs = getattr(session.adapter, "stream_costs", None)
+    if costs is None:
+        return ""
+    streamed, step_macs = costs(session.unet, memory.stream_share)
+    if not step_macs:
+        return ""
+    time = streaming_time(streamed, step_macs, session.run_batch_size(memory.batch_size), memory.prefetch_streamed)
+    return f" (by the streaming model ~+{time:.2f}x the step's time)"
 
 
 @contextlib.contextmanager

@@ -15,7 +15,8 @@ EIGHT_BIT = {"AdamW": "AdamW8bit", "Lion": "Lion8bit"}
 # (full checkpointing: ~1.36x an SDXL step). SDXL 1024², by that model: 0.2 frees 31% of the activations for 24%
 # of the recompute, 0.4 49% for 42%, 0.6 69% for 61%, 0.8 88% for 79%.
 CHECKPOINT_SHARES = (0.2, 0.4, 0.6, 0.8, 1.0)
-# Streaming in steps of a fifth of the fp8 weights, largest layers first (bridge/cast_weights.py): each streamed
+# Streaming in steps of a fifth of the fp8 weights, cheapest first (bridge/cast_weights.streamed_layers: the most
+# compute per weight byte by the family's cost model, the largest layers among equals): each streamed
 # byte crosses PCIe twice per step (forward and recompute), so a card that needs only part of the weights off the
 # GPU pays only for that part (SDXL 1024² on an H200, every weight streamed: ~0.13 s of a 0.28 s step). These
 # fifths are the rungs of OOM recovery mid-run; before step 1 auto-fit sizes the share to the hundredth from the
@@ -109,6 +110,6 @@ def streaming_described(before: float | None, share: float) -> str:
     """The report's words for a streaming rung from `before` (None: nothing streamed yet) to `share`."""
     if before is None:
         return ("frozen base weights streamed from CPU memory, layer by layer: "
-                + (f"the largest layers, {share:.0%} of the weights" if share < 1 else "every weight"))
+                + (f"the layers cheapest to stream, {share:.0%} of the weights" if share < 1 else "every weight"))
     return (f"frozen weights streamed from CPU memory {before:.0%} -> {share:.0%}" if share < 1
             else "every frozen weight streamed from CPU memory")

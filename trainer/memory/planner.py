@@ -30,6 +30,15 @@ EIGHT_BIT_COST = 0.02
 # shapes and settings (first-use kernel selection), and SDXL's timed +5% against the measured +35%.
 RECOMPUTE_COST = 0.35
 FULL_PRECISION = {eight: full for full, eight in EIGHT_BIT.items()} | {"PagedAdamW8bit": "AdamW"}
+# The streaming model (streamed weights fetched a layer ahead, on a copy stream beside compute): each streamed
+# layer's fp8 weight crosses PCIe twice a step (forward, and backward's recompute: streaming recomputes every block)
+# while the layer computes three times its forward (forward, recompute, input gradients); the copy costs only what
+# outlasts that compute. Host-to-device copies ran ~40 GB/s (H200, SDXL's streamed rows, docs/benchmarks-history.md);
+# FLUX.1-dev at 1024² does ~1.0e14 multiply-adds a step (4352 tokens x 11.9B weights, forward and input gradients) in
+# its 0.448 s floor (H200, shared/ANCHORS.md): ~2.3e14 a second. Their ratio, multiply-adds per copied byte, is what
+# the model needs; the GPU rows (bench.gpu_matrix flux_levers) tell how close it is.
+STREAM_COPIES, STREAM_COMPUTE_PASSES = 2, 3
+HIDING_MACS_PER_BYTE = 2.3e14 / 40e9
 # Time per image falls with the batch as batch^-BATCH_EFFICIENCY (H200, SDXL 1024², fast: 0.0848 s/step at batch 1,
 # 0.3725 at batch 8, i.e. 0.0466 per image = 8^-0.29 of batch 1's): a split to half the batch costs 2^0.29 = 1.22x
 # per optimizer step, less than full checkpointing.
@@ -88,6 +97,20 @@ def time_of(memory: MemorySettings, units: RankedUnits, recompute_cost: float, f
     if memory.optimizer != full_memory.optimizer:
         time += EIGHT_BIT_COST
     return time
+
+
+def streaming_time(streamed: list[tuple[int, int]], step_macs: int, images: int = 1,
+                   prefetched: bool = True) -> float:
+    """Step time streaming adds, relative to the step with no saver (forward and input gradients of `step_macs`
+    multiply-adds per image): each streamed layer's (weight bytes, multiply-adds per image) copy less the compute it
+    runs beside (none where the copy waits on the compute stream: prefetch off). Layers whose compute outlasts their
+    copy stream nearly free, which is why the family's cost model streams the most multiply-adds per byte first."""
+    if step_macs <= 0:
+        return 0.0
+    exposed = sum(max(0.0, STREAM_COPIES * weight_bytes
+                      - (STREAM_COMPUTE_PASSES * macs * images / HIDING_MACS_PER_BYTE if prefetched else 0.0))
+                  for weight_bytes, macs in streamed)
+    return exposed / (2 * step_macs * images / HIDING_MACS_PER_BYTE)
 
 
 def splits(start: MemorySettings) -> list[MemorySettings]:

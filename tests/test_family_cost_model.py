@@ -70,7 +70,10 @@ def block_linears(family, unet) -> list[tuple[torch.nn.Module, list[tuple[str, t
 
 @pytest.mark.parametrize("family_name", DIT)
 def test_the_cost_model_counts_the_rows_comfyuis_forward_multiplies_in_every_block_linear(loaded, family_name):
-    adapter = loaded(family_name)
+    check_rows(loaded(family_name), family_name)
+
+
+def check_rows(adapter, family_name: str) -> None:
     unet = adapter.training_unet()
     rows, text = measured_rows(adapter, unet)
     family = family_at(adapter, text)
@@ -82,10 +85,13 @@ def test_the_cost_model_counts_the_rows_comfyuis_forward_multiplies_in_every_blo
 
 @pytest.mark.parametrize("family_name", DIT)
 def test_checkpoint_units_free_the_most_activation_per_recomputed_multiply_add_first(loaded, family_name):
+    check_checkpoint_order(loaded(family_name))
+
+
+def check_checkpoint_order(adapter) -> None:
     """The order and each unit's (activations freed, multiply-adds recomputed), from the rows measured above and
     the layers' shapes: a FLUX.1 double block's text stream counts its own tokens, a Z-Image context refiner its
     caption's only."""
-    adapter = loaded(family_name)
     unet = adapter.training_unet()
     rows, text = measured_rows(adapter, unet)
     family = family_at(adapter, text)
@@ -101,9 +107,12 @@ def test_checkpoint_units_free_the_most_activation_per_recomputed_multiply_add_f
 
 @pytest.mark.parametrize("family_name", DIT)
 def test_the_streamed_layers_are_the_most_multiply_adds_per_weight_byte_first(loaded, family_name):
+    check_stream_order(loaded(family_name))
+
+
+def check_stream_order(adapter) -> None:
     """After the family ranks them, a share streams block Linears in falling rows (multiply-adds per weight
     element), the largest first among equals; layers the family does not rank (embedders, final layer) last."""
-    adapter = loaded(family_name)
     unet = adapter.training_unet()
     rows, text = measured_rows(adapter, unet)
     family_at(adapter, text)
@@ -121,18 +130,21 @@ def test_the_streamed_layers_are_the_most_multiply_adds_per_weight_byte_first(lo
 
 @pytest.mark.parametrize("family_name", ("flux_dev", "qwen_image", "z_image"))
 def test_the_planner_streams_a_cheaper_set_than_the_largest_layers_at_the_same_share(loaded, family_name):
+    check_ranked_streaming_is_cheaper(loaded(family_name))
+
+
+def check_ranked_streaming_is_cheaper(adapter) -> None:
     """At 1024² (the family's own text tokens), half the weights: the largest-first set takes the modulations (the
     largest Linears of these blocks, one row each: nothing to hide their copy behind), the ranked set the layers
     on the most tokens. The streaming model costs the ranked set less, and a layer whose three passes of compute
     outlast its two copies nearly nothing."""
-    adapter = loaded(family_name)
     unet = adapter.training_unet()
     latent = (128, 128)
     largest_first = streamed_layers(unet, 0.5)  # no ranking yet: the flat order
     adapter.rank_streaming(unet, latent)
     ranked_costs, step_macs = stream_costs(unet, 0.5)
     ranked = streamed_layers(unet, 0.5)
-    flat_costs = [(layer.weight.numel(), layer.leanlora_stream_rows * layer.weight.numel())
+    flat_costs = [(layer.weight.numel(), getattr(layer, "leanlora_stream_rows", 0) * layer.weight.numel())
                   for layer in largest_first]
     assert {id(layer) for layer in ranked} != {id(layer) for layer in largest_first}
     every = sum(size for size, _ in stream_costs(unet, 1.0)[0])

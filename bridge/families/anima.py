@@ -37,6 +37,11 @@ class Anima(TransformerFamily):
         LoraTargets.ATTENTION_FEED_FORWARD: (*_ATTENTION, "mlp.layer1", "mlp.layer2"),  # kohya's default set
     }
     text_tokens = 512  # the LLM adapter's output, padded to 512 tokens, attended by every block's cross-attention
+    # Cosmos-Predict2's blocks: the image's tokens run every Linear but cross-attention's keys and values (the
+    # text's) and the adaLN modulations (the timestep's, one row per image)
+    PER_IMAGE_LINEARS = ("adaln_modulation_self_attn", "adaln_modulation_cross_attn", "adaln_modulation_mlp")
+    TEXT_LINEARS = ("cross_attn.k_proj", "cross_attn.v_proj")
+    IMAGE_LINEARS = ("self_attn", "cross_attn.q_proj", "cross_attn.output_proj", "mlp")
     # the MODEL's weights extra_conds runs on the text: the cached conditioning is kept per adapter (a fine-tune's own
     # adapter, or a LoRA patching it, as kohya's train_llm_adapter writes, encodes captions differently)
     conditioning_weights = "diffusion_model.llm_adapter."

@@ -20,6 +20,9 @@ class Chroma(Flux):
     # ComfyUI conditions Chroma at guidance 0 (model_base.Chroma.extra_conds' default) and samples it with real
     # CFG and negative prompts: training keeps that default
     text_conditioning: dict = {}
+    # ComfyUI's Chroma tokenizer (PixArt's T5, min_length 1) does not pad to FLUX.1's 256: the caption's own length,
+    # which the cost model does not know, counts none (as Qwen-Image's and Z-Image's)
+    text_tokens = 0
 
     def matches(self, base) -> bool:
         return type(base) is comfy.model_base.Chroma  # not Chroma Radiance: pixel space, other blocks

@@ -13,7 +13,7 @@ from test_family_cost_model import (check_checkpoint_order, check_ranked_streami
 pytestmark = [pytest.mark.comfy033, pytest.mark.skipif(
     tuple(int(part) for part in comfyui_version.__version__.split(".")[:2]) < (0, 33),
     reason="FLUX.2 klein and HunyuanImage 2.1's tiny sets load on ComfyUI 0.33 (scripts/test.sh runs this file on it)")]
-FAMILIES = ("flux2_klein", "hunyuan_image", "anima")
+FAMILIES = ("flux2_klein", "hunyuan_image", "anima", "krea2")
 
 
 @pytest.mark.parametrize("family_name", FAMILIES)

@@ -9,8 +9,8 @@ import torch
 
 import comfy.model_base
 
-from .common import TransformerFamily, linear_cost, prediction_of
-from ..trainer_api import CheckpointDepth, FamilyIdentity, LoraTargets, SampleLimits, most_memory_per_flop_first
+from .common import TransformerFamily, prediction_of
+from ..trainer_api import FamilyIdentity, LoraTargets, SampleLimits
 
 # module-name suffixes in ComfyUI's Krea 2 blocks (its Attention and SwiGLU): ComfyUI's own paths, and its diffusers
 # map (comfy.utils.krea2_to_diffusers) names the same layers. No peer trainer has a Krea 2 set yet: attention is its
@@ -65,19 +65,15 @@ class Krea2(TransformerFamily):
     def blocks(self, unet: torch.nn.Module) -> list[torch.nn.Module]:
         return [*self._text_fusion(unet), *unet.blocks]
 
-    def checkpoint_units(self, unet: torch.nn.Module, depth: CheckpointDepth = CheckpointDepth.LAYER,
-                         latent_size: tuple[int, int] | None = None) -> list[torch.nn.Module]:
-        """Best first by memory per recomputed flop: the layer-wise text fusion blocks run over every text token's
-        12 hidden states, the refiners over the text, the main blocks over the text and the image together."""
-        units = self.blocks(unet)
-        if latent_size is None:
-            return units
-        image = (latent_size[0] // unet.patch) * (latent_size[1] // unet.patch)
-        layerwise = len(unet.txtfusion.layerwise_blocks)
-        tokens = [self.text_tokens * unet.txtlayers if index < layerwise else
-                  self.text_tokens if index < len(self._text_fusion(unet)) else image + self.text_tokens
-                  for index in range(len(units))]
-        return most_memory_per_flop_first(units, [linear_cost(unit, n) for unit, n in zip(units, tokens)])
+    def latent_patch(self, unet: torch.nn.Module) -> tuple[int, int]:
+        return unet.patch, unet.patch
+
+    def unit_tokens(self, unet: torch.nn.Module, units: list[torch.nn.Module], image: int) -> list[tuple[int, int]]:
+        """The layer-wise text fusion blocks run over every text token's 12 hidden states, the refiners over the
+        text, the main blocks over the text and the image together (the checkpoint and stream order both)."""
+        layerwise, fusion = len(unet.txtfusion.layerwise_blocks), len(self._text_fusion(unet))
+        return [(0, self.text_tokens * unet.txtlayers) if index < layerwise else (0, self.text_tokens)
+                if index < fusion else (image, self.text_tokens) for index in range(len(units))]
 
     def diffusers_module_names(self, base) -> dict[str, str] | None:
         """diffusers/peft Krea 2 files (`transformer.transformer_blocks.0.attn.to_q`, ...), as ComfyUI's loader maps

@@ -89,9 +89,8 @@ class LeanLoRAMemorySettings:
                     "(faster; a layer's weights more VRAM). With a card set it is on wherever weights stream."}),
                 # last, so saved workflows keep their values' positions; only "this GPU" on a one-GPU machine
                 "gpus": (gpu_choices(), {"default": THIS_GPU, **ADVANCED, "tooltip":
-                    "this GPU: train in this server alone. More: the same run as one process per GPU (data-"
-                    "parallel, each batch_size x gradient_accumulation per GPU); this server's GPU is one of them "
-                    "and shows the progress and samples. The others load the model from the loaders' files."}),
+                    "More than one: the same run as one process per GPU (batch_size per GPU); this server's GPU "
+                    "shows progress and samples, the others load the model from the loaders' files."}),
             },
         }
 

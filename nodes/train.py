@@ -1,3 +1,4 @@
+import contextlib
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from .common import CATEGORY, pil_to_image
 from .jobs import JOBS, Job
 from .labels import RESUME_LATEST, RESUME_OFF, choices, values_of
 from .settings import ADVANCED
-from .workers import Workers
+from .workers import Workers, cancel_between_steps
 from .monitor import LATEST_TRAINING
 from .plot import loss_chart
 
@@ -404,22 +405,25 @@ class LeanLoRATrain:
         # a new run on the panel: its total, and the prompts its sample images belong to
         _send("leanlora.progress", {"kind": "start", "node": unique_id, "total": steps, "output_name": output_name,
                                     "prompts": list(samples.prompts) if samples.on else []})
-        renderer = SampleRenderer(model, clip, vae, samples, samples_folder, JOBS.cancelled,
+        # several GPUs: the worker processes start loading now; this job joins them as rank 0 once they have
+        workers = Workers.for_run(getattr(memory, "gpus", THIS_GPU), prompt, unique_id)
+        # several processes: a Cancel stops every rank before a step (agreed), never inside rank 0's samples
+        renderer = SampleRenderer(model, clip, vae, samples, samples_folder,
+                                  JOBS.cancelled if workers is None else lambda: False,
                                   dataset) if samples.on else None
         loras_dir = Path(folder_paths.get_folder_paths("loras")[0])
         fallback_dir = Path(folder_paths.get_output_directory()) / FALLBACK_FOLDER
         store = latent_store(memory.latent_cache)
-        # several GPUs: the worker processes start loading now; this job joins them as rank 0 once they have
-        workers = Workers.for_run(getattr(memory, "gpus", THIS_GPU), prompt, unique_id)
         job = None
         try:
-            job = JOBS.start(lambda job: train_lora(
-                adapter, dataset, memory, lora_config, settings, loras_dir, job.emit, lambda: job.cancelled, store,
-                fallback_dir, LATEST_TRAINING, samples.every_steps, renderer,
-                launcher_env=workers.join(lambda: job.cancelled) if workers is not None else None))
-            if workers is not None:
-                workers.watch(job)
-            outcome = wait_for(job, steps, unique_id, adapter.device)
+            with cancel_between_steps() if workers is not None else contextlib.nullcontext():
+                job = JOBS.start(lambda job: train_lora(
+                    adapter, dataset, memory, lora_config, settings, loras_dir, job.emit, lambda: job.cancelled,
+                    store, fallback_dir, LATEST_TRAINING, samples.every_steps, renderer,
+                    launcher_env=workers.join(lambda: job.cancelled) if workers is not None else None))
+                if workers is not None:
+                    workers.watch(job)
+                outcome = wait_for(job, steps, unique_id, adapter.device)
         except BaseException as error:
             failure = workers.failed(error) if workers is not None else None
             if failure is not None:  # a worker died: the error says which and how (its log), not rank 0's echo

@@ -12,6 +12,7 @@ For tests on a machine without GPUs, LEANLORA_CPU_WORKERS=N makes this machine c
 processes (gloo): 'all N GPUs' then means the server and N-1 CPU workers. Nothing else changes."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -37,6 +38,7 @@ LOG_TAIL_LINES = 30
 STOPPED_EXIT = 130  # a worker whose run stopped (the agreed Cancel) exits with leanlora/cli.py's STOPPED
 EXIT_WAIT_S = 120.0  # after rank 0's run: how long a worker may take to free its model and exit before it is ended
 WATCH_EVERY_S = 0.2
+TRAINING_THREAD = "leanlora-train"  # nodes/jobs.py's thread of a training job
 SUBSETS_UP_TO = 4  # up to this many GPUs every list with this GPU is a choice; above, pairs and leading runs
 
 
@@ -187,6 +189,14 @@ def _worker_config(prompt: dict, node_id: str) -> dict:
     return values
 
 
+def _die_with_server() -> None:
+    """In a worker before it starts (Linux): killed when the server's thread that started it ends (the server
+    stopped or died), instead of waiting in a collective for a rank 0 that is gone."""
+    import ctypes
+    import signal
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -260,7 +270,9 @@ class Workers:
                 env["CUDA_VISIBLE_DEVICES"] = physical[index] if physical else str(index)
             with open(self._log(rank), "wb") as log:
                 self.processes.append(subprocess.Popen(command, cwd=os.getcwd(), env=env, stdout=log,
-                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                       preexec_fn=_die_with_server if sys.platform == "linux"
+                                                       else None))
             logging.info("LeanLoRA: %s started, log %s", self.describe(rank), self._log(rank))
 
     def _dead(self) -> str | None:
@@ -346,6 +358,35 @@ class Workers:
             return
         if self.failure is None and problem is None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cancel_between_steps():
+    """While a data-parallel run trains in this server: ComfyUI's Cancel does not surface inside rank 0's training
+    thread. ComfyUI's ops raise on Cancel in whichever thread checks first (comfy/ops.py), and its sampler asks too:
+    rank 0 would leave its step, or its samples, while the other ranks wait in the step's collective. The node
+    thread still sees the Cancel (wait_for) and turns it into job.cancel(): the stop every rank agrees before the
+    next step (trainer/distributed.py). Restored when the run ends."""
+    import comfy.model_management as management
+    throw, interrupted = management.throw_exception_if_processing_interrupted, management.processing_interrupted
+
+    def in_training() -> bool:
+        return threading.current_thread().name == TRAINING_THREAD
+
+    def throw_outside_training():
+        if not in_training():
+            throw()
+
+    def interrupted_outside_training():
+        return False if in_training() else interrupted()
+
+    management.throw_exception_if_processing_interrupted = throw_outside_training
+    management.processing_interrupted = interrupted_outside_training
+    try:
+        yield
+    finally:
+        management.throw_exception_if_processing_interrupted = throw
+        management.processing_interrupted = interrupted
 
 
 def _abort_collectives() -> None:

@@ -92,7 +92,7 @@ def test_the_card_leads_memory_settings_and_decides_auto_fit_unless_manual(label
     assert order[1:] == ["mixed_precision", "gradient_checkpointing", "batch_size", "gradient_accumulation",
                          "optimizer", "base_weights", "auto_fit", "latent_cache", "attention", "checkpoint_depth",
                          "checkpoint_share", "fast_path", "activation_offload", "compile", "lora_weights", "allocator",
-                         "stream_share", "ram", "selective_recompute", "prefetch_streamed"]
+                         "stream_share", "ram", "selective_recompute", "prefetch_streamed", "gpus"]
     run = lambda **given: node_settings.LeanLoRAMemorySettings().execute(**given)[0]  # noqa: E731
     assert run(card=labels.CARD_AUTO, auto_fit="off").auto_fit == s.AUTO_FIT_FREE_VRAM
     assert run(card="8 GiB", auto_fit="free VRAM").auto_fit == s.AutoFit(card_gib=8)

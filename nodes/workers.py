@@ -160,6 +160,13 @@ def _forwarded_arguments(cpu: bool) -> list[str]:
         if arg.startswith("--cuda-device="):
             continue
         args.append(arg)
+    try:  # a wrapper's own flags in sys.argv (a launcher script running main.py) are no ComfyUI argument
+        import comfy.cli_args
+        _, unknown = comfy.cli_args.parser.parse_known_args(args)
+        for token in unknown:
+            args.remove(token)
+    except (ImportError, AttributeError, SystemExit):
+        pass
     if cpu and "--cpu" not in args:
         args.append("--cpu")
     return args

@@ -193,3 +193,13 @@ def test_a_model_the_workers_cannot_load_is_refused_before_any_work(monkeypatch)
         workers._worker_config(graph, "5")
     values = workers._worker_config(prompt("plain", "all 2 GPUs", PER_RANK), "5")
     assert values["checkpoint"] == CHECKPOINT and values["gpus"] == "this GPU" and values["batch_size"] == PER_RANK
+
+
+def test_a_worker_gets_the_servers_comfyui_arguments_without_its_gpu_or_a_wrappers_flags(monkeypatch):
+    import comfy.cli_args  # noqa: F401  (ComfyUI's parser, which the server's arguments passed)
+    workers = node_module("workers")
+    monkeypatch.setattr("sys.argv", ["launcher.py", "--card-gib", "8", "--listen", "127.0.0.1", "--cuda-device", "1",
+                                     "--base-directory", "/srv/comfy", "--fp16-unet", "--cuda-device=2"])
+    assert workers._forwarded_arguments(cpu=False) == ["--listen", "127.0.0.1", "--base-directory", "/srv/comfy",
+                                                       "--fp16-unet"]
+    assert workers._forwarded_arguments(cpu=True)[-1] == "--cpu"

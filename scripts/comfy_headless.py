@@ -71,12 +71,13 @@ class PromptRejected(RuntimeError):
 
 class ComfyServer:
     def __init__(self, base_dir: Path, port: int | None = None, extra_args=(), require_pack: bool = True,
-                 memory_limit: int | None = None, extra_packs: tuple[Path, ...] = ()):
+                 memory_limit: int | None = None, extra_packs: tuple[Path, ...] = (), cpu: bool = True):
         """require_pack: fail start() when ComfyUI could not import this pack (it only logs that and goes on).
         memory_limit: address-space limit in bytes for the server process (fault tests feed absurd sizes: on a
         shared machine an unguarded allocation must fail with MemoryError, not take the machine's RAM).
         extra_packs: more custom-node folders to load beside the pack (tests/tiny_dit_configs: the tiny DiT
-        models' widths, see there)."""
+        models' widths, see there). cpu=False: ComfyUI on its GPUs (bench/node_gpus.py on a GPU machine)."""
+        self.cpu = cpu
         self.extra_packs = tuple(Path(p).resolve() for p in extra_packs)
         self.base_dir = Path(base_dir).resolve()
         self.require_pack = require_pack
@@ -119,7 +120,8 @@ class ComfyServer:
     def start(self, timeout: float = 600) -> None:  # ~15 s idle; minutes on a loaded 2-core machine
         self.prepare_base_dir()
         self.port = self.port or free_port()
-        cmd = [venv_python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [venv_python(), "main.py", *(["--cpu"] if self.cpu else []), "--listen", "127.0.0.1",
+               "--port", str(self.port),
                "--base-directory", str(self.base_dir),
                # one flag for every name: a second --whitelist-custom-nodes would replace the first list
                "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_NAME, *(p.name for p in self.extra_packs),

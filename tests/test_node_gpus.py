@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 import tiny_assets as tiny_assets_lib
+# the prompt bench/node_gpus.py queues on GPUs; as tests/test_distributed.py: 3 images, 1 per rank, accumulation 2
+# (an uneven last batch: rank 1 trains none)
+from bench.node_gpus import CHECKPOINT, DATASET, IMAGES, PER_RANK, STEPS, training_prompt as prompt
 from comfy_headless import ComfyServer, execution_error
 from helpers import node_module
 from test_distributed import _assert_close_loras
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_WORKERS_ENV = "LEANLORA_CPU_WORKERS"
-CHECKPOINT, DATASET = "leanlora_tiny_sd15.safetensors", "gpus_dataset"
-# as tests/test_distributed.py: 3 images, 1 per rank, accumulation 2 (an uneven last batch: rank 1 trains none)
-IMAGES, PER_RANK, ACCUMULATION, STEPS = 3, 1, 2, 4
 WORKER = re.compile(r"worker rank 1 \(CPU process 1, pid (\d+)\) started")
 
 
@@ -41,25 +41,6 @@ def server(tmp_path_factory):
         del os.environ[CPU_WORKERS_ENV]
     yield started
     started.stop()
-
-
-def prompt(name: str, gpus: str, batch_size: int, steps: int = STEPS, samples: bool = False) -> dict:
-    return {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": CHECKPOINT}},
-        "2": {"class_type": "LeanLoRADataset", "inputs": {"folder": DATASET, "resolution": 64, "repeats": 1,
-                                                           "trigger_word": "lnlr", "framing": "center crop (square)"}},
-        "3": {"class_type": "LeanLoRAMemorySettings", "inputs": {
-            "card": "manual", "mixed_precision": "no", "gradient_checkpointing": False, "batch_size": batch_size,
-            "gradient_accumulation": ACCUMULATION, "latent_cache": "RAM", "gpus": gpus}},
-        "4": {"class_type": "LeanLoRALoraConfig", "inputs": {"rank": 4, "alpha": 4.0, "dropout": 0.0,
-                                                             "targets": "attention"}},
-        "5": {"class_type": "LeanLoRATrain", "inputs": {
-            "steps": steps, "learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": min(2, steps - 1),
-            "seed": 0, "output_name": name, "model": ["1", 0], "clip": ["1", 1], "vae": ["1", 2], "dataset": ["2", 0],
-            "memory": ["3", 0], "lora_config": ["4", 0],
-            **({"sample_prompts": "lnlr, a red circle", "sample_every_n_steps": 2, "sample_size": 64,
-                "sample_steps": 2} if samples else {})}},
-    }
 
 
 def _worker_pid(server, after: int) -> int:

@@ -303,6 +303,8 @@ class Workers:
                 self.end(at_once=True)
                 raise TrainingCancelled("cancelled while the worker processes loaded the model; nothing was trained")
             time.sleep(WATCH_EVERY_S)
+        if not self.cpu:  # NCCL's watchdog on an error: abort the communicators, never end the ComfyUI server (its
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # default tears the process down)
         return self.launcher_env(0)
 
     def failed(self, error: BaseException, wait_s: float = 5.0) -> str | None:

@@ -224,7 +224,6 @@ class Workers:
         self.port = _free_port()
         self.processes: list[subprocess.Popen] = []
         self.failure: str | None = None  # why a worker failed the run (with its log's tail)
-        self._watching = threading.Event()
 
     @classmethod
     def for_run(cls, gpus: str, prompt: dict | None, node_id: str | None) -> Workers | None:
@@ -334,7 +333,6 @@ class Workers:
                     job.cancel()
                     _abort_collectives()
                     return
-        self._watching.set()
         threading.Thread(target=run, name="leanlora-workers", daemon=True).start()
 
     def end(self, at_once: bool = False) -> None:

@@ -22,8 +22,9 @@ from . import cast_weights
 from .families import family_for
 from .families.common import empty_latent
 from .text_encoder import ComfyTextEncoderLora, caption_tokens, text_encoder_support
-from .trainer_api import (GIB, Attention, BaseWeights, CheckpointDepth, FamilyIdentity, LeanLoRAError, LoraSettings,
-                          LoraTargets, available_ram_bytes, cast_frozen_weights, move_to_host, unpin_in_place)
+from .trainer_api import (GIB, HOST_STORAGES, Attention, BaseWeights, CheckpointDepth, FamilyIdentity, LeanLoRAError,
+                          LoraSettings, LoraTargets, available_ram_bytes, cast_frozen_weights, move_to_host,
+                          unpin_in_place)
 
 
 def _get_param(module: torch.nn.Module, dotted: str) -> torch.Tensor | None:
@@ -210,6 +211,8 @@ class ComfyAdapter:
                                                               key).to(weight.dtype)
         unet.requires_grad_(False)
         self.family.prepare(unet)
+        # ComfyUI's storages the copy shares: a weight placed from one goes back to it when parked, not to a copy
+        setattr(unet, HOST_STORAGES, frozenset(self.shared_host_storages()))
         return unet
 
     def lora_targets(self, unet: torch.nn.Module, targets: LoraTargets) -> tuple[str, ...]:

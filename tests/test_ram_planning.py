@@ -88,6 +88,59 @@ def test_streamed_fp8_copies_of_a_comfyui_model_are_the_host_bytes_streaming_kee
     assert streamed == estimate.streamed
 
 
+def test_weights_a_rung_parks_go_back_to_comfyuis_own_pages_not_to_host_copies(tiny_flux):
+    """An fp8 file (FLUX.1's tiny model loaded as fp8_e4m3fn) streamed at 40% and placed; then a rung that streams
+    80% parks every placed weight (park_frozen_on_cpu) and places the rest again, and the run's end takes the placed
+    ones home (move_to_host). Each time the weights that were ComfyUI's go back to ComfyUI's own storages, same
+    values: the copy's own host bytes stay what they were after the first placement (before: every parked weight
+    became a copy, and the layers streamed from the second rung on stayed copies: Qwen-Image at 8 GiB ~2 GiB), and
+    the streamed layers hold what the estimate counts for an fp8 file's, nothing. A weight whose device data
+    changed after placement (here cast) comes back as a copy of what it holds now."""
+    import tiny_dit_assets
+    from bridge.comfy_adapter import ComfyAdapter
+    from trainer.step.frozen_weights import move_to_host, park_frozen_on_cpu, place_on_device
+    adapter = ComfyAdapter(*tiny_dit_assets.load_family(tiny_flux, "flux_dev", {"dtype": torch.float8_e4m3fn}))
+    unet = adapter.training_unet()
+    comfy = adapter.shared_host_storages()
+    frozen = [t for t in [*unet.parameters(), *unet.buffers()] if not t.requires_grad]
+    with SimulatedCard(gib=1.0, context_gib=0.0).installed() as card:
+        def own_host_bytes(tensors) -> int:  # host storages of the copy that are not ComfyUI's, each once
+            own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                   if not card.holds(t) and t.untyped_storage().data_ptr() not in comfy}
+            return sum(own.values())
+
+        def streamed(module) -> list[torch.Tensor]:
+            return [t for layer in module.modules() if getattr(layer, "leanlora_streamed", False)
+                    for t in (layer.weight, getattr(layer, "bias", None)) if t is not None]
+        adapter.set_compute_dtype(unet, torch.bfloat16)
+        adapter.store_weights_fp8(unet)
+        adapter.stream_weights_from_cpu(unet, 0.4)
+        place_on_device(unet, torch.device("cpu"))
+        placed = [t for t in frozen if card.holds(t)]
+        values = [t.detach().clone() for t in placed]
+        own_placed = own_host_bytes(frozen)
+        assert placed and own_host_bytes(streamed(unet)) == 0
+
+        park_frozen_on_cpu(unet)
+        assert own_host_bytes(frozen) == own_placed, "parking made host copies of ComfyUI's weights"
+        assert all(torch.equal(t, v) for t, v in zip(placed, values))
+        memory = MemorySettings("bf16", True, base_weights=BaseWeights.FP8_STREAMED, stream_share=0.8)
+        adapter.stream_weights_from_cpu(unet, memory.stream_share)
+        place_on_device(unet, torch.device("cpu"))
+        more = streamed(unet)
+        assert len(more) > len([t for t in placed if not card.holds(t)])
+        assert own_host_bytes(more) == HostRamPlan(adapter, unet, [], RamLimit()).estimate(memory).streamed == 0
+
+        still = [t for t in frozen if card.holds(t)]
+        changed = still[0]
+        changed.data = card.place(changed.data.to(torch.bfloat16))  # a cast on the device after placement
+        move_to_host(unet)
+        assert not any(card.holds(t) for t in frozen)
+        assert own_host_bytes(frozen) == own_placed + changed.numel() * changed.element_size()
+        assert changed.dtype == torch.bfloat16 and changed.untyped_storage().data_ptr() not in comfy
+    assert all(torch.equal(t, v) for t, v in zip(placed, values) if t is not changed)
+
+
 def _plan(ram: RamLimit) -> HostRamPlan:
     adapter = BallastAdapter(0)
     return HostRamPlan(adapter, adapter.training_unet(), [], ram)

@@ -151,6 +151,30 @@ def device_bound(module: torch.nn.Module):
                 yield tensor
 
 
+# On the training copy: addresses of the host storages the host application keeps alive, which the copy shares
+# (ComfyUI's model: bridge/comfy_adapter._host_aliases). A frozen tensor placed from one of them remembers it under
+# HOST_ORIGIN, (the placed copy's address, the host tensor), and goes back to it when parked (park_frozen_on_cpu,
+# move_to_host) instead of to a new host copy: every rung that streamed more used to leave the newly streamed layers
+# of an fp8 file as copies beside ComfyUI's pages (Qwen-Image at 8 GiB, 75% -> 86% streamed: ~2 GiB), and every
+# park held a second host copy of all placed weights meanwhile.
+HOST_STORAGES = "leanlora_host_storages"
+HOST_ORIGIN = "leanlora_host_origin"
+
+
+def _back_on_host(tensor: torch.Tensor, memory) -> torch.Tensor:
+    """`tensor`'s values in host RAM: the host tensor its placement copied, where the host application keeps that
+    and the device data is still the placed copy (same address, dtype, shape and strides), else a new copy."""
+    kept = getattr(tensor, HOST_ORIGIN, None)
+    if kept is not None:
+        delattr(tensor, HOST_ORIGIN)
+        placed_at, origin = kept
+        data = tensor.data
+        if data.untyped_storage().data_ptr() == placed_at and data.dtype == origin.dtype \
+                and data.shape == origin.shape and data.stride() == origin.stride():
+            return origin
+    return memory.to_host(tensor.data)
+
+
 def park_frozen_on_cpu(module: torch.nn.Module) -> None:
     """Moves the frozen tensors on the GPU to the CPU and gives their memory back, before a rung converts or
     streams them; place_on_device then puts what stays back side by side. Converted in place on the GPU, each fp8
@@ -163,7 +187,7 @@ def park_frozen_on_cpu(module: torch.nn.Module) -> None:
     if not frozen:
         return
     for tensor in frozen:
-        tensor.data = memory.to_host(tensor.data)
+        tensor.data = _back_on_host(tensor, memory)
     gc.collect()
     memory.empty_cache()
 
@@ -175,9 +199,18 @@ def place_on_device(module: torch.nn.Module, device: torch.device) -> None:
     holes kept ~0.1 GiB reserved, enough to break a 3 GiB cap)."""
     tensors = sorted(device_bound(module), key=lambda t: not t.requires_grad)  # stable: module order otherwise
     memory = device_memory(device)
+    kept_by_host = getattr(module, HOST_STORAGES, frozenset())
     for tensor in tensors:
+        data = tensor.data
         # the card's own move (a simulated card copies and counts); what is there already stays as it is
-        tensor.data = memory.place(tensor.data) if memory is not None else tensor.data.to(device)
+        placed = memory.place(data) if memory is not None else data.to(device)
+        if placed is data:
+            continue
+        if hasattr(tensor, HOST_ORIGIN):
+            delattr(tensor, HOST_ORIGIN)  # only the latest placement's source holds the placed values
+        if not tensor.requires_grad and data.device.type == "cpu" and data.untyped_storage().data_ptr() in kept_by_host:
+            setattr(tensor, HOST_ORIGIN, (placed.untyped_storage().data_ptr(), data))
+        tensor.data = placed
 
 
 def move_to_host(module: torch.nn.Module) -> None:
@@ -189,4 +222,4 @@ def move_to_host(module: torch.nn.Module) -> None:
         return
     for tensor in tensors:
         if memory.holds(tensor):
-            tensor.data = memory.to_host(tensor.data)
+            tensor.data = _back_on_host(tensor, memory)

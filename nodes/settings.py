@@ -103,6 +103,16 @@ class LeanLoRAMemorySettings:
                    "> Show Advanced); manual takes them as given. A step that still runs out of memory takes the next "
                    "saver and is repeated.")
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, gpus=THIS_GPU):
+        # a workflow shared from a machine of several GPUs keeps its choice: refused in our words (what this machine
+        # has, what to set) when queued, instead of ComfyUI's "Value not in list"
+        try:
+            chosen_devices(gpus)
+        except LeanLoRAError as error:
+            return str(error)
+        return True
+
     def execute(self, **settings):
         # input names are MemorySettings' fields (and card); omitted optionals default
         chosen_devices(settings.get("gpus", THIS_GPU))  # an index this machine lacks is refused here

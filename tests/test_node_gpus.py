@@ -18,7 +18,7 @@ import tiny_assets as tiny_assets_lib
 # the prompt bench/node_gpus.py queues on GPUs; as tests/test_distributed.py: 3 images, 1 per rank, accumulation 2
 # (an uneven last batch: rank 1 trains none)
 from bench.node_gpus import CHECKPOINT, DATASET, IMAGES, PER_RANK, STEPS, training_prompt as prompt
-from comfy_headless import ComfyServer, execution_error
+from comfy_headless import ComfyServer, PromptRejected, execution_error
 from helpers import node_module
 from test_distributed import _assert_close_loras
 
@@ -87,6 +87,16 @@ def test_all_gpus_trains_the_lora_of_one_process_with_the_doubled_batch(server):
 
 
 @pytest.mark.comfy
+def test_a_workflow_saved_on_a_bigger_machine_is_refused_in_the_nodes_words(server):
+    """gpus 'all 4 GPUs' queued on this machine of 2: the Memory Settings node's own message (what this machine has,
+    what to choose) when queued, not ComfyUI's bare "Value not in list", and nothing runs."""
+    with pytest.raises(PromptRejected) as refused:
+        server.queue(prompt("four", "all 4 GPUs", PER_RANK))
+    assert "gpus: 'all 4 GPUs', but this machine has 2 GPUs" in str(refused.value)
+    assert "choose 'all 2 GPUs'" in str(refused.value) and "Value not in list" not in str(refused.value)
+
+
+@pytest.mark.comfy
 def test_cancel_stops_both_processes_and_keeps_a_partial_lora(server):
     start = len(server.log_text())
     prompt_id = server.queue(prompt("cancelled", "all 2 GPUs", PER_RANK, steps=5000))
@@ -139,6 +149,10 @@ def test_one_device_offers_this_gpu_alone_and_old_workflows_run(monkeypatch):
     with pytest.raises(Exception, match=r"gpus: 'all 2 GPUs', but this machine has 0 device\(s\) to train on "
                                         r"\(no CUDA GPU ComfyUI trains on\); set gpus to 'this GPU'"):
         settings.LeanLoRAMemorySettings().execute(gpus="all 2 GPUs")
+    # a workflow saved on a machine of several GPUs: queued here, the node's words (ComfyUI skips its list check)
+    assert settings.LeanLoRAMemorySettings.VALIDATE_INPUTS(gpus="this GPU") is True
+    assert settings.LeanLoRAMemorySettings.VALIDATE_INPUTS(gpus="all 4 GPUs").startswith(
+        "gpus: 'all 4 GPUs', but this machine has 0 device(s) to train on")
 
 
 def test_the_choices_and_their_refusals_on_three_devices(monkeypatch):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .trainer_api import (FP8, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, BaseWeights, dequantize, device_memory,
-                          fetch_streamed, mix_into, pin_in_place)
+from .trainer_api import (FP8, FP8_CONVERSION_CHUNK, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, BaseWeights, dequantize,
+                          device_memory, fetch_streamed, mix_into, pin_in_place)
 
 
 class _Rescale:
@@ -246,6 +246,23 @@ def _adopt_file_fp8(layer: torch.nn.Module) -> None:
     _give_fp8_forward(layer, scale)
 
 
+def _to_fp8(weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """`(weight.float() / scale).to(FP8)`, FP8_CONVERSION_CHUNK elements at a time: the same numbers (each element
+    upcast, divided, rounded once), with one fp32 temporary of a chunk instead of two of the whole weight (the host
+    RAM a bf16 file's conversion takes beside the fp8 copies; trainer/memory/host_ram.py counts it). A weight not
+    contiguous (a channels-last conv) converts whole, keeping its layout."""
+    if not weight.is_contiguous():
+        return (weight.float() / scale).to(FP8)
+    converted = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    flat, out = weight.reshape(-1), converted.view(-1)
+    for start in range(0, flat.numel(), FP8_CONVERSION_CHUNK):
+        # a copy even of fp32 weights (.float() would return the weight itself: divided in place, ComfyUI's own)
+        piece = flat[start:start + FP8_CONVERSION_CHUNK].to(torch.float32, copy=True)
+        out[start:start + FP8_CONVERSION_CHUNK].copy_(piece.div_(scale))
+        del piece  # before the next chunk's is made
+    return converted
+
+
 def store_weights_fp8(module: torch.nn.Module) -> int:
     """Converts every frozen matmul/conv weight of a castable layer to fp8 in place. Returns bytes saved.
 
@@ -257,9 +274,10 @@ def store_weights_fp8(module: torch.nn.Module) -> int:
         if weight.dtype == FP8:
             _adopt_file_fp8(layer)
             continue
-        scale = max(weight.detach().abs().max().item(), 1e-12) / FP8_MAX
+        low, high = torch.aminmax(weight.detach())  # the largest magnitude without an abs() copy of the weight
+        scale = max(-low.item(), high.item(), 1e-12) / FP8_MAX
         saved += weight.numel() * (weight.element_size() - 1)
-        layer.weight = torch.nn.Parameter((weight.data.float() / scale).to(FP8), requires_grad=False)
+        layer.weight = torch.nn.Parameter(_to_fp8(weight.data, scale), requires_grad=False)
         if _fp8_computed(layer):
             _give_fp8_forward(layer, scale)
             saved -= 4

@@ -141,6 +141,69 @@ def test_weights_a_rung_parks_go_back_to_comfyuis_own_pages_not_to_host_copies(t
     assert all(torch.equal(t, v) for t, v in zip(placed, values) if t is not changed)
 
 
+def _comfy_linear(rows: int, columns: int, dtype: torch.dtype) -> torch.nn.Module:
+    import comfy.ops
+    torch.manual_seed(0)
+    layer = comfy.ops.disable_weight_init.Linear(columns, rows, bias=False, dtype=dtype)
+    layer.weight.data.normal_(0, 0.02)
+    return torch.nn.Sequential(layer).requires_grad_(False)
+
+
+def test_fp8_conversion_converts_chunk_by_chunk_to_the_whole_weights_numbers():
+    """store_weights_fp8 converts FP8_CONVERSION_CHUNK elements at a time: the fp8 values (bit for bit) and the scale
+    are those of the whole weight's `(w.float() / (absmax / 448)).to(fp8)`, for bf16 and fp32 weights over several
+    chunks, and an fp32 weight (whose .float() is itself) is left as it was."""
+    from bridge.cast_weights import store_weights_fp8
+    from trainer.step.frozen_weights import FP8_CONVERSION_CHUNK, FP8_SCALE_VALUE
+    for dtype in (torch.bfloat16, torch.float32):
+        module = _comfy_linear(2 * FP8_CONVERSION_CHUNK // 2049 + 7, 2049, dtype)  # two chunks and a part
+        layer = module[0]
+        original = layer.weight.detach().clone()
+        scale = original.abs().max().item() / torch.finfo(torch.float8_e4m3fn).max
+        whole = (original.float() / scale).to(torch.float8_e4m3fn)
+        before = layer.weight
+        store_weights_fp8(module)
+        assert layer.weight.numel() > 2 * FP8_CONVERSION_CHUNK
+        assert getattr(layer, FP8_SCALE_VALUE) == float(torch.tensor(scale, dtype=torch.float32))  # its fp32 buffer's
+        assert torch.equal(layer.weight.view(torch.uint8), whole.view(torch.uint8)), dtype
+        assert torch.equal(before, original), dtype
+
+
+def _peak_rss_reset() -> bool:
+    """Resets this process's peak resident set (VmHWM) to its resident set now (Linux 4.0+)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def test_the_fp8_conversion_of_a_large_layer_takes_the_host_ram_the_estimate_counts():
+    """A bf16 8192x8192 layer (64M elements, FLUX.1's largest has 66M) converted to fp8: the process's peak resident
+    set rises by the fp8 copy and one chunk's fp32 temporary (what host_ram's estimate counts for the conversion),
+    within 16 MiB for the allocator, where converting it whole held two fp32 temporaries of it (512 MiB)."""
+    from bridge.cast_weights import store_weights_fp8
+    from trainer.memory.host_ram import FP8_CONVERSION_TEMPORARY
+    from trainer.step.frozen_weights import FP8_CONVERSION_CHUNK
+    module = _comfy_linear(8192, 8192, torch.bfloat16)
+    gc.collect()
+    if not _peak_rss_reset():
+        pytest.skip("this system cannot reset the peak resident set (/proc/self/clear_refs)")
+    start = _status_bytes("VmRSS")
+    store_weights_fp8(module)
+    risen = _status_bytes("VmHWM") - start
+    elements = module[0].weight.numel()
+    counted = elements + FP8_CONVERSION_TEMPORARY * min(elements, FP8_CONVERSION_CHUNK)
+    assert risen <= counted + 16 * MIB, f"peak rose {risen / MIB:.0f} MiB, counted {counted / MIB:.0f} MiB"
+    assert counted < 2 * 4 * elements // 4
+
+
 def _plan(ram: RamLimit) -> HostRamPlan:
     adapter = BallastAdapter(0)
     return HostRamPlan(adapter, adapter.training_unet(), [], ram)

@@ -5,8 +5,8 @@ What a run adds to host RAM beside the host application's own copy of the model 
 wherever it can: bridge/comfy_adapter._host_aliases):
 - the training copy's own tensors: those it could not share (tensor subclasses, tensors the host kept elsewhere);
 - conversions made on the host before the weights are placed: frozen tensors cast to the compute dtype, fp8 copies
-  of weights that were not cast (a cast copy is replaced by its fp8 copy), and the fp32 temporaries of the largest
-  layer's fp8 conversion;
+  of weights that were not cast (a cast copy is replaced by its fp8 copy), and the fp32 temporary of the fp8
+  conversion (a chunk of the largest layer);
 - fp8 weights streamed from CPU that are copies (a bf16 file's weights converted to fp8); an fp8 file's streamed
   weights are the host's own pages, page-locked in place, and cost nothing;
 - activation offload's pinned buffers: the activations one forward pass offloads, twice with CUDA graphs (the eager
@@ -33,7 +33,7 @@ import torch
 
 from ..errors import LeanLoRAError
 from ..settings import BaseWeights, MemorySettings, RamLimit
-from ..step.frozen_weights import FP8_SCALE
+from ..step.frozen_weights import FP8_CONVERSION_CHUNK, FP8_SCALE
 from ..step.precision import DTYPES
 from ..device.card import GIB, is_gpu
 from .ladder import next_rung
@@ -43,8 +43,9 @@ from ..device.vram import available_ram_bytes
 # PyTorch's pinned-memory pool, and the captured graph copies into preallocated buffers of its own
 # (activation_offload.GraphBuffers).
 OFFLOAD_COPIES_WITH_GRAPHS = 2
-# cast_weights.store_weights_fp8 converts a weight through two fp32 temporaries (the upcast and the scaled values)
-FP8_CONVERSION_TEMPORARIES = 2 * 4
+# cast_weights.store_weights_fp8 converts a weight FP8_CONVERSION_CHUNK elements at a time through one fp32
+# temporary (bytes per element)
+FP8_CONVERSION_TEMPORARY = 4
 
 
 @dataclass
@@ -154,7 +155,7 @@ def estimate_plan(copy: CopyOnHost, memory: MemorySettings, device: torch.device
     fp8_copies = 0
     if memory.base_weights.fp8:
         fp8_copies = int(copy.fp8_layers(dtype, 1.0) * copy.converted_share * copy.uncast_share.get(dtype, 0.0)) \
-            + FP8_CONVERSION_TEMPORARIES * copy.largest_weight
+            + FP8_CONVERSION_TEMPORARY * min(copy.largest_weight, FP8_CONVERSION_CHUNK)
     streamed = 0
     if memory.base_weights.streamed and gpu:
         streamed = int(copy.fp8_layers(dtype, memory.stream_share) * copy.converted_share)

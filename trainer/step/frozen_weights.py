@@ -20,6 +20,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_SCALE = "leanlora_fp8_scale"  # the per-layer scale's buffer: fp32 whatever the compute dtype
 FP8_SCALE_VALUE = "leanlora_fp8_scale_value"  # the same scale as a Python float (the eager upcast's multiplier)
+# Elements of a weight converted to fp8 at a time (bridge/cast_weights.store_weights_fp8): its fp32 temporary is at
+# most 16 MiB. Whole, FLUX.1's largest layer (66M elements) held two fp32 temporaries of 0.25 GiB each.
+FP8_CONVERSION_CHUNK = 1 << 22
 
 
 def _dequantize_eager(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,

@@ -11,10 +11,12 @@ briefly held ~0.3 GiB of fp32 copies. fp8 Linear/Conv2d layers of the training c
 forward: one cast to the autocast dtype, the scale applied in place."""
 from __future__ import annotations
 
+import mmap
+
 import torch
 
-from .trainer_api import (FP8, FP8_CONVERSION_CHUNK, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, BaseWeights, dequantize,
-                          device_memory, fetch_streamed, mix_into, pin_in_place)
+from .trainer_api import (FP8, FP8_CONVERSION_CHUNK, FP8_MAX, FP8_SCALE, FP8_SCALE_VALUE, PIN_IN_PLACE_MIN, BaseWeights,
+                          dequantize, device_memory, fetch_streamed, mix_into, pin_in_place)
 
 
 class _Rescale:
@@ -246,6 +248,20 @@ def _adopt_file_fp8(layer: torch.nn.Module) -> None:
     _give_fp8_forward(layer, scale)
 
 
+def _fp8_tensor(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """An empty fp8 tensor. In host RAM from PIN_IN_PLACE_MIN bytes on, on pages of its own (an anonymous mapping):
+    malloc puts tensors up to 32 MiB side by side in its heap once a process has freed one of that size (ComfyUI
+    has), two of them then share a page, and the driver refuses to page-lock a range whose page another registered
+    tensor holds (device.card.pin_in_place), so streaming pinned a copy instead, in PyTorch's pinned cache, rounded up
+    to a power of two (FLUX.1's 9 MiB layers: 16 MiB). On pages of its own it is page-locked where it lies, and
+    once placed on the GPU its host memory goes back to the system at once instead of staying in malloc's heap."""
+    numel = shape.numel()
+    if device.type != "cpu" or numel < PIN_IN_PLACE_MIN:
+        return torch.empty(shape, dtype=FP8, device=device)
+    pages = mmap.mmap(-1, numel)  # unmapped when the tensor's storage, which holds the mapping, is freed
+    return torch.frombuffer(pages, dtype=torch.uint8, count=numel).view(FP8).view(shape)
+
+
 def _to_fp8(weight: torch.Tensor, scale: float) -> torch.Tensor:
     """`(weight.float() / scale).to(FP8)`, FP8_CONVERSION_CHUNK elements at a time: the same numbers (each element
     upcast, divided, rounded once), with one fp32 temporary of a chunk instead of two of the whole weight (the host
@@ -253,7 +269,7 @@ def _to_fp8(weight: torch.Tensor, scale: float) -> torch.Tensor:
     contiguous (a channels-last conv) converts whole, keeping its layout."""
     if not weight.is_contiguous():
         return (weight.float() / scale).to(FP8)
-    converted = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    converted = _fp8_tensor(weight.shape, weight.device)
     flat, out = weight.reshape(-1), converted.view(-1)
     for start in range(0, flat.numel(), FP8_CONVERSION_CHUNK):
         # a copy even of fp32 weights (.float() would return the weight itself: divided in place, ComfyUI's own)

@@ -13,7 +13,7 @@ ROOT = f"{__package__.rpartition('.')[0]}.trainer".lstrip(".")
 NAMES = {  # trainer module -> the names bridge/ imports from it
     "cache": ("CONTROL_KEY",),
     "dataset": ("PAIRS_LAYOUT", "load_image"),
-    "device.card": ("device_memory", "pin_in_place", "unpin_in_place"),
+    "device.card": ("PIN_IN_PLACE_MIN", "device_memory", "pin_in_place", "unpin_in_place"),
     "device.vram": ("GIB", "available_ram_bytes"),
     "errors": ("LeanLoRAError",),
     "files": ("new_folder", "write_atomic"),

@@ -204,6 +204,47 @@ def test_the_fp8_conversion_of_a_large_layer_takes_the_host_ram_the_estimate_cou
     assert counted < 2 * 4 * elements // 4
 
 
+def test_fp8_copies_lie_on_pages_of_their_own_so_streaming_page_locks_them_in_place():
+    """A bf16 file's weights converted to fp8 in a training thread of a process that has freed a 30 MiB tensor
+    (glibc then puts tensors up to 32 MiB side by side in its heaps): every fp8 copy of PIN_IN_PLACE_MIN bytes or more
+    starts on a page and shares no page with another, so pin_in_place can register each where it lies (the driver
+    refuses a range whose page another registered tensor holds; a pinned copy, rounded up to a power of two, was made
+    instead). Plain torch.empty tensors of the same sizes do share pages there (the premise, checked too). Placed on
+    the GPU, a copy's host memory goes back to the system at once: freeing them lowers the resident set by their
+    bytes."""
+    import threading
+    from bridge.cast_weights import store_weights_fp8
+    from trainer.device.card import PIN_IN_PLACE_MIN
+    page = 4096
+    sizes = [(3072, 3072), (1536, 3072), (3072, 3072), (9216, 3072 // 2), (512, 1024)]  # 9, 4.5, 9, 13.5, 0.5 MiB
+
+    def shared_pages(tensors) -> int:
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in tensors)
+        return sum(1 for (_, end), (start, _) in zip(spans, spans[1:]) if (end - 1) // page >= start // page)
+    found = {}
+
+    def convert():
+        freed = torch.empty(30 * MIB, dtype=torch.uint8)
+        del freed  # raises glibc's mmap threshold: tensors up to 30 MiB now come from its heaps
+        found["plain"] = shared_pages([torch.empty(r * c, dtype=torch.uint8) for r, c in sizes])
+        module = torch.nn.Sequential(*(_comfy_linear(r, c, torch.bfloat16)[0] for r, c in sizes)).requires_grad_(False)
+        store_weights_fp8(module)
+        found["module"] = module
+    worker = threading.Thread(target=convert)
+    worker.start()
+    worker.join()
+    weights = [layer.weight for layer in found.pop("module")]
+    large = [w for w in weights if w.numel() >= PIN_IN_PLACE_MIN]
+    assert found["plain"] > 0, "premise: plain tensors of these sizes share pages after a 30 MiB free"
+    assert len(large) == 4 and all(w.dtype == torch.float8_e4m3fn and w.data_ptr() % page == 0 for w in large)
+    assert shared_pages(large) == 0
+    held = sum(w.numel() for w in large)
+    before = _status_bytes("VmRSS")
+    del weights, large
+    gc.collect()
+    assert before - _status_bytes("VmRSS") >= 0.9 * held
+
+
 def _plan(ram: RamLimit) -> HostRamPlan:
     adapter = BallastAdapter(0)
     return HostRamPlan(adapter, adapter.training_unet(), [], ram)

@@ -98,3 +98,71 @@ def test_streaming_pins_comfyuis_pages_where_they_lie_and_gives_them_back():
         released = unpin_in_place()
     assert released >= weight.numel() * 4 and not _PINNED_IN_PLACE
     assert not weight.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking host memory needs CUDA")
+def test_fp8_copies_of_a_bf16_file_are_page_locked_where_they_lie():
+    """Converted in a training thread of a process whose malloc puts mid-size tensors side by side (after a 30 MiB
+    free), each fp8 copy of 1 MiB or more is on pages of its own (cast_weights._fp8_tensor), so pin_in_place
+    registers it where it lies instead of pinning a copy rounded up to a power of two."""
+    import threading
+
+    import comfy.ops
+    from bridge.cast_weights import store_weights_fp8
+    from trainer.device.card import _PINNED_IN_PLACE, pin_in_place, unpin_in_place
+    found = {}
+
+    def convert():
+        freed = torch.empty(30 * 2 ** 20, dtype=torch.uint8)
+        del freed
+        layers = [comfy.ops.disable_weight_init.Linear(3072, rows, bias=False, dtype=torch.bfloat16)
+                  for rows in (3072, 1536, 3072, 4608)]  # 9, 4.5, 9, 13.5 MiB in fp8
+        module = torch.nn.Sequential(*layers).requires_grad_(False)
+        for layer in layers:
+            layer.weight.data.normal_(0, 0.02)
+        store_weights_fp8(module)
+        found["weights"] = [layer.weight.data for layer in layers]
+    worker = threading.Thread(target=convert)
+    worker.start()
+    worker.join()
+    try:
+        for weight in found["weights"]:
+            pinned = pin_in_place(weight)
+            assert pinned.data_ptr() == weight.data_ptr() and pinned.is_pinned(), "a pinned copy was made"
+            with torch.cuda.stream(torch.cuda.Stream()):
+                on_device = pinned.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(on_device.cpu().view(torch.uint8), weight.view(torch.uint8))
+    finally:
+        unpin_in_place()
+    assert not _PINNED_IN_PLACE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_the_capture_reuses_the_eager_warm_ups_pinned_offload_buffers():
+    """Activation offload under CUDA graphs: the buffers the capture takes (ActivationOffload.capturing, entered after
+    a synchronize and before the capture, as micro_steps does) are the warm-up's cached pinned blocks, so PyTorch's
+    pinned pool holds one set, not two (host_ram counts OFFLOAD_COPIES_WITH_GRAPHS = 2: an upper bound); each block is
+    the buffer rounded up to a power of two (3 MiB saved tensors take 4 MiB)."""
+    from trainer.step.activation_offload import ActivationOffload
+    torch.cuda.synchronize()
+    torch._C._host_emptyCache()
+
+    def stats() -> int:  # pinned blocks PyTorch's pool owns, active and cached, at their rounded sizes
+        return torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    start = stats()
+    offload = ActivationOffload()
+    x = torch.randn(768, 1024, device="cuda", requires_grad=True)  # 3 MiB
+    with offload.saving(record=True):
+        h = x
+        for _ in range(3):
+            h = h.sin()  # saves its input: x and two 3 MiB activations
+    h.sum().backward()
+    offload.finish()
+    torch.cuda.synchronize()
+    saved = len(offload.recorded)
+    warmed = stats() - start
+    assert saved == 3 and warmed == saved * 4 * 2 ** 20, f"{warmed} bytes pinned for {saved} saved tensors of 3 MiB"
+    with offload.capturing() as buffers:
+        assert len(buffers) == saved
+        assert stats() - start == warmed, "the capture's buffers are new pinned blocks beside the warm-up's"

@@ -7,10 +7,12 @@ wherever it can: bridge/comfy_adapter._host_aliases):
 - conversions made on the host before the weights are placed: frozen tensors cast to the compute dtype, fp8 copies
   of weights that were not cast (a cast copy is replaced by its fp8 copy), and the fp32 temporary of the fp8
   conversion (a chunk of the largest layer);
-- fp8 weights streamed from CPU that are copies (a bf16 file's weights converted to fp8); an fp8 file's streamed
-  weights are the host's own pages, page-locked in place, and cost nothing;
-- activation offload's pinned buffers: the activations one forward pass offloads, twice with CUDA graphs (the eager
-  warm-up's buffers stay in the pinned pool beside the captured graph's own);
+- fp8 weights streamed from CPU that are copies (a bf16 file's weights converted to fp8, each on pages of its own so
+  it is page-locked where it lies); an fp8 file's streamed weights are the host's own pages, page-locked in place,
+  and cost nothing (a rung that parks placed weights points them back there: frozen_weights.HOST_ORIGIN);
+- activation offload's pinned buffers: the activations one forward pass offloads, counted twice with CUDA graphs, an
+  upper bound: PyTorch's pinned pool rounds each buffer up to a power of two, and the capture's buffers reuse the
+  warm-up's cached blocks (tests/test_host_ram.py checks both on a GPU);
 - the latent cache: every cached latent and text embedding;
 - on a device with no memory of its own (a CPU run): everything training holds, weights, LoRA, gradients and
   optimizer state.
@@ -39,9 +41,9 @@ from ..device.card import GIB, is_gpu
 from .ladder import next_rung
 from ..device.vram import available_ram_bytes
 
-# Offloaded activations are held twice under CUDA graphs: the eager warm-up step's pinned buffers stay cached in
-# PyTorch's pinned-memory pool, and the captured graph copies into preallocated buffers of its own
-# (activation_offload.GraphBuffers).
+# Offloaded activations under CUDA graphs, an upper bound: the captured graph copies into buffers of its own
+# (ActivationOffload.capturing), taken from PyTorch's pinned pool after a synchronize, so they are the eager
+# warm-up's cached blocks again; each block is its buffer rounded up to a power of two (less than twice it).
 OFFLOAD_COPIES_WITH_GRAPHS = 2
 # cast_weights.store_weights_fp8 converts a weight FP8_CONVERSION_CHUNK elements at a time through one fp32
 # temporary (bytes per element)

@@ -271,11 +271,14 @@ def _to_fp8(weight: torch.Tensor, scale: float) -> torch.Tensor:
         return (weight.float() / scale).to(FP8)
     converted = _fp8_tensor(weight.shape, weight.device)
     flat, out = weight.reshape(-1), converted.view(-1)
+    # one buffer for every chunk (a new one each time could miss the freed one's place in malloc's heap), and a copy
+    # even of an fp32 weight (.float() would return the weight itself: divided in place, ComfyUI's own)
+    buffer = torch.empty(min(flat.numel(), FP8_CONVERSION_CHUNK), dtype=torch.float32, device=weight.device)
     for start in range(0, flat.numel(), FP8_CONVERSION_CHUNK):
-        # a copy even of fp32 weights (.float() would return the weight itself: divided in place, ComfyUI's own)
-        piece = flat[start:start + FP8_CONVERSION_CHUNK].to(torch.float32, copy=True)
-        out[start:start + FP8_CONVERSION_CHUNK].copy_(piece.div_(scale))
-        del piece  # before the next chunk's is made
+        source = flat[start:start + FP8_CONVERSION_CHUNK]
+        piece = buffer[:source.numel()]
+        piece.copy_(source)
+        out[start:start + source.numel()].copy_(piece.div_(scale))
     return converted
 
 

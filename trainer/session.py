@@ -224,10 +224,10 @@ class TrainingSession:
         if self.micro_step is not None:
             self.notes += [n for n in self.micro_step.notes if n not in self.notes]
         had_graphs = bool(getattr(self.micro_step, "graphs", None))
+        pool_size = getattr(self.micro_step, "pool_size", None)  # what a capture measured outlives the rebuild
         flattened = getattr(self.optimizer, "leanlora_flat", None) is not None
         self.micro_step = self.step = None
         gc.collect()
-        pool_size = getattr(self.micro_step, "pool_size", None)  # what a capture measured outlives the rebuild
         if device.type == "cuda" and (had_graphs or flattened):
             # Freed memory that cannot serve the next allocations goes back to the driver: a released graph pool
             # (else a recovery rung runs next to the old graph's memory) and the per-tensor LoRA storage a flat

@@ -66,21 +66,29 @@ def test_a_captures_pool_is_read_from_the_cards_counts_and_sizes_the_plan():
     assert (pool.captured, pool.captured_transient) == (48 * MIB, 40 * MIB)
 
 
-def test_before_a_capture_the_pool_is_modelled_from_the_probes_own_rounding_not_a_share():
-    """The simulated card rounds nothing (reserved == allocated): the probe measures a ratio of exactly 1, so the
-    modelled pool is the step's transient memory and the graph adds nothing, where the fallback adds a quarter
-    of it and GRAPH_OVERHEAD."""
+def test_before_a_capture_the_pool_is_modelled_from_the_probes_own_rounding_not_under_the_share():
+    """The simulated card rounds nothing (reserved == allocated): the probe measures a ratio of exactly 1. Until a
+    capture measured the pool, the model keeps at least the fallback's quarter of the transient (a pool planned
+    too small costs the run its graphs), without the fallback's GRAPH_OVERHEAD; a probe that rounds more than that
+    (1.4x) is taken as measured."""
     with SimulatedCard(8).installed():
         estimate = _probed_estimate()
     assert estimate.reserve_ratio == 1.0
+    transient = (estimate.activations or 0) + (estimate.workspace or 0)
     pool = GraphPoolSize()
     assert pool.source() == "fallback"
-    assert pool.extra_memory(estimate) == 0  # the estimate's measured rounding became the model
+    assert pool.extra_memory(estimate) == int((1 + GRAPH_ACTIVATION_SHARE) * transient) - transient
     assert pool.source() == "modelled" and pool.reserve_ratio == 1.0
-    assert pool.describe() == "CUDA graph pool: modelled from the probe, 1.00x the step's transient memory"
+    assert pool.describe() == ("CUDA graph pool: modelled from the probe, 1.25x the step's transient memory (its "
+                               "rounding 1.00x, at least 1.25x until a capture measures it)")
     # an estimate without a probe's ratio (the planner's hypothetical plans) keeps the model
     unprobed = MemoryEstimate(0, 0, 0, 0, activations=GIB, workspace=0)
-    assert pool.extra_memory(unprobed) == 0 and pool.source() == "modelled"
+    assert pool.extra_memory(unprobed) == GIB // 4 and pool.source() == "modelled"
+    rounding = MemoryEstimate(0, 0, 0, 0, activations=GIB, workspace=0, reserve_ratio=1.4)
+    assert pool.extra_memory(rounding) == int(1.4 * GIB) - GIB
+    # once a capture measured the pool, its ratio rules, below the share too
+    pool.record_capture(GIB + GIB // 20, transient=GIB, new_pool=True)
+    assert pool.extra_memory(unprobed) == GIB // 20
 
 
 def test_the_fallback_before_anything_measured_is_the_documented_share():
@@ -129,8 +137,8 @@ class _Session:
 
 
 def test_the_fits_budget_check_counts_the_measured_pool():
-    """The same probe, the same budget: the modelled pool (the card's ratio, 1) fits; a capture that measured a
-    pool twice the step's transient memory does not, and the fit's words say which pool it counted."""
+    """The same probe, the same budget: the modelled pool (the card's ratio 1, held at the share) fits; a capture
+    that measured a pool twice the step's transient memory does not, and the fit's words say which pool it counted."""
     memory = MemorySettings(auto_fit=AutoFit(card_gib=1))
     with SimulatedCard(1).installed() as card:
         transient = 64 * 64 * BYTES_PER_ELEMENT
@@ -143,7 +151,7 @@ def test_the_fits_budget_check_counts_the_measured_pool():
         measured_pool.record_capture(captured, transient, new_pool=True)
         session = _Session(memory, measured_pool)
         measured = fit.Probe(session, card_budget)
-    assert (modelled.extra, modelled.fits()) == (0, True)
+    assert (modelled.extra, modelled.fits()) == (int(GRAPH_ACTIVATION_SHARE * transient), True)
     assert (measured.extra, measured.fits()) == (transient, False)
     assert fit.graph_words(session, measured.extra) == "0.00 GiB for the CUDA graph (its pool measured)"
 

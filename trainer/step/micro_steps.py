@@ -60,7 +60,8 @@ class GraphPoolSize:
     - measured: the pool the latest capture took (`record_capture`: allocator-reserved bytes plus the driver's
       graph memory, before the capture and after its first launch) per byte of transient its warm-up measured;
     - modelled: the probe's own rounding (estimate.reserve_ratio: the full-size probe step's reserved growth per
-      allocated byte), which the pool's blocks follow: one step's allocations, freed blocks reused;
+      allocated byte), which the pool's blocks follow: one step's allocations, freed blocks reused; not under the
+      fallback's share until a capture measured it (modelled_ratio);
     - fallback, before any probe or capture: the transient, GRAPH_ACTIVATION_SHARE of it and GRAPH_OVERHEAD.
     What capture demands (graph_pool_fits) and what auto-fit plans for (extra_memory) are this one number, else a
     plan that fits finds at step 1 that its graph does not. The session keeps it across rebuilds of the step (a
@@ -88,8 +89,16 @@ class GraphPoolSize:
         if source == "measured":
             return transient * self.captured // self.captured_transient
         if source == "modelled":
-            return int(transient * self.reserve_ratio)
+            return int(transient * self.modelled_ratio())
         return int((1 + GRAPH_ACTIVATION_SHARE) * transient)
+
+    def modelled_ratio(self) -> float:
+        """The probe's rounding, but never under the fallback's share before a capture measured the pool: a pool
+        planned too small fails its capture, and a failed capture costs the whole run its graphs (eager steps,
+        several times slower; under cudaMallocAsync its memory too), where planning a quarter of the transient too
+        much costs a few hundredths more streamed. No GPU has yet compared the probe's ratio with a capture (the
+        CUDA test test_graph_pool's probe-vs-capture does); issue 32's 12 GiB card took four recoveries with 0.1."""
+        return max(self.reserve_ratio, 1 + GRAPH_ACTIVATION_SHARE)
 
     def extra_memory(self, estimate) -> int:
         """Reserved bytes a graphed run needs beyond `estimate` (eagerly probed): its pool, less the transient
@@ -107,8 +116,9 @@ class GraphPoolSize:
             return (f"CUDA graph pool: {self.captured / 2 ** 30:.2f} GiB measured at capture "
                     f"({self.captured / self.captured_transient:.2f}x the step's transient memory)")
         if self.source() == "modelled":
-            return (f"CUDA graph pool: modelled from the probe, {self.reserve_ratio:.2f}x the step's transient "
-                    "memory")
+            return (f"CUDA graph pool: modelled from the probe, {self.modelled_ratio():.2f}x the step's transient "
+                    f"memory (its rounding {self.reserve_ratio:.2f}x, at least {1 + GRAPH_ACTIVATION_SHARE:.2f}x until "
+                    "a capture measures it)")
         return (f"CUDA graph pool: fallback, {1 + GRAPH_ACTIVATION_SHARE:.2f}x the step's transient memory + "
                 f"{GRAPH_OVERHEAD / 2 ** 30:.2f} GiB (nothing measured it)")
 

@@ -118,6 +118,7 @@ NOT_SAVERS = {
     "attention": "the attention kernel ComfyUI runs (its own memory behaviour), not one of this pack's mechanisms",
     "allocator": "the CUDA caching allocator's setting, nothing to run on a CPU (tests/test_cuda_allocators.py)",
     "ram": "the host-RAM limit auto-fit plans within (memory/host_ram.py), not a saver of device memory",
+    "gpus": "which GPUs run the job (nodes/workers.py): each rank plans its own card (tests/test_node_gpus.py)",
 }
 
 

@@ -37,6 +37,7 @@ from ..errors import LeanLoRAError
 from ..settings import BaseWeights, MemorySettings, RamLimit
 from ..step.frozen_weights import FP8_CONVERSION_CHUNK, FP8_SCALE
 from ..step.precision import DTYPES
+from ..device.allocator import trim_host_memory
 from ..device.card import GIB, is_gpu
 from .ladder import next_rung
 from ..device.vram import available_ram_bytes
@@ -287,10 +288,13 @@ def resident_bytes() -> int | None:
 class ResidentPeak:
     """The process's peak resident set while a job runs, sampled every `every` seconds on a thread of its own (the
     kernel's own high-water mark, VmHWM, is the process's lifetime peak: a ComfyUI server's earlier jobs would
-    count). `start` is the resident set when it began; `peak` the largest seen. Samples can miss a spike shorter
-    than `every`; `sample()` adds one where the caller knows a peak is (after placing the weights)."""
+    count). `start` is the resident set when it began, read after glibc's free heap went back to the system: pages
+    an earlier job freed but the heap kept would otherwise serve this job's tensors without the resident set rising.
+    `peak` is the largest seen. Samples can miss a spike shorter than `every`; `sample()` adds one where the caller
+    knows a peak is (after placing the weights)."""
 
     def __init__(self, every: float = 0.05):
+        trim_host_memory()
         self.every, self.start, self.peak = every, resident_bytes(), resident_bytes()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

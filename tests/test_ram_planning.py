@@ -210,7 +210,7 @@ def test_fp8_copies_lie_on_pages_of_their_own_so_streaming_page_locks_them_in_pl
     (glibc then puts tensors up to 32 MiB side by side in its heaps): every fp8 copy of PIN_IN_PLACE_MIN bytes or more
     starts on a page and shares no page with another, so pin_in_place can register each where it lies (the driver
     refuses a range whose page another registered tensor holds; a pinned copy, rounded up to a power of two, was made
-    instead). Plain torch.empty tensors of the same sizes do share pages there (the premise, checked too). Placed on
+    instead). Plain torch.empty tensors of the same sizes share pages there in a fresh process. Placed on
     the GPU, a copy's host memory goes back to the system at once: freeing them lowers the resident set by their
     bytes."""
     import threading
@@ -236,9 +236,10 @@ def test_fp8_copies_lie_on_pages_of_their_own_so_streaming_page_locks_them_in_pl
     worker.join()
     weights = [layer.weight for layer in found.pop("module")]
     large = [w for w in weights if w.numel() >= PIN_IN_PLACE_MIN]
-    assert found["plain"] > 0, "premise: plain tensors of these sizes share pages after a 30 MiB free"
+    # the premise (plain tensors of these sizes share pages there) holds in a fresh process but depends on what the
+    # heap went through before (in the whole suite it sometimes does not): the fp8 copies must not share either way
     assert len(large) == 4 and all(w.dtype == torch.float8_e4m3fn and w.data_ptr() % page == 0 for w in large)
-    assert shared_pages(large) == 0
+    assert shared_pages(large) == 0, f"fp8 copies share pages (plain tensors of these sizes shared {found['plain']})"
     held = sum(w.numel() for w in large)
     before = _status_bytes("VmRSS")
     del weights, large

@@ -117,12 +117,21 @@ def check_equal_to_one_process(server, count: int) -> dict:
     return result
 
 
-def check_cancel(server, count: int) -> dict:
+def _long_run_at_step_1(server, name: str, count: int) -> tuple[str, int | None] | None:
+    """A 100000-step run on `count` processes, once it trained step 1: (prompt id, the worker's pid); None if it
+    never got there."""
     start = len(server.log_text())
-    prompt_id = server.queue(training_prompt("gpus_cancel", f"all {count} GPUs", PER_RANK, steps=100000))
+    prompt_id = server.queue(training_prompt(name, f"all {count} GPUs", PER_RANK, steps=100000))
     if not _when_in_log(server, "LeanLoRA step 1/100000", start):
+        return None
+    return prompt_id, worker_pid(server.log_text()[start:])
+
+
+def check_cancel(server, count: int) -> dict:
+    running = _long_run_at_step_1(server, "gpus_cancel", count)
+    if running is None:
         return {"check": "cancel", "ok": False, "error": "no step 1", "log": server.log_tail()}
-    pid = worker_pid(server.log_text()[start:])
+    prompt_id, pid = running
     server.interrupt()
     server.wait(prompt_id, timeout=900)
     partial = sorted((server.base_dir / "models" / "loras").glob("gpus_cancel_partial_step*.safetensors"))
@@ -132,11 +141,10 @@ def check_cancel(server, count: int) -> dict:
 
 
 def check_dead_worker(server, count: int) -> dict:
-    start = len(server.log_text())
-    prompt_id = server.queue(training_prompt("gpus_killed", f"all {count} GPUs", PER_RANK, steps=100000))
-    if not _when_in_log(server, "LeanLoRA step 1/100000", start):
+    running = _long_run_at_step_1(server, "gpus_killed", count)
+    if running is None:
         return {"check": "dead_worker", "ok": False, "error": "no step 1", "log": server.log_tail()}
-    pid = worker_pid(server.log_text()[start:])
+    prompt_id, pid = running
     began = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     entry = server.wait(prompt_id, timeout=900)

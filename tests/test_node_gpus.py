@@ -96,12 +96,17 @@ def test_a_workflow_saved_on_a_bigger_machine_is_refused_in_the_nodes_words(serv
     assert "choose 'all 2 GPUs'" in str(refused.value) and "Value not in list" not in str(refused.value)
 
 
+def _long_run_at_step_1(server, name: str) -> tuple[int, str, int]:
+    """A 5000-step run on both processes, once it trained step 1: (log offset, prompt id, the worker's pid)."""
+    start = len(server.log_text())
+    prompt_id = server.queue(prompt(name, "all 2 GPUs", PER_RANK, steps=5000))
+    _when_in_log(server, "LeanLoRA step 1/5000", start)
+    return start, prompt_id, _worker_pid(server, start)
+
+
 @pytest.mark.comfy
 def test_cancel_stops_both_processes_and_keeps_a_partial_lora(server):
-    start = len(server.log_text())
-    prompt_id = server.queue(prompt("cancelled", "all 2 GPUs", PER_RANK, steps=5000))
-    _when_in_log(server, "LeanLoRA step 1/5000", start)
-    pid = _worker_pid(server, start)
+    start, prompt_id, pid = _long_run_at_step_1(server, "cancelled")
     server.interrupt()
     entry = server.wait(prompt_id, timeout=600)
     log = server.log_text()[start:]
@@ -116,10 +121,7 @@ def test_cancel_stops_both_processes_and_keeps_a_partial_lora(server):
 
 @pytest.mark.comfy
 def test_a_dead_worker_fails_the_job_with_its_log_and_the_server_goes_on(server):
-    start = len(server.log_text())
-    prompt_id = server.queue(prompt("killed", "all 2 GPUs", PER_RANK, steps=5000))
-    _when_in_log(server, "LeanLoRA step 1/5000", start)
-    pid = _worker_pid(server, start)
+    _, prompt_id, pid = _long_run_at_step_1(server, "killed")
     os.kill(pid, signal.SIGKILL)
     entry = server.wait(prompt_id, timeout=600)
     assert entry["status"]["status_str"] == "error"
